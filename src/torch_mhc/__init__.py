@@ -1,0 +1,32 @@
+"""torch-mhc: Manifold-Constrained Hyper-Connections (mHC), HC and the plain residual."""
+
+from . import diagnostics
+from .connections import (
+    CONNECTION_KINDS,
+    HyperConnection,
+    ManifoldHyperConnection,
+    Residual,
+    expand_streams,
+    make_connection,
+    param_groups,
+    reduce_streams,
+)
+from .diagnostics import collect_gains
+from .sinkhorn import sinkhorn, sinkhorn_unrolled
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CONNECTION_KINDS",
+    "HyperConnection",
+    "ManifoldHyperConnection",
+    "Residual",
+    "collect_gains",
+    "diagnostics",
+    "expand_streams",
+    "make_connection",
+    "param_groups",
+    "reduce_streams",
+    "sinkhorn",
+    "sinkhorn_unrolled",
+]

@@ -1,0 +1,306 @@
+"""Residual, Hyper-Connection (HC) and Manifold-Constrained Hyper-Connection (mHC) wrappers.
+
+Every connection wraps a block F: [..., C] -> [..., C] and maps a streams tensor
+x: [..., n, C] to [..., n, C] (the plain residual has n = 1):
+
+    out[..., i, :] = sum_j H_res[i, j] x[..., j, :] + H_post[i] F(sum_j H_pre[j] x[..., j, :])
+
+    h = embed(tokens)                       # [B, T, C]
+    x = expand_streams(h, n)                # [B, T, n, C]
+    for conn in connections: x = conn(x)    # each wraps one attention or MLP block
+    h = reduce_streams(x)                   # [B, T, C]
+
+Initialisation. All three start as the Pre-Norm residual network built from the same blocks:
+`expand_streams` copies h into every stream, and each connection's initial maps keep equal
+streams equal while adding F(h) once: H_pre sums to 1, H_post is all ones, H_res has rows
+summing to 1. The dynamic parts start at zero (HC's W, mHC's phi), so the network computes
+exactly the residual network's function, and `reduce_streams` (the mean) returns it.
+Symmetry is broken by which stream each layer reads, so the streams separate as soon as
+training moves the maps:
+- HC (HC paper, Eq. 14): layer k reads stream k mod n (H_pre = e_k), H_post = 1, H_res = I,
+  and the scales s_alpha, s_beta start at 0.01.
+- mHC: H_pre = sigmoid(b_pre) = e_k / 2 + 1 / (2n) (half on stream k mod n, half spread),
+  H_post = 2 sigmoid(0) = 1, H_res = sinkhorn(b_res) = I / 2 + J / (2n) (the same split:
+  half kept, half averaged), and the gates alpha_pre, alpha_post, alpha_res start at 0.01 (the
+  paper's value). For n = 4 every initial weight (0.625, 0.125) is exact in binary, so fp32
+  rounding adds no bias. For n = 1, H_pre cannot reach 1 through a sigmoid: it starts at 0.99.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from . import diagnostics as _diag
+from .ops import reference as _ref
+
+__all__ = [
+    "Residual",
+    "HyperConnection",
+    "ManifoldHyperConnection",
+    "expand_streams",
+    "reduce_streams",
+    "make_connection",
+    "param_groups",
+    "CONNECTION_KINDS",
+]
+
+CONNECTION_KINDS = ("residual", "hc", "mhc")
+
+
+def expand_streams(h: torch.Tensor, n: int) -> torch.Tensor:
+    """[..., C] -> [..., n, C]: every stream starts as a copy of h (a broadcast view)."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"expand_streams expects n >= 1 streams, got {n!r}")
+    if h.dim() < 1:
+        raise ValueError("expand_streams expects a tensor [..., C], got a scalar")
+    return h.unsqueeze(-2).expand(*h.shape[:-1], n, h.shape[-1])
+
+
+def reduce_streams(x: torch.Tensor) -> torch.Tensor:
+    """[..., n, C] -> [..., C]: the mean of the streams.
+
+    The HC paper sums the streams; the mean differs by the factor n, which the final norm of
+    a Pre-Norm network removes, and it makes an initialised network equal to the residual one.
+    """
+    if x.dim() < 2:
+        raise ValueError(f"reduce_streams expects a streams tensor [..., n, C], got {tuple(x.shape)}")
+    return x.mean(dim=-2)
+
+
+class _Connection(nn.Module):
+    """Shared checks and the branch call; subclasses define `maps`."""
+
+    kind = ""
+
+    def __init__(self, dim: int, streams: int, branch: Callable, check_finite: bool = False):
+        super().__init__()
+        if not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"{type(self).__name__} expects dim >= 1, got {dim!r}")
+        if not isinstance(streams, int) or streams < 1:
+            raise ValueError(f"{type(self).__name__} expects streams >= 1, got {streams!r}")
+        if not callable(branch):
+            raise TypeError(f"{type(self).__name__} expects a callable branch, got {branch!r}")
+        self.dim, self.streams, self.branch = dim, streams, branch
+        self.check_finite = check_finite
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{type(self).__name__} expects a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(
+                f"{type(self).__name__} expects a floating-point streams tensor, got {x.dtype}"
+            )
+        if x.dim() < 2 or x.shape[-2] != self.streams or x.shape[-1] != self.dim:
+            raise ValueError(
+                f"{type(self).__name__} expects a streams tensor of shape "
+                f"[..., {self.streams}, {self.dim}] (n={self.streams}, C={self.dim}), "
+                f"got {tuple(x.shape)}"
+            )
+
+    def _check_maps(self, *maps: torch.Tensor) -> None:
+        for name, m in zip(("H_pre", "H_post", "H_res"), maps, strict=True):
+            if not torch.isfinite(m).all():
+                raise FloatingPointError(
+                    f"{type(self).__name__}(layer {getattr(self, 'layer_index', '?')}): "
+                    f"{name} contains NaN or Inf"
+                )
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        self._check_input(x)
+        h_pre, h_post, h_res = self.maps(x)
+        if self.check_finite:
+            self._check_maps(h_pre, h_post, h_res)
+        if _diag.ACTIVE is not None:
+            _diag.ACTIVE.record(self, h_res)
+        f = self.branch(_ref.pre_aggregate(x, h_pre), *args, **kwargs)
+        return _ref.post_merge(x, f, h_post, h_res)
+
+    def no_weight_decay(self) -> set[str]:
+        """Names (relative to this module) of the static maps and gates."""
+        return set()
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, streams={self.streams}"
+
+
+class Residual(_Connection):
+    """The plain residual x + F(x) on a single stream: x [..., 1, C]."""
+
+    kind = "residual"
+
+    def __init__(self, dim: int, branch: Callable, layer_index: int = 0, **_ignored):
+        super().__init__(dim, 1, branch)
+        self.layer_index = layer_index
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        self._check_input(x)
+        return x + self.branch(x.squeeze(-2), *args, **kwargs).unsqueeze(-2)
+
+
+class HyperConnection(_Connection):
+    """Hyper-Connections (Zhu et al., arXiv 2409.19606), static or dynamic.
+
+    Parameters in this library's convention (see ops.reference.hc_maps): static_pre = A_m,
+    static_post = B, static_res = A_r^T; w = [W_beta | W_m | W_r] of shape [C, 2 + n].
+    """
+
+    kind = "hc"
+
+    def __init__(
+        self,
+        dim: int,
+        streams: int,
+        layer_index: int,
+        branch: Callable,
+        dynamic: bool = True,
+        norm_eps: float = 1e-6,
+        check_finite: bool = False,
+    ):
+        super().__init__(dim, streams, branch, check_finite)
+        n = streams
+        self.layer_index, self.dynamic, self.norm_eps = layer_index, dynamic, norm_eps
+        self.static_pre = nn.Parameter(torch.zeros(n))
+        self.static_post = nn.Parameter(torch.ones(n))
+        self.static_res = nn.Parameter(torch.eye(n))
+        with torch.no_grad():
+            self.static_pre[layer_index % n] = 1.0  # Eq. 14: layer k reads stream k mod n
+        if dynamic:
+            self.w = nn.Parameter(torch.zeros(dim, 2 + n))
+            self.s_alpha = nn.Parameter(torch.tensor(0.01))
+            self.s_beta = nn.Parameter(torch.tensor(0.01))
+        else:
+            self.register_parameter("w", None)
+            self.register_buffer("s_alpha", torch.tensor(0.0))
+            self.register_buffer("s_beta", torch.tensor(0.0))
+
+    def maps(self, x: torch.Tensor):
+        return _ref.hc_maps(
+            x, self.w, self.s_alpha, self.s_beta,
+            self.static_pre, self.static_post, self.static_res, self.norm_eps,
+        )
+
+    def no_weight_decay(self) -> set[str]:
+        names = {"static_pre", "static_post", "static_res"}
+        return names | ({"s_alpha", "s_beta"} if self.dynamic else set())
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, layer_index={self.layer_index}, dynamic={self.dynamic}"
+
+
+class ManifoldHyperConnection(_Connection):
+    """Manifold-Constrained Hyper-Connections (Xie et al., arXiv 2512.24880), Eq. 7-9.
+
+    Parameters: phi [n*C, n*n + 2n] (the RMSNorm weight folded in), the gates
+    alpha = (alpha_pre, alpha_post, alpha_res), the static biases b_pre [n], b_post [n],
+    b_res [n, n]. `norm_eps`, `pre_eps` and `sinkhorn_eps` exist for DeepSeek-V4
+    compatibility (torch_mhc.interop); the paper's algorithm has pre_eps = sinkhorn_eps = 0.
+    """
+
+    kind = "mhc"
+
+    def __init__(
+        self,
+        dim: int,
+        streams: int,
+        layer_index: int,
+        branch: Callable,
+        sinkhorn_iters: int = 20,
+        gate_init: float = 0.01,
+        res_init_diag: float | None = None,
+        norm_eps: float = 1e-6,
+        pre_eps: float = 0.0,
+        sinkhorn_eps: float = 0.0,
+        check_finite: bool = False,
+    ):
+        super().__init__(dim, streams, branch, check_finite)
+        if not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 1:
+            raise ValueError(f"sinkhorn_iters must be >= 1, got {sinkhorn_iters!r}")
+        n = streams
+        if res_init_diag is None:
+            res_init_diag = 0.5 + 0.5 / n  # I / 2 + J / (2n)
+        if not 0.0 < res_init_diag < 1.0 and n > 1:
+            raise ValueError(f"res_init_diag must lie in (0, 1), got {res_init_diag!r}")
+        self.layer_index, self.sinkhorn_iters = layer_index, sinkhorn_iters
+        self.norm_eps, self.pre_eps, self.sinkhorn_eps = norm_eps, pre_eps, sinkhorn_eps
+        self.phi = nn.Parameter(torch.zeros(n * dim, n * n + 2 * n))
+        self.alpha = nn.Parameter(torch.full((3,), float(gate_init)))
+        self.b_pre = nn.Parameter(_pre_bias(n, layer_index))
+        self.b_post = nn.Parameter(torch.zeros(n))  # 2 sigmoid(0) = 1
+        self.b_res = nn.Parameter(_res_bias(n, res_init_diag))
+
+    def maps(self, x: torch.Tensor):
+        return _ref.mhc_maps(
+            x, self.phi, self.alpha, self.b_pre, self.b_post, self.b_res,
+            self.sinkhorn_iters, self.norm_eps, self.sinkhorn_eps, self.pre_eps,
+        )
+
+    def no_weight_decay(self) -> set[str]:
+        return {"alpha", "b_pre", "b_post", "b_res"}
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, layer_index={self.layer_index}, "
+            f"sinkhorn_iters={self.sinkhorn_iters}"
+        )
+
+
+def _pre_bias(n: int, layer_index: int) -> torch.Tensor:
+    """b_pre with sigmoid(b_pre) = e_{k mod n} / 2 + 1 / (2n), which sums to 1."""
+    p = torch.full((n,), 0.5 / n, dtype=torch.float64)
+    p[layer_index % n] += 0.5
+    return torch.logit(p.clamp(max=0.99)).float()
+
+
+def _res_bias(n: int, diag: float) -> torch.Tensor:
+    """b_res whose Sinkhorn projection is diag on the diagonal and equal elsewhere."""
+    if n == 1:
+        return torch.zeros(1, 1)
+    return torch.eye(n) * math.log(diag * (n - 1) / (1.0 - diag))
+
+
+def make_connection(
+    kind: str, dim: int, streams: int, layer_index: int, branch: Callable, **kwargs
+) -> nn.Module:
+    """Build a connection from a string: "residual" | "hc" | "mhc".
+
+    `streams` is ignored for "residual" (always one stream); kwargs go to the class.
+    """
+    if kind == "residual":
+        return Residual(dim, branch, layer_index=layer_index)
+    if kind == "hc":
+        return HyperConnection(dim, streams, layer_index, branch, **kwargs)
+    if kind == "mhc":
+        return ManifoldHyperConnection(dim, streams, layer_index, branch, **kwargs)
+    raise ValueError(f"unknown connection kind {kind!r}; expected one of {CONNECTION_KINDS}")
+
+
+def param_groups(
+    model: nn.Module, weight_decay: float = 0.1, extra_no_decay: Iterable[str] = ()
+) -> list[dict]:
+    """AdamW parameter groups: connection static maps and gates without weight decay.
+
+    Also exempt (the usual practice for transformers): every parameter with fewer than two
+    dimensions (biases, norm weights) and names listed in extra_no_decay.
+    """
+    no_decay_ids = set()
+    for module in model.modules():
+        if isinstance(module, _Connection):
+            for name in module.no_weight_decay():
+                no_decay_ids.add(id(getattr(module, name)))
+    extra = set(extra_no_decay)
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if id(p) in no_decay_ids or p.dim() < 2 or name in extra:
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
