@@ -67,7 +67,9 @@ def reduce_streams(x: torch.Tensor) -> torch.Tensor:
     a Pre-Norm network removes, and it makes an initialised network equal to the residual one.
     """
     if x.dim() < 2:
-        raise ValueError(f"reduce_streams expects a streams tensor [..., n, C], got {tuple(x.shape)}")
+        raise ValueError(
+            f"reduce_streams expects a streams tensor [..., n, C], got {tuple(x.shape)}"
+        )
     return x.mean(dim=-2)
 
 

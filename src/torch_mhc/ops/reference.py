@@ -3,7 +3,7 @@
 Conventions (DESIGN.md): streams x have shape [..., n, C]; per token a connection produces
 H_pre [..., n], H_post [..., n] and H_res [..., n, n], and the layer computes (paper Eq. 3)
 
-    out[..., i, :] = sum_j H_res[..., i, j] x[..., j, :] + H_post[..., i] F(sum_j H_pre[..., j] x[..., j, :])
+    out[..., i, :] = sum_j H_res[i, j] x[..., j, :] + H_post[i] F(sum_j H_pre[j] x[..., j, :])
 
 Maps are computed in float32 (float64 stays float64) whatever the streams' dtype; the
 aggregation and the merge run in the streams' dtype.
