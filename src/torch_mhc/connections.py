@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from . import diagnostics as _diag
-from .ops import reference as _ref
+from . import ops as _ops
 
 __all__ = [
     "Residual",
@@ -78,7 +78,14 @@ class _Connection(nn.Module):
 
     kind = ""
 
-    def __init__(self, dim: int, streams: int, branch: Callable, check_finite: bool = False):
+    def __init__(
+        self,
+        dim: int,
+        streams: int,
+        branch: Callable,
+        check_finite: bool = False,
+        impl: str = "auto",
+    ):
         super().__init__()
         if not isinstance(dim, int) or dim < 1:
             raise ValueError(f"{type(self).__name__} expects dim >= 1, got {dim!r}")
@@ -88,6 +95,8 @@ class _Connection(nn.Module):
             raise TypeError(f"{type(self).__name__} expects a callable branch, got {branch!r}")
         self.dim, self.streams, self.branch = dim, streams, branch
         self.check_finite = check_finite
+        # Op implementation (torch_mhc.ops): "auto" picks by device and dtype at each call.
+        self.impl = _ops.check_impl_name(impl)
 
     def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
@@ -113,13 +122,14 @@ class _Connection(nn.Module):
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         self._check_input(x)
+        ops = _ops.get_impl(self.impl, x.device, x.dtype)
         h_pre, h_post, h_res = self.maps(x)
         if self.check_finite:
             self._check_maps(h_pre, h_post, h_res)
         if _diag.ACTIVE is not None:
             _diag.ACTIVE.record(self, h_res)
-        f = self.branch(_ref.pre_aggregate(x, h_pre), *args, **kwargs)
-        return _ref.post_merge(x, f, h_post, h_res)
+        f = self.branch(ops.pre_aggregate(x, h_pre), *args, **kwargs)
+        return ops.post_merge(x, f, h_post, h_res)
 
     def no_weight_decay(self) -> set[str]:
         """Names (relative to this module) of the static maps and gates."""
@@ -161,8 +171,9 @@ class HyperConnection(_Connection):
         dynamic: bool = True,
         norm_eps: float = 1e-6,
         check_finite: bool = False,
+        impl: str = "auto",
     ):
-        super().__init__(dim, streams, branch, check_finite)
+        super().__init__(dim, streams, branch, check_finite, impl)
         n = streams
         self.layer_index, self.dynamic, self.norm_eps = layer_index, dynamic, norm_eps
         self.static_pre = nn.Parameter(torch.zeros(n))
@@ -180,7 +191,7 @@ class HyperConnection(_Connection):
             self.register_buffer("s_beta", torch.tensor(0.0))
 
     def maps(self, x: torch.Tensor):
-        return _ref.hc_maps(
+        return _ops.get_impl(self.impl, x.device, x.dtype).hc_maps(
             x, self.w, self.s_alpha, self.s_beta,
             self.static_pre, self.static_post, self.static_res, self.norm_eps,
         )
@@ -217,8 +228,9 @@ class ManifoldHyperConnection(_Connection):
         pre_eps: float = 0.0,
         sinkhorn_eps: float = 0.0,
         check_finite: bool = False,
+        impl: str = "auto",
     ):
-        super().__init__(dim, streams, branch, check_finite)
+        super().__init__(dim, streams, branch, check_finite, impl)
         if not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 1:
             raise ValueError(f"sinkhorn_iters must be >= 1, got {sinkhorn_iters!r}")
         n = streams
@@ -235,7 +247,7 @@ class ManifoldHyperConnection(_Connection):
         self.b_res = nn.Parameter(_res_bias(n, res_init_diag))
 
     def maps(self, x: torch.Tensor):
-        return _ref.mhc_maps(
+        return _ops.get_impl(self.impl, x.device, x.dtype).mhc_maps(
             x, self.phi, self.alpha, self.b_pre, self.b_post, self.b_res,
             self.sinkhorn_iters, self.norm_eps, self.sinkhorn_eps, self.pre_eps,
         )

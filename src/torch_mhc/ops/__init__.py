@@ -1,5 +1,137 @@
-"""Op implementations behind the connections: `reference` (plain torch, the test oracle)."""
+"""One op interface, several implementations, chosen by device and overridable.
+
+Every implementation provides the same five functions with the same contracts as
+`ops.reference` (the plain-torch oracle):
+
+    mhc_maps(x, phi, alpha, b_pre, b_post, b_res, sinkhorn_iters=20, norm_eps=1e-6,
+             sinkhorn_eps=0.0, pre_eps=0.0)    -> H_pre [..., n], H_post [..., n], H_res [..., n, n]
+    hc_maps(x, w, s_alpha, s_beta, static_pre, static_post, static_res, norm_eps=1e-6)
+                                              -> the same three maps, HC's definition
+    pre_aggregate(x, h_pre)                   -> [..., C]     sum_j H_pre[j] x[j]
+    post_merge(x, f, h_post, h_res)           -> [..., n, C]  H_res x + H_post^T f
+    sinkhorn(logits, iters=20, *, eps=0.0)    -> [..., n, n]
+
+Implementations:
+    "reference"  plain torch, autograd through every op: the definition and the test oracle
+    "cpu"        hand-written backward passes and CPU-friendly layouts (ops/cpu.py)
+    "triton"     Triton kernels as torch.library custom ops (ops/triton_ops.py); CUDA tensors,
+                 or CPU tensors under TRITON_INTERPRET=1 (for tests)
+
+Choosing: `get_impl(name, device, dtype)`. A name other than "auto" is used as given.
+"auto" resolves, first match wins, to: the name set by `set_default_impl`; the environment
+variable TORCH_MHC_IMPL; "triton" for CUDA tensors (fp32/fp16/bf16) when triton is
+importable; "cpu" for CPU tensors and for float64 anywhere; "reference" otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
 
 from . import reference
 
-__all__ = ["reference"]
+__all__ = [
+    "IMPLS",
+    "Ops",
+    "check_impl_name",
+    "get_impl",
+    "reference",
+    "resolve_impl_name",
+    "set_default_impl",
+]
+
+IMPLS = ("reference", "cpu", "triton")
+ENV_VAR = "TORCH_MHC_IMPL"
+
+# Module holding each implementation, imported on first use (triton only when asked for).
+_MODULES = {
+    "reference": "torch_mhc.ops.reference",
+    "cpu": "torch_mhc.ops.cpu",
+    "triton": "torch_mhc.ops.triton_ops",
+}
+
+
+@dataclass(frozen=True)
+class Ops:
+    """The five ops of one implementation (see the module docstring for the contracts)."""
+
+    name: str
+    mhc_maps: Callable
+    hc_maps: Callable
+    pre_aggregate: Callable
+    post_merge: Callable
+    sinkhorn: Callable
+
+
+_default: str | None = None  # set by set_default_impl
+_loaded: dict[str, Ops] = {}
+
+
+def check_impl_name(name: str) -> str:
+    """Return name if it is "auto" or an implementation; else raise a ValueError."""
+    if name == "auto" or name in IMPLS:
+        return name
+    raise ValueError(f"unknown op implementation {name!r}; expected one of {('auto', *IMPLS)}")
+
+
+def set_default_impl(name: str | None) -> None:
+    """Set what "auto" means everywhere (None or "auto" restores the device-based choice)."""
+    global _default
+    _default = None if name is None or check_impl_name(name) == "auto" else name
+
+
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_impl_name(
+    name: str = "auto",
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> str:
+    """The implementation name that `get_impl` would load (see the module docstring)."""
+    check_impl_name(name)
+    if name != "auto":
+        return name
+    if _default is not None:
+        return _default
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env:
+        try:
+            if check_impl_name(env) != "auto":
+                return env
+        except ValueError as err:
+            raise ValueError(f"environment variable {ENV_VAR}: {err}") from None
+    device_type = torch.device(device).type if device is not None else "cpu"
+    if dtype == torch.float64 or device_type == "cpu":
+        return "cpu"
+    if device_type == "cuda" and _triton_available():
+        return "triton"
+    return "reference"
+
+
+def get_impl(
+    name: str = "auto",
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> Ops:
+    """The ops of implementation `name`, or of the one "auto" picks for device and dtype."""
+    resolved = resolve_impl_name(name, device, dtype)
+    ops = _loaded.get(resolved)
+    if ops is None:
+        module = importlib.import_module(_MODULES[resolved])
+        ops = Ops(
+            name=resolved,
+            mhc_maps=module.mhc_maps,
+            hc_maps=module.hc_maps,
+            pre_aggregate=module.pre_aggregate,
+            post_merge=module.post_merge,
+            sinkhorn=module.sinkhorn,
+        )
+        _loaded[resolved] = ops
+    return ops

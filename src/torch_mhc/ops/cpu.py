@@ -1,0 +1,310 @@
+"""The `cpu` implementation: the reference maths as autograd Functions tuned for the CPU.
+
+Same results as `ops.reference` (to rounding), fewer passes over memory and less saved for
+backward. What made it fast on a 2-core x86 CPU (benchmarks/NOTES_ops.md has the numbers):
+
+- Map computation: one matmul gives the logits transposed, [M, T] with M = n*n + 2n, so the
+  per-token epilogue (gates, Sinkhorn) runs on rows of length T. Sinkhorn on [n, n, T]
+  ("token-last") normalises with reductions over the outer axes, about ten times faster in
+  torch than on [T, n, n], whose tiny innermost reductions take a slow path.
+- Backward is written by hand: the maps save only x, phi, the logits and the RMS (M + 1
+  numbers per token besides x); the merge saves x, f and the maps and returns dx and df from
+  one batched matmul; Sinkhorn recomputes its iterates from the n x n logits.
+- The merge forward is one bmm plus one in-place rank-1 update, no [T, n, C] temporaries.
+
+Dtypes follow the reference: maps are computed in float32 (float64 stays float64) and
+returned in float32; aggregation and merge run in the streams' dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference as _ref
+
+__all__ = ["mhc_maps", "hc_maps", "pre_aggregate", "post_merge", "sinkhorn"]
+
+hc_maps = _ref.hc_maps  # HC's maps are a few small ops; nothing to fuse on the CPU
+
+
+def _maps_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# Sinkhorn on token-last matrices m[i, j, t]
+# ---------------------------------------------------------------------------------------------
+
+
+def _sinkhorn_fwd_tl(h: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Paper Eq. 9 on h [n, n, T]: column softmax, then (rows, columns) alternately."""
+    m = torch.softmax(h, dim=0)  # the first column step
+    if eps:
+        m.add_(eps)
+    for k in range(iters):
+        if k:
+            m.div_(m.sum(dim=0, keepdim=True).add_(eps) if eps else m.sum(dim=0, keepdim=True))
+        m.div_(m.sum(dim=1, keepdim=True).add_(eps) if eps else m.sum(dim=1, keepdim=True))
+    return m
+
+
+def _sinkhorn_bwd_tl(h: torch.Tensor, g: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Exact reverse of the unrolled loop on token-last h, g [n, n, T]; recomputes iterates."""
+    p0 = torch.softmax(h, dim=0)
+    m = p0 + eps if eps else p0
+    steps = []  # (axis, output of the step, its denominator)
+    for k in range(iters):
+        for axis in ((0, 1) if k else (1,)):
+            d = m.sum(dim=axis, keepdim=True)
+            if eps:
+                d = d + eps
+            m = m / d
+            steps.append((axis, m, d))
+    # Each step is y = m / d with d the sum of m along `axis`: dL/dm = (g - sum(g * y)) / d.
+    for axis, y, d in reversed(steps):
+        g = (g - (g * y).sum(dim=axis, keepdim=True)) / d
+    return p0 * (g - (g * p0).sum(dim=0, keepdim=True))  # column softmax
+
+
+def _to_token_last(m: torch.Tensor) -> torch.Tensor:
+    """[T, n, n] -> contiguous [n, n, T]."""
+    return m.permute(1, 2, 0).contiguous()
+
+
+class _Sinkhorn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, iters, eps):
+        cdt = _maps_dtype(logits.dtype)
+        n = logits.shape[-1]
+        h = _to_token_last(logits.reshape(-1, n, n).to(cdt))  # [n, n, T]
+        ctx.save_for_backward(h)
+        ctx.iters, ctx.eps = iters, eps
+        out = _sinkhorn_fwd_tl(h.clone(), iters, eps).permute(2, 0, 1)  # [T, n, n]
+        return out.reshape(logits.shape).to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (h,) = ctx.saved_tensors
+        n = h.shape[0]
+        g = _to_token_last(grad.reshape(-1, n, n).to(h.dtype))
+        dh = _sinkhorn_bwd_tl(h, g, ctx.iters, ctx.eps).permute(2, 0, 1)
+        return dh.reshape(grad.shape).to(grad.dtype), None, None
+
+
+def sinkhorn(logits: torch.Tensor, iters: int = 20, *, eps: float = 0.0) -> torch.Tensor:
+    """Same as torch_mhc.sinkhorn(logits, iters, eps=eps), computed token-last."""
+    if logits.dim() < 2 or logits.shape[-1] != logits.shape[-2]:
+        raise ValueError(f"sinkhorn expects matrices [..., n, n], got {tuple(logits.shape)}")
+    if not isinstance(iters, int) or iters < 1:
+        raise ValueError(f"sinkhorn expects iters >= 1, got {iters!r}")
+    return _Sinkhorn.apply(logits, iters, float(eps))
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) mHC maps
+# ---------------------------------------------------------------------------------------------
+
+
+class _MhcMaps(torch.autograd.Function):
+    """Inputs x [T, n, C] (any float dtype) and the parameters; outputs in the maps dtype."""
+
+    @staticmethod
+    def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, iters, norm_eps, sk_eps, pre_eps):
+        t, n, c = x.shape
+        k = n * c
+        cdt = _maps_dtype(x.dtype)
+        v = x.reshape(t, k).to(cdt)  # [T, K], a view for fp32 streams
+        phi_c = phi.to(cdt)
+        # Logits transposed, [M, T]: the epilogue then works on contiguous rows of length T.
+        lt = torch.mm(phi_c.t(), v.t())  # [M, T] = (v @ phi)^T
+        r = torch.linalg.vector_norm(v, dim=-1).square_().div_(k).add_(norm_eps).sqrt_()  # [T]
+        lt.div_(r)  # divide after the matmul (section 4.3)
+        a_rows = _alpha_rows(alpha.to(cdt), n)  # [M, 1]: alpha_pre, alpha_post, alpha_res
+        b_rows = _bias_rows(b_pre, b_post, b_res, cdt)  # [M, 1]
+        ht = torch.addcmul(b_rows, lt, a_rows)  # [M, T] gate logits H~
+        h_pre = torch.sigmoid(ht[:n])  # [n, T]
+        if pre_eps:
+            h_pre.add_(pre_eps)
+        h_post = torch.sigmoid(ht[n : 2 * n]).mul_(2.0)  # [n, T]
+        h_res = _sinkhorn_fwd_tl(ht[2 * n :].reshape(n, n, t).clone(), iters, sk_eps)  # [n, n, T]
+        # Saved: the logits and the RMS, M + 1 numbers per token besides x and the parameters.
+        ctx.save_for_backward(x, phi, alpha, lt, r, ht, a_rows)
+        ctx.iters, ctx.sk_eps = iters, sk_eps
+        ctx.b_dtypes = (b_pre.dtype, b_post.dtype, b_res.dtype)
+        # Token-last results seen as [T, ...]; consumers that need contiguity copy (tiny).
+        return h_pre.t(), h_post.t(), h_res.permute(2, 0, 1)
+
+    @staticmethod
+    def backward(ctx, g_pre, g_post, g_res):
+        x, phi, alpha, lt, r, ht, a_rows = ctx.saved_tensors
+        b_dtypes = ctx.b_dtypes
+        t, n, c = x.shape
+        k = n * c
+        cdt = lt.dtype
+        d_ht = torch.zeros_like(ht)  # [M, T] dL/dH~
+        s = torch.sigmoid(ht[: 2 * n])  # [2n, T]: pre rows, then post rows
+        ds = s * (1.0 - s)
+        if g_pre is not None:
+            d_ht[:n] = g_pre.t() * ds[:n]
+        if g_post is not None:
+            d_ht[n : 2 * n] = g_post.t() * ds[n:] * 2.0
+        if g_res is not None:
+            g = _to_token_last(g_res.to(cdt))
+            h = ht[2 * n :].reshape(n, n, t)
+            d_ht[2 * n :] = _sinkhorn_bwd_tl(h, g, ctx.iters, ctx.sk_eps).reshape(n * n, t)
+        d_b = d_ht.sum(dim=1)  # [M]
+        d_a_rows = (d_ht * lt).sum(dim=1)  # [M]
+        d_alpha = torch.stack(
+            [d_a_rows[:n].sum(), d_a_rows[n : 2 * n].sum(), d_a_rows[2 * n :].sum()]
+        )
+        d_lt = d_ht.mul_(a_rows)  # [M, T] dL/dlogits
+        # logits = z / r with r = sqrt(mean(v^2) + eps): dL/dv = dz @ phi^T + coef * v.
+        coef = (d_lt * lt).sum(dim=0).div_(r.square()).div_(-k)  # [T]
+        d_zt = d_lt.div_(r)  # [M, T]
+        v = x.reshape(t, k).to(cdt)
+        phi_c = phi.to(cdt)
+        dv = torch.mm(d_zt.t(), phi_c.t())  # [T, K]
+        dv.addcmul_(v, coef.unsqueeze(-1))
+        d_phi = torch.mm(d_zt, v).t()  # [K, M]
+        return (
+            dv.reshape(t, n, c).to(x.dtype),
+            d_phi.to(phi.dtype),
+            d_alpha.to(alpha.dtype),
+            d_b[:n].to(b_dtypes[0]),
+            d_b[n : 2 * n].to(b_dtypes[1]),
+            d_b[2 * n :].reshape(n, n).to(b_dtypes[2]),
+            None, None, None, None,
+        )
+
+
+def _alpha_rows(alpha: torch.Tensor, n: int) -> torch.Tensor:
+    """[3] -> [M, 1]: alpha_pre on n rows, alpha_post on n rows, alpha_res on n*n rows."""
+    return torch.cat([alpha[0].expand(n), alpha[1].expand(n), alpha[2].expand(n * n)]).unsqueeze(-1)
+
+
+def _bias_rows(b_pre, b_post, b_res, dtype) -> torch.Tensor:
+    """The static biases as one column [M, 1] in the logits' row order."""
+    return torch.cat([b_pre.to(dtype), b_post.to(dtype), b_res.reshape(-1).to(dtype)]).unsqueeze(-1)
+
+
+def mhc_maps(
+    x: torch.Tensor,
+    phi: torch.Tensor,
+    alpha: torch.Tensor,
+    b_pre: torch.Tensor,
+    b_post: torch.Tensor,
+    b_res: torch.Tensor,
+    sinkhorn_iters: int = 20,
+    norm_eps: float = 1e-6,
+    sinkhorn_eps: float = 0.0,
+    pre_eps: float = 0.0,
+):
+    """Same contract as ops.reference.mhc_maps."""
+    lead, (n, c) = x.shape[:-2], x.shape[-2:]
+    h_pre, h_post, h_res = _MhcMaps.apply(
+        x.reshape(-1, n, c), phi, alpha, b_pre, b_post, b_res,
+        int(sinkhorn_iters), float(norm_eps), float(sinkhorn_eps), float(pre_eps),
+    )
+    return h_pre.reshape(*lead, n), h_post.reshape(*lead, n), h_res.reshape(*lead, n, n)
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) pre-aggregation and (c) post-and-merge
+# ---------------------------------------------------------------------------------------------
+
+
+class _PreAggregate(torch.autograd.Function):
+    """a = sum_j H_pre[j] x[j] on x [T, n, C], h [T, n] (h already in x's dtype)."""
+
+    @staticmethod
+    def forward(ctx, x, h):
+        h3 = h.unsqueeze(-2).contiguous()  # [T, 1, n]
+        ctx.save_for_backward(x, h3)
+        return torch.bmm(h3, x).squeeze(-2)  # [T, C]
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, h3 = ctx.saved_tensors
+        dx = dh = None
+        if ctx.needs_input_grad[0]:
+            dx = h3.transpose(-1, -2) * grad.unsqueeze(-2)  # [T, n, C], the outer product
+        if ctx.needs_input_grad[1]:
+            dh = _rowdot(x, grad)  # [T, n]
+        return dx, dh
+
+
+class _PostMerge(torch.autograd.Function):
+    """out = H_res x + H_post^T f on x [T, n, C], f [T, C], h_post [T, n], h_res [T, n, n]."""
+
+    @staticmethod
+    def forward(ctx, x, f, h_post, h_res):
+        n = x.shape[1]
+        hh = torch.cat([h_res, h_post.unsqueeze(-1)], dim=-1)  # [T, n, n + 1]: [H_res | H_post]
+        ctx.save_for_backward(x, f, hh)
+        out = torch.bmm(hh[..., :n], x)  # [T, n, C]
+        return out.addcmul_(hh[..., n:], f.unsqueeze(-2))  # + H_post f, in place
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, f, hh = ctx.saved_tensors
+        n = x.shape[1]
+        dx = df = dh_post = dh_res = None
+        # dx as its own contiguous tensor (not a slice of a [T, n + 1, C] product): autograd
+        # then sums the three gradients of x in place instead of copying.
+        if ctx.needs_input_grad[0]:
+            dx = torch.bmm(hh[..., :n].transpose(-1, -2), grad)  # [T, n, C] H_res^T g
+        if ctx.needs_input_grad[1]:
+            df = torch.bmm(hh[..., n:].transpose(-1, -2), grad).squeeze(-2)  # [T, C] H_post^T g
+        if ctx.needs_input_grad[2]:
+            dh_post = _rowdot(grad, f)  # [T, n]
+        if ctx.needs_input_grad[3]:
+            dh_res = torch.bmm(grad, x.transpose(-1, -2))  # [T, n, n]
+        return dx, df, dh_post, dh_res
+
+
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum_c a[t, i, c] b[t, c] for a [T, n, C], b [T, C] -> [T, n].
+
+    Written as [T, 1, C] @ [T, C, n], which measured three times faster than
+    [T, n, C] @ [T, C, 1] on the CPU (the batched matmul then has a long inner loop).
+    """
+    return torch.bmm(b.unsqueeze(-2), a.transpose(-1, -2)).squeeze(-2)
+
+
+def _check_streams(x: torch.Tensor, what: str) -> None:
+    if x.dim() < 2:
+        raise ValueError(f"{what} expects streams x [..., n, C], got shape {tuple(x.shape)}")
+
+
+def pre_aggregate(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
+    """sum_j H_pre[j] x[j]: [..., n, C], [..., n] -> [..., C] in x's dtype."""
+    _check_streams(x, "pre_aggregate")
+    lead, (n, c) = x.shape[:-2], x.shape[-2:]
+    if h_pre.shape != x.shape[:-1]:
+        raise ValueError(
+            f"pre_aggregate expects h_pre of shape {tuple(x.shape[:-1])}, got {tuple(h_pre.shape)}"
+        )
+    h = h_pre.to(x.dtype).reshape(-1, n)
+    return _PreAggregate.apply(x.reshape(-1, n, c), h).reshape(*lead, c)
+
+
+def post_merge(
+    x: torch.Tensor, f: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor
+) -> torch.Tensor:
+    """H_res x + H_post^T f: [..., n, C], [..., C], [..., n], [..., n, n] -> [..., n, C]."""
+    _check_streams(x, "post_merge")
+    lead, (n, c) = x.shape[:-2], x.shape[-2:]
+    expected = {"f": (*lead, c), "h_post": (*lead, n), "h_res": (*lead, n, n)}
+    for name, tensor in (("f", f), ("h_post", h_post), ("h_res", h_res)):
+        if tuple(tensor.shape) != expected[name]:
+            raise ValueError(
+                f"post_merge expects {name} of shape {expected[name]} for x of shape "
+                f"{tuple(x.shape)}, got {tuple(tensor.shape)}"
+            )
+    out = _PostMerge.apply(
+        x.reshape(-1, n, c),
+        f.to(x.dtype).reshape(-1, c),
+        h_post.to(x.dtype).reshape(-1, n),
+        h_res.to(x.dtype).reshape(-1, n, n),
+    )
+    return out.reshape(x.shape)

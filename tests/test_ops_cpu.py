@@ -1,0 +1,281 @@
+"""The `cpu` op implementation against `ops.reference`, and the implementation selection.
+
+Forward values and the gradients of every input and parameter, with random upstream
+gradients, on awkward shapes (C = 100, n = 3, 4, 8, odd token counts), in fp32 and bf16.
+"""
+
+import pytest
+import torch
+
+import torch_mhc.ops as ops
+from torch_mhc import HyperConnection, ManifoldHyperConnection, expand_streams, sinkhorn_unrolled
+from torch_mhc.ops import cpu, reference
+
+# Gradients of bf16 tensors are rounded to bf16 (8 bits): allow a few roundings of the
+# largest entry. fp32: both sides compute the same float32 maths in a different order.
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float64: 1e-12}
+
+
+def assert_close(actual, expected, tol):
+    """|actual - expected| <= tol * max|expected|, elementwise (scale-aware for bf16)."""
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    a, e = actual.double(), expected.double()
+    scale = e.abs().max().clamp_min(1e-30)
+    err = (a - e).abs().max() / scale
+    assert err <= tol, f"relative max error {err.item():.3g} > {tol}"
+
+
+def maps_inputs(tokens, n, c, dtype, seed=0):
+    """Streams x [*tokens, n, C] and mHC parameters with O(1) logits (all requiring grad)."""
+    g = torch.Generator().manual_seed(seed)
+    m = n * n + 2 * n
+    x = torch.randn(*tokens, n, c, generator=g).to(dtype)
+    phi = torch.randn(n * c, m, generator=g) / (n * c) ** 0.5
+    alpha = torch.tensor([0.8, 1.1, 1.5])
+    b_pre, b_post = torch.randn(n, generator=g) * 0.5, torch.randn(n, generator=g) * 0.5
+    b_res = torch.randn(n, n, generator=g) * 0.5
+    return [t.requires_grad_() for t in (x, phi, alpha, b_pre, b_post, b_res)]
+
+
+def run(fn, inputs, seed=1):
+    """Outputs of fn(*inputs) and grads of all inputs for random upstream gradients."""
+    outs = fn(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    g = torch.Generator().manual_seed(seed)
+    grads_out = [torch.randn(o.shape, generator=g).to(o.dtype) for o in outs]
+    grads_in = torch.autograd.grad(outs, inputs, grads_out)
+    return [o.detach() for o in outs], grads_in
+
+
+def clone_inputs(inputs):
+    return [t.detach().clone().requires_grad_() for t in inputs]
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) maps, (d) Sinkhorn
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "tokens, n, c",
+    [((7,), 4, 100), ((2, 5), 3, 100), ((63,), 8, 16), ((1,), 1, 8), ((5,), 2, 33)],
+)
+def test_mhc_maps_match_reference(tokens, n, c, dtype):
+    inputs = maps_inputs(tokens, n, c, dtype)
+    out_ref, grad_ref = run(reference.mhc_maps, inputs)
+    out_cpu, grad_cpu = run(cpu.mhc_maps, clone_inputs(inputs))
+    for a, e in zip(out_cpu, out_ref, strict=True):
+        assert a.dtype == e.dtype == torch.float32
+        assert_close(a, e, TOL[torch.float32])
+    for a, e, name in zip(grad_cpu, grad_ref, ("x", "phi", "alpha", "b_pre", "b_post", "b_res"),
+                          strict=True):
+        assert a.dtype == e.dtype, name
+        assert_close(a, e, TOL[dtype] if name == "x" else 1e-4)
+
+
+def test_mhc_maps_with_deepseek_epsilons_and_few_iterations():
+    inputs = maps_inputs((9,), 4, 24, torch.float32, seed=3)
+    kw = dict(sinkhorn_iters=3, norm_eps=1e-4, sinkhorn_eps=1e-2, pre_eps=1e-2)
+    out_ref, grad_ref = run(lambda *a: reference.mhc_maps(*a, **kw), inputs)
+    out_cpu, grad_cpu = run(lambda *a: cpu.mhc_maps(*a, **kw), clone_inputs(inputs))
+    for a, e in zip([*out_cpu, *grad_cpu], [*out_ref, *grad_ref], strict=True):
+        assert_close(a, e, 2e-5)
+
+
+def test_mhc_maps_when_only_some_maps_are_used():
+    inputs = maps_inputs((6,), 4, 20, torch.float32, seed=4)
+    g = torch.randn(6, 4, 4)
+    grads = []
+    for impl in (reference, cpu):
+        _, _, h_res = impl.mhc_maps(*inputs)
+        grads.append(torch.autograd.grad(h_res, inputs, g, materialize_grads=True))
+    for a, e in zip(*grads, strict=True):
+        assert_close(a, e, 2e-5)
+
+
+def test_mhc_maps_gradcheck_float64():
+    inputs = [t.detach().double().requires_grad_() for t in maps_inputs((3,), 3, 5, torch.float32)]
+    assert torch.autograd.gradcheck(
+        lambda *a: cpu.mhc_maps(*a, sinkhorn_iters=4, sinkhorn_eps=1e-3, pre_eps=1e-3), inputs
+    )
+
+
+@pytest.mark.parametrize("n, iters, eps", [(3, 20, 0.0), (4, 1, 0.0), (8, 7, 1e-2), (4, 20, 1e-3)])
+def test_sinkhorn_matches_unrolled_autograd(n, iters, eps):
+    g = torch.Generator().manual_seed(n)
+    logits = (torch.randn(2, 5, n, n, generator=g) * 2).requires_grad_()
+    upstream = torch.randn(2, 5, n, n, generator=g)
+    ref = sinkhorn_unrolled(logits, iters, eps=eps)
+    out = cpu.sinkhorn(logits, iters, eps=eps)
+    assert_close(out, ref, 1e-6)
+    (g_ref,) = torch.autograd.grad(ref, logits, upstream)
+    (g_cpu,) = torch.autograd.grad(out, logits, upstream)
+    assert_close(g_cpu, g_ref, 1e-5)
+
+
+def test_sinkhorn_bf16_computes_in_fp32():
+    logits = torch.randn(7, 4, 4).bfloat16()
+    out = cpu.sinkhorn(logits, 20)
+    assert out.dtype == torch.bfloat16
+    assert_close(out, sinkhorn_unrolled(logits.float(), 20).bfloat16(), 0.0)
+
+
+def test_sinkhorn_rejects_bad_shapes():
+    with pytest.raises(ValueError, match=r"\[\.\.\., n, n\]"):
+        cpu.sinkhorn(torch.randn(3, 4, 5))
+    with pytest.raises(ValueError, match="iters >= 1"):
+        cpu.sinkhorn(torch.randn(3, 4, 4), 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) pre-aggregation, (c) post-and-merge
+# ---------------------------------------------------------------------------------------------
+
+
+def merge_inputs(tokens, n, c, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*tokens, n, c, generator=g).to(dtype)
+    f = torch.randn(*tokens, c, generator=g).to(dtype)
+    h_pre = torch.rand(*tokens, n, generator=g)
+    h_post = 2 * torch.rand(*tokens, n, generator=g)
+    h_res = torch.softmax(torch.randn(*tokens, n, n, generator=g), dim=-1)
+    return [t.requires_grad_() for t in (x, f, h_pre, h_post, h_res)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, n, c", [((7,), 4, 100), ((3, 21), 3, 100), ((63,), 8, 16)])
+def test_pre_aggregate_and_post_merge_match_reference(tokens, n, c, dtype):
+    x, f, h_pre, h_post, h_res = merge_inputs(tokens, n, c, dtype)
+    for fn, inputs in ((reference.pre_aggregate, cpu.pre_aggregate), (x, h_pre)), (
+        (reference.post_merge, cpu.post_merge), (x, f, h_post, h_res)
+    ):
+        ref_fn, cpu_fn = fn
+        out_ref, grad_ref = run(ref_fn, list(inputs))
+        out_cpu, grad_cpu = run(cpu_fn, clone_inputs(inputs))
+        assert out_cpu[0].dtype == dtype
+        for a, e in zip([*out_cpu, *grad_cpu], [*out_ref, *grad_ref], strict=True):
+            assert a.dtype == e.dtype
+            assert_close(a, e, TOL[dtype])
+
+
+def test_merge_ops_accept_broadcast_streams():
+    """The first connection sees expand_streams' stride-0 view."""
+    h = torch.randn(2, 5, 12, requires_grad=True)
+    _, f, h_pre, h_post, h_res = merge_inputs((2, 5), 3, 12, torch.float32)
+    grads = []
+    for impl in (reference, cpu):
+        x = expand_streams(h, 3)
+        out = impl.post_merge(x, f, h_post, h_res) + impl.pre_aggregate(x, h_pre).unsqueeze(-2)
+        grads.append(torch.autograd.grad(out, (h, f, h_pre, h_post, h_res), torch.ones_like(out)))
+    for a, e in zip(*grads, strict=True):
+        assert_close(a, e, 2e-6)
+
+
+def test_merge_ops_gradcheck_float64():
+    inputs = [t.detach().double().requires_grad_() for t in merge_inputs((3,), 3, 5, torch.float32)]
+    x, f, h_pre, h_post, h_res = inputs
+    assert torch.autograd.gradcheck(cpu.pre_aggregate, (x, h_pre))
+    assert torch.autograd.gradcheck(cpu.post_merge, (x, f, h_post, h_res))
+
+
+def test_merge_ops_reject_mismatched_shapes():
+    x, f, h_pre, h_post, h_res = merge_inputs((4,), 3, 8, torch.float32)
+    with pytest.raises(ValueError, match=r"h_res of shape \(4, 3, 3\)"):
+        cpu.post_merge(x, f, h_post, h_res[:, :2])
+    with pytest.raises(ValueError, match=r"f of shape \(4, 8\)"):
+        cpu.post_merge(x, f[:, :7], h_post, h_res)
+    with pytest.raises(ValueError, match=r"h_pre of shape \(4, 3\)"):
+        cpu.pre_aggregate(x, h_pre[:3])
+
+
+# ---------------------------------------------------------------------------------------------
+# Connections end to end, selection
+# ---------------------------------------------------------------------------------------------
+
+
+class Branch(torch.nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.lin = torch.nn.Linear(c, c)
+
+    def forward(self, h):
+        return torch.tanh(self.lin(h))
+
+
+def _perturbed(conn, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in conn.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    return conn
+
+
+@pytest.mark.parametrize("kind", ["mhc", "hc"])
+def test_connection_cpu_equals_reference(kind):
+    c, n = 100, 4
+    torch.manual_seed(0)
+    if kind == "mhc":
+        conns = [ManifoldHyperConnection(c, n, 1, Branch(c), impl=i) for i in ("cpu", "reference")]
+    else:
+        conns = [HyperConnection(c, n, 1, Branch(c), impl=i) for i in ("cpu", "reference")]
+    _perturbed(conns[0])
+    conns[1].load_state_dict(conns[0].state_dict())
+    x = torch.randn(3, 7, n, c)
+    upstream = torch.randn(3, 7, n, c)
+    results = []
+    for conn in conns:
+        xi = x.clone().requires_grad_()
+        out = conn(xi)
+        params = [xi, *conn.parameters()]
+        results.append((out, torch.autograd.grad(out, params, upstream)))
+    (out_cpu, g_cpu), (out_ref, g_ref) = results
+    assert_close(out_cpu, out_ref, 2e-6)
+    for a, e in zip(g_cpu, g_ref, strict=True):
+        assert_close(a, e, 2e-5)
+
+
+def test_connection_cpu_compiles_fullgraph():
+    c, n = 16, 4
+    torch.manual_seed(1)
+    conn = _perturbed(ManifoldHyperConnection(c, n, 0, Branch(c), impl="cpu"))
+    x = torch.randn(2, 7, n, c, requires_grad=True)
+    compiled = torch.compile(conn, fullgraph=True, backend="aot_eager")
+    out_c, out_e = compiled(x), conn(x)
+    assert_close(out_c, out_e, 1e-6)
+    g = torch.randn_like(out_e)
+    params = [x, *conn.parameters()]
+    for a, e in zip(torch.autograd.grad(out_c, params, g), torch.autograd.grad(out_e, params, g),
+                    strict=True):
+        assert_close(a, e, 1e-6)
+
+
+def test_get_impl_selection(monkeypatch):
+    monkeypatch.delenv(ops.ENV_VAR, raising=False)
+    assert ops.get_impl("auto", torch.device("cpu")).name == "cpu"
+    assert ops.get_impl("reference", "cpu").mhc_maps is reference.mhc_maps
+    assert ops.resolve_impl_name("auto", "cuda", torch.float64) == "cpu"
+    assert ops.resolve_impl_name("auto", "meta") == "reference"
+    if ops._triton_available():
+        assert ops.resolve_impl_name("auto", "cuda", torch.bfloat16) == "triton"
+    monkeypatch.setenv(ops.ENV_VAR, "reference")
+    assert ops.get_impl("auto", "cpu").name == "reference"
+    assert ops.get_impl("cpu", "cpu").name == "cpu"  # an explicit name wins over the env
+    try:
+        ops.set_default_impl("cpu")  # the programmatic default wins over the env
+        assert ops.get_impl("auto", "cpu").name == "cpu"
+    finally:
+        ops.set_default_impl(None)
+    assert ops.get_impl("auto", "cpu").name == "reference"
+    monkeypatch.setenv(ops.ENV_VAR, "fast")
+    with pytest.raises(ValueError, match="TORCH_MHC_IMPL.*'fast'.*'reference', 'cpu', 'triton'"):
+        ops.get_impl("auto", "cpu")
+
+
+def test_unknown_impl_names_are_rejected_with_the_choices():
+    with pytest.raises(ValueError, match=r"'gpu'.*\('auto', 'reference', 'cpu', 'triton'\)"):
+        ops.get_impl("gpu")
+    with pytest.raises(ValueError, match="unknown op implementation"):
+        ops.set_default_impl("gpu")
+    with pytest.raises(ValueError, match="unknown op implementation 'fused'"):
+        ManifoldHyperConnection(8, 4, 0, Branch(8), impl="fused")
