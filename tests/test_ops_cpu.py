@@ -37,12 +37,17 @@ def maps_inputs(tokens, n, c, dtype, seed=0):
     return [t.requires_grad_() for t in (x, phi, alpha, b_pre, b_post, b_res)]
 
 
-def run(fn, inputs, seed=1):
-    """Outputs of fn(*inputs) and grads of all inputs for random upstream gradients."""
+def run(fn, inputs, seed=1, upstream_dtype=None):
+    """Outputs of fn(*inputs) and grads of all inputs for random upstream gradients.
+
+    upstream_dtype rounds the upstream gradients first (to compare a half-precision run
+    with a float32 reference on the same values).
+    """
     outs = fn(*inputs)
     outs = outs if isinstance(outs, tuple) else (outs,)
     g = torch.Generator().manual_seed(seed)
-    grads_out = [torch.randn(o.shape, generator=g).to(o.dtype) for o in outs]
+    grads_out = [torch.randn(o.shape, generator=g).to(upstream_dtype or o.dtype).to(o.dtype)
+                 for o in outs]
     grads_in = torch.autograd.grad(outs, inputs, grads_out)
     return [o.detach() for o in outs], grads_in
 

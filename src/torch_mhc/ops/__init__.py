@@ -124,6 +124,11 @@ def get_impl(
     resolved = resolve_impl_name(name, device, dtype)
     ops = _loaded.get(resolved)
     if ops is None:
+        if resolved == "triton" and not _triton_available():
+            raise ImportError(
+                "the 'triton' op implementation needs the triton package "
+                "(pip install 'torch-mhc[triton]'); use impl='cpu' or 'reference' without it"
+            )
         module = importlib.import_module(_MODULES[resolved])
         ops = Ops(
             name=resolved,
