@@ -1,0 +1,236 @@
+"""The `mhc` command (also `python -m torch_mhc`).
+
+    mhc train    [--config run.toml] [--residual mhc --steps 2000 ...]
+    mhc compare  --out DIR [--preset default|tiny|stress] [--config f.toml] [flags]
+    mhc generate --checkpoint DIR/last.pt [--prompt "def "] [--no-cache]
+    mhc cost     ...   (the analytic cost model: torch_mhc.cost)
+
+Each subcommand is one `_add_<name>(subparsers)` function that builds its parser and sets
+`run`; `SUBCOMMANDS` lists them, so adding a command is one function and one list entry.
+Commands that own their whole command line (cost) are in `DELEGATED` and receive the raw
+arguments.
+
+Bad input (a config value, a data path, a checkpoint) is one line on stderr,
+`mhc <command>: error: <what was expected and what came>`, and exit code 2, with no
+traceback; a run stopped by the spike policy exits with 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+
+from . import config as _config
+
+__all__ = ["DELEGATED", "SUBCOMMANDS", "build_parser", "main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: `mhc train: error: ...`, exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class UsageError(Exception):
+    """Bad input found by a command; main prints it as one line and returns 2."""
+
+
+# ---------------------------------------------------------------------------------------------
+# mhc train
+# ---------------------------------------------------------------------------------------------
+
+
+def _add_train(subparsers) -> None:
+    p = subparsers.add_parser(
+        "train", help="train the reference LM (residual, HC or mHC)",
+        description="Train the reference LM. Precedence: defaults < --config file < flags.",
+    )
+    p.add_argument("--config", metavar="FILE.toml", help="TOML file of config keys")
+    _config.add_config_flags(p)
+    p.set_defaults(run=_run_train)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from .train import TrainConfig, train
+
+    cfg = _config.build_config(TrainConfig(), args.config, _config.flag_overrides(args))
+    train(cfg)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# mhc compare
+# ---------------------------------------------------------------------------------------------
+
+_COMPARE_EXCLUDED = {"out_dir", "resume", "overwrite", "residual"}
+
+
+def _add_compare(subparsers) -> None:
+    from .compare import PRESETS
+
+    p = subparsers.add_parser(
+        "compare", help="train residual, HC and mHC alike and write a report",
+        description="Train the plain residual, HC and mHC with the same seed, data order and "
+        "steps; write report.json, report.md and PNG figures to --out. Precedence: preset < "
+        "--config file < flags.",
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="folder for the report")
+    p.add_argument("--preset", default="default", choices=sorted(PRESETS),
+                   help="size of the comparison (default: default, about 6 min on 2 cores)")
+    p.add_argument("--config", metavar="FILE.toml", help="TOML file of config keys")
+    _config.add_config_flags(p, exclude=_COMPARE_EXCLUDED)
+    p.set_defaults(run=_run_compare)
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from .compare import compare, preset_config, summary_table
+    from .train import ConfigError
+
+    base = preset_config(args.preset)
+    if args.config is not None:
+        values = _config.load_toml(args.config)
+        clash = sorted(_COMPARE_EXCLUDED & (set(values) | set(values.get("model", {}))))
+        if clash:
+            raise ConfigError(f"config file {args.config}: compare sets {clash} itself")
+    cfg = _config.build_config(base, args.config,
+                               _config.flag_overrides(args, exclude=_COMPARE_EXCLUDED))
+    report = compare(args.out, preset=args.preset, config=cfg)
+    if not cfg.quiet:
+        print(summary_table(report))
+        print(f"report: {args.out}/report.md ({report['wall_time_s']:.1f} s)")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# mhc generate
+# ---------------------------------------------------------------------------------------------
+
+
+def _add_generate(subparsers) -> None:
+    p = subparsers.add_parser(
+        "generate", help="sample text from a checkpoint",
+        description="Load a checkpoint written by `mhc train` / `mhc compare` and continue a "
+        "prompt, decoding with the KV cache unless --no-cache.",
+    )
+    p.add_argument("--checkpoint", required=True, metavar="PATH",
+                   help="a checkpoint file, or a run folder holding last.pt")
+    p.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
+    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N")
+    p.add_argument("--temperature", type=float, default=0.8, metavar="X",
+                   help="0 is greedy decoding (default: 0.8)")
+    p.add_argument("--top-k", type=int, default=None, metavar="K")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | mps")
+    p.add_argument("--no-cache", dest="use_cache", action="store_false",
+                   help="recompute the whole context every step instead of using the KV cache")
+    p.set_defaults(run=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from .data import decode, encode
+    from .train import LAST_CHECKPOINT, load_model, resolve_device
+
+    try:
+        device = resolve_device(args.device)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
+    if not args.prompt:
+        raise UsageError("--prompt must not be empty: the model needs a token to start from")
+    path = Path(args.checkpoint)
+    if path.is_dir():
+        path = path / LAST_CHECKPOINT
+    model = load_model(path, device)
+    cfg = model.cfg
+    if args.top_k is not None and not 1 <= args.top_k <= cfg.vocab_size:
+        raise UsageError(f"--top-k must lie in [1, {cfg.vocab_size}], got {args.top_k}")
+    prompt = encode(args.prompt).to(device)[None]  # [1, T0]
+    t0 = prompt.shape[1]
+    if t0 > cfg.max_seq_len:
+        raise UsageError(f"the prompt is {t0} bytes, longer than the model allows "
+                         f"(max_seq_len {cfg.max_seq_len})")
+    needed = t0 + args.max_new_tokens - 1
+    if args.use_cache and needed > cfg.max_seq_len:
+        raise UsageError(
+            f"prompt ({t0} bytes) + max_new_tokens ({args.max_new_tokens}) - 1 = {needed} "
+            f"positions exceed the model's max_seq_len {cfg.max_seq_len}; ask for fewer "
+            f"tokens, or pass --no-cache (which slides the context window)"
+        )
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    start = time.perf_counter()
+    out = model.generate(prompt, args.max_new_tokens, temperature=args.temperature,
+                         top_k=args.top_k, use_cache=args.use_cache, generator=generator)
+    elapsed = time.perf_counter() - start
+    print(decode(out[0]))
+    print(f"[{args.max_new_tokens} tokens in {elapsed:.2f} s, "
+          f"{args.max_new_tokens / elapsed:,.0f} tokens/s, "
+          f"KV cache {'on' if args.use_cache else 'off'}, {cfg.residual}]", file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# mhc cost (delegated: torch_mhc.cost parses its own command line)
+# ---------------------------------------------------------------------------------------------
+
+
+def _add_cost(subparsers) -> None:
+    subparsers.add_parser("cost", help="analytic cost model (see mhc cost --help)",
+                          add_help=False)
+
+
+def _run_cost(argv: list[str]) -> int:
+    from .cost import cli_main
+
+    return cli_main(argv)
+
+
+SUBCOMMANDS: list[Callable] = [_add_train, _add_compare, _add_generate, _add_cost]
+DELEGATED: dict[str, Callable[[list[str]], int]] = {"cost": _run_cost}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="mhc", description="torch-mhc: residual, HC and mHC side by side.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in SUBCOMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `mhc`; returns the exit code (0 ok, 1 stopped run, 2 bad input)."""
+    from .train import CheckpointError, ConfigError, TrainingDiverged
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DELEGATED:
+        return DELEGATED[argv[0]](argv[1:])
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2, already printed)
+        return e.code if isinstance(e.code, int) else 0
+    prog = f"mhc {args.command}"
+    try:
+        return args.run(args)
+    except (ConfigError, CheckpointError, UsageError) as e:
+        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except TrainingDiverged as e:
+        print(f"{prog}: {_one_line(e)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())

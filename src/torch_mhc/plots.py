@@ -1,0 +1,139 @@
+"""Figures of a comparison (`mhc compare`): PNG bytes from matplotlib's Agg renderer.
+
+Each function takes the per-variant results (TrainResult.to_dict() or the report entries that
+carry the same histories) and returns the PNG as bytes; the caller writes the file
+atomically. Figures are built with matplotlib.figure.Figure directly, never pyplot, so no
+global state and no interactive backend is touched (safe in tests and on headless machines).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+__all__ = ["COLORS", "composite_gain_png", "gain_over_training_png", "grad_norm_png",
+           "loss_curves_png"]
+
+COLORS = {"residual": "#4d4d4d", "hc": "#d62728", "mhc": "#1f77b4"}
+LABELS = {"residual": "residual", "hc": "HC", "mhc": "mHC"}
+
+
+def _png(fig: Figure) -> bytes:
+    FigureCanvasAgg(fig)  # render with Agg whatever pyplot's backend is
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    return buf.getvalue()
+
+
+def _running_mean(values: list[float], window: int) -> list[float]:
+    """Mean of the last `window` values at each position (shorter at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def loss_curves_png(runs: dict[str, dict]) -> bytes:
+    """Training loss (faint: per step; solid: running mean) and validation loss, per variant."""
+    fig = Figure(figsize=(8, 4.5))
+    ax = fig.add_subplot()
+    for kind, run in runs.items():
+        losses = run["loss_history"]
+        if not losses:
+            continue
+        steps = list(range(1, len(losses) + 1))
+        window = max(1, len(losses) // 50)
+        color = COLORS.get(kind)
+        ax.plot(steps, losses, color=color, alpha=0.2, linewidth=0.8)
+        ax.plot(steps, _running_mean(losses, window), color=color, linewidth=1.5,
+                label=f"{LABELS.get(kind, kind)} train (mean of {window})")
+        val = run.get("val_history") or []
+        if val:
+            ax.plot([v["step"] for v in val], [v["val_loss"] for v in val], color=color,
+                    linestyle="--", marker="o", markersize=3, label=f"{LABELS.get(kind, kind)} val")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats per byte)")
+    ax.set_title("Loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def grad_norm_png(runs: dict[str, dict]) -> bytes:
+    """Global gradient norm (before clipping) per step, log scale."""
+    fig = Figure(figsize=(8, 4.5))
+    ax = fig.add_subplot()
+    for kind, run in runs.items():
+        norms = [g for g in run["grad_norm_history"] if math.isfinite(g) and g > 0]
+        if not norms:
+            continue
+        window = max(1, len(norms) // 50)
+        color = COLORS.get(kind)
+        steps = list(range(1, len(norms) + 1))
+        ax.plot(steps, norms, color=color, alpha=0.2, linewidth=0.8)
+        ax.plot(steps, _running_mean(norms, window), color=color, linewidth=1.5,
+                label=f"{LABELS.get(kind, kind)} (mean of {window})")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("gradient norm (before clipping)")
+    ax.set_title("Gradient norm")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def composite_gain_png(gains: dict[str, dict]) -> bytes:
+    """Composite Amax gain versus depth, forward and backward, HC against mHC (log y).
+
+    gains: {kind: a GainReport dict} (the final measurement of each run). Solid: the worst
+    token; dashed: the mean over tokens. Depth l is the product H_res_l ... H_res_1.
+    """
+    fig = Figure(figsize=(10, 4.2))
+    axes = fig.subplots(1, 2, sharey=True)
+    for ax, direction in zip(axes, ("fwd", "bwd"), strict=True):
+        for kind, report in gains.items():
+            comp = report[f"composite_{direction}"]
+            depth = list(range(1, len(comp) + 1))
+            color = COLORS.get(kind)
+            ax.plot(depth, [c["max"] for c in comp], color=color, linewidth=1.6,
+                    label=f"{LABELS.get(kind, kind)} worst token")
+            ax.plot(depth, [c["mean"] for c in comp], color=color, linewidth=1.0,
+                    linestyle="--", label=f"{LABELS.get(kind, kind)} mean")
+        ax.axhline(1.0, color="black", linewidth=0.6, alpha=0.5)
+        ax.set_yscale("log")
+        ax.set_xlabel("depth (sublayers composed)")
+        name = "forward (max row sum)" if direction == "fwd" else "backward (max column sum)"
+        ax.set_title(f"Composite {name}")
+        ax.grid(alpha=0.3, which="both")
+    axes[0].set_ylabel("Amax gain magnitude")
+    axes[0].legend(fontsize=8)
+    return _png(fig)
+
+
+def gain_over_training_png(histories: dict[str, list[dict]]) -> bytes:
+    """The largest composite gain (any depth, worst token) at each measurement, log y."""
+    fig = Figure(figsize=(8, 4.5))
+    ax = fig.add_subplot()
+    for kind, history in histories.items():
+        if not history:
+            continue
+        color = COLORS.get(kind)
+        steps = [h["step"] for h in history]
+        ax.plot(steps, [h["max_composite_fwd"] for h in history], color=color, marker="o",
+                markersize=3, label=f"{LABELS.get(kind, kind)} forward")
+        ax.plot(steps, [h["max_composite_bwd"] for h in history], color=color, marker="s",
+                markersize=3, linestyle="--", label=f"{LABELS.get(kind, kind)} backward")
+    ax.axhline(1.0, color="black", linewidth=0.6, alpha=0.5)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("max composite Amax gain")
+    ax.set_title("Composite gain during training")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return _png(fig)

@@ -1,0 +1,135 @@
+"""Tests of `mhc compare` (tiny preset): the files it writes and what they hold."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import zlib
+
+import pytest
+
+from torch_mhc.cli import main
+from torch_mhc.compare import PRESETS, compare, preset_config
+from torch_mhc.train import ConfigError, load_checkpoint
+
+FIGURES = ("loss_curves.png", "grad_norm.png", "composite_gain.png", "gain_over_training.png")
+
+
+def read_png_size(data: bytes) -> tuple[int, int]:
+    """Width and height of a PNG, after checking its signature and the IHDR chunk's CRC."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    length, kind = struct.unpack(">I4s", data[8:16])
+    assert kind == b"IHDR" and length == 13
+    body = data[16:16 + length]
+    (crc,) = struct.unpack(">I", data[16 + length:20 + length])
+    assert zlib.crc32(kind + body) == crc
+    assert data[-12:] == b"\x00\x00\x00\x00IEND\xaeB`\x82"
+    return struct.unpack(">II", body[:8])
+
+
+@pytest.fixture(scope="module")
+def tiny_report(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compare")
+    corpus = root / "corpus.txt"
+    corpus.write_text("".join(f"def f{i % 17}(x):\n    return x * {i % 7}\n" for i in range(400)))
+    out = root / "out" / "nested"  # created if missing
+    argv = ["compare", "--out", str(out), "--preset", "tiny", "--data", str(corpus),
+            "--cache-dir", str(root / "cache"), "--val-fraction", "0.1", "--quiet",
+            "--no-progress", "--no-tensorboard", "--device", "cpu", "--dtype", "fp32"]
+    assert main(argv) == 0
+    return out, json.loads((out / "report.json").read_text())
+
+
+def test_compare_writes_all_files(tiny_report):
+    out, _ = tiny_report
+    for name in ("report.json", "report.md", *FIGURES):
+        assert (out / name).is_file(), name
+    for name in FIGURES:
+        width, height = read_png_size((out / name).read_bytes())
+        assert width > 200 and height > 200
+    for kind in ("residual", "hc", "mhc"):
+        state = load_checkpoint(out / kind / "last.pt")
+        assert state["model_config"]["residual"] == kind
+        assert state["step"] == PRESETS["tiny"]["steps"]
+        assert (out / kind / "metrics.jsonl").is_file()
+    assert not list(out.glob(".*.tmp"))  # no temp file left behind
+
+
+def test_report_json_contents(tiny_report):
+    _, report = tiny_report
+    assert report["preset"] == "tiny, modified"  # the data and a few flags were changed
+    variants = {v["kind"]: v for v in report["variants"]}
+    assert list(variants) == ["residual", "hc", "mhc"]
+    steps = PRESETS["tiny"]["steps"]
+    for kind, v in variants.items():
+        for key in ("val_loss", "val_bpb", "tokens_per_s", "peak_mem_bytes", "step_time_ratio",
+                    "max_composite_gain_fwd", "max_composite_gain_bwd", "params",
+                    "connection_params"):
+            assert key in v, (kind, key)
+        assert v["steps_completed"] == steps and v["diverged"] is None
+        assert v["val_bpb"] == pytest.approx(v["val_loss"] / math.log(2), rel=1e-12)
+        assert 0 < v["val_loss"] < v["loss_history"][0]  # it learned something
+        assert len(v["loss_history"]) == len(v["grad_norm_history"]) == steps
+        assert v["tokens_per_s"] > 0 and v["peak_mem_bytes"] >= 0
+    res, hc, mhc = variants["residual"], variants["hc"], variants["mhc"]
+    # same seed, same first batch, and every connection starts as the residual network
+    assert hc["loss_history"][0] == pytest.approx(res["loss_history"][0], abs=1e-5)
+    assert mhc["loss_history"][0] == pytest.approx(res["loss_history"][0], abs=1e-5)
+    assert res["step_time_ratio"] == 1.0
+    assert hc["step_time_ratio"] == pytest.approx(
+        hc["step_time_median_s"] / res["step_time_median_s"])
+    # parameter budgets: the connections' parameters on top of the shared blocks
+    assert res["connection_params"] == 0
+    for v in (hc, mhc):
+        assert v["params"] - res["params"] == v["connection_params"] > 0
+    n, c, layers = 4, PRESETS["tiny"]["dim"], 2 * PRESETS["tiny"]["n_layers"]
+    assert mhc["connection_params"] == layers * (n * c * (n * n + 2 * n) + 3 + n + n + n * n)
+    assert hc["connection_params"] == layers * (n + n + n * n + c * (2 + n) + 2)
+    # gains: none for the residual; mHC's rows sum to 1, so its forward gain is 1
+    assert res["max_composite_gain_fwd"] is None and res["final_gains"] is None
+    assert mhc["max_composite_gain_fwd"] == pytest.approx(1.0, abs=1e-5)
+    assert hc["max_composite_gain_fwd"] >= 1.0 - 1e-6
+    assert len(hc["final_gains"]["composite_fwd"]) == layers
+    assert [g["step"] for g in mhc["gain_history"]] == [0, 10, 20]
+    assert report["config"]["steps"] == steps and report["config"]["model"]["dim"] == c
+    assert report["wall_time_s"] > 0
+
+
+def test_report_md_contents(tiny_report):
+    out, report = tiny_report
+    md = (out / "report.md").read_text()
+    for v in report["variants"]:
+        row = next(line for line in md.splitlines() if line.startswith(f"| {v['kind']} |"))
+        assert f"{v['val_bpb']:.4f}" in row
+        assert f"{v['params']:,}" in row
+    assert "## Parameter budgets" in md and "## Configuration" in md
+    assert "| model.dim | 32 |" in md
+    for name in FIGURES:
+        assert f"({name})" in md
+
+
+def test_compare_refuses_a_file_as_out(tmp_path, capsys):
+    target = tmp_path / "report"
+    target.write_text("keep me")
+    assert main(["compare", "--out", str(target), "--preset", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (f"mhc compare: error: --out {target} exists and is a file, expected "
+                           "a folder (or nothing)")
+    assert target.read_text() == "keep me"
+
+
+def test_compare_validates_before_training(tmp_path):
+    with pytest.raises(ConfigError, match="seq_len 64 is longer than the model allows"):
+        compare(tmp_path / "x", preset="tiny", seq_len=64)
+    with pytest.raises(ConfigError, match="unknown preset 'huge'"):
+        preset_config("huge")
+    assert not (tmp_path / "x").exists()
+
+
+def test_presets_are_valid():
+    for name in PRESETS:
+        preset_config(name).validate()
+    stress = preset_config("stress")
+    assert 2 * stress.model.n_layers >= 48
+    assert stress.lr > preset_config("default").lr
