@@ -117,6 +117,13 @@ def run_data_parallel(mode: str, info, out: dict, save_dir: Path | None = None) 
     model = make_model(make_config())
     model = wrap_ddp(model, info) if mode == "ddp" else apply_fsdp(model, info)
     opt = make_optimizer(model)
+    if save_dir is not None:
+        # The test made <outdir>/not_a_dir a file: rank 0 cannot create the checkpoint folder
+        # under it, and every rank must hear so (an error, not a hang in a collective).
+        try:
+            save_checkpoint(save_dir.parent / "not_a_dir" / "ckpt", model, opt)
+        except Exception as e:
+            out["bad_save_error"] = f"{type(e).__name__}: {e}"
     losses = []
     for step in range(STEPS):
         if save_dir is not None and step == SAVE_AT:

@@ -167,8 +167,12 @@ def test_pipeline_reproduces_single_process_loss_and_gradients(schedule, placeme
 def test_checkpoint_saved_by_two_ranks_resumes_on_one(tmp_path):
     """FSDP2 on 2 ranks saves a DCP checkpoint after 2 of 4 steps (and keeps training); one
     process without a process group loads it into a plain LM and AdamW, whose parameters
-    were first moved away, and continues with the losses of the uninterrupted run."""
+    were first moved away, and continues with the losses of the uninterrupted run. Before
+    that, a save rank 0 cannot write raises on both ranks instead of hanging rank 1."""
+    (tmp_path / "not_a_dir").write_text("a file where the checkpoint's parent should be")
     (saver0, saver1) = launch("ckpt_save", tmp_path)
+    assert saver0["bad_save_error"].startswith(("NotADirectoryError", "FileExistsError"))
+    assert saver1["bad_save_error"].startswith("RuntimeError: checkpoint I/O failed on rank 0")
     assert saver0["losses"] == saver1["losses"]
     assert (tmp_path / "ckpt" / "meta.json").is_file()
     assert not (tmp_path / "ckpt.partial").exists() and not (tmp_path / "ckpt.old").exists()
@@ -208,7 +212,8 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     model, opt = _tiny_lm_and_opt(W.SEED)
     _train_one_step(model, opt)
     path = tmp_path / "ckpt"
-    save_checkpoint(path, model, opt, extra={"step": 1})
+    rng = torch.get_rng_state()
+    save_checkpoint(path, model, opt, extra={"step": 1, "rng": rng})
     good = {k: v.clone() for k, v in model.state_dict().items()}
 
     _train_one_step(model, opt)  # the model moves on; the next save fails half-way
@@ -222,7 +227,9 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     monkeypatch.undo()
 
     fresh, fresh_opt = _tiny_lm_and_opt(W.SEED + 7)
-    assert load_checkpoint(path, fresh, fresh_opt) == {"step": 1}
+    extra = load_checkpoint(path, fresh, fresh_opt)
+    assert extra.keys() == {"step", "rng"} and extra["step"] == 1
+    assert torch.equal(extra["rng"], rng)  # tensors travel in extra (RNG states)
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, good[k]), k
     assert len(fresh_opt.state) == len(list(fresh.parameters()))  # AdamW moments restored
@@ -230,10 +237,13 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     path.rename(tmp_path / "ckpt.old")  # as if a save died between its two renames
     fresh2, _ = _tiny_lm_and_opt(W.SEED + 9)
     with pytest.warns(UserWarning, match="interrupted"):
-        assert load_checkpoint(path, fresh2) == {"step": 1}
+        assert load_checkpoint(path, fresh2)["step"] == 1
     assert all(torch.equal(v, good[k]) for k, v in fresh2.state_dict().items())
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         load_checkpoint(tmp_path / "nowhere", fresh2)
+    with pytest.raises(TypeError, match="weights_only"):  # refused before anything is written
+        save_checkpoint(tmp_path / "other", fresh2, extra={"f": lambda: 0})
+    assert not (tmp_path / "other.partial").exists()
 
 
 # --- process group without torchrun ----------------------------------------------------------

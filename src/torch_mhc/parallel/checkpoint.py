@@ -10,25 +10,32 @@ optimizer state is flattened to the same names (`state.blocks.3.attn.phi.exp_avg
 what lets DCP reshard it. Each rank writes the pieces it owns (DDP's replicated tensors are
 written once); on load each rank reads the pieces its layout needs, so a checkpoint saved by
 FSDP2 on 2 ranks loads into DDP on 4, into a pipeline, or into one process without any process
-group. `extra` is a small JSON-able dict (step, config, data position) written by rank 0 to
-`meta.json`.
+group. `extra` is the caller's own small state (step, config, data position, RNG states),
+a dict of plain values and tensors written by rank 0 with torch.save to `extra.pt` and read
+back with `weights_only=True` (no arbitrary code runs on load). `meta.json`, written last, says
+the directory is complete.
 
 Crash safety. The checkpoint is written to `<path>.partial`, and only when every rank has
-finished writing is it renamed into place: the previous checkpoint at `<path>` moves to
+finished writing is it renamed into place by rank 0: the previous checkpoint at `<path>` moves to
 `<path>.old`, the new one to `<path>`, then `.old` is deleted. A crash at any moment leaves
 either `<path>` or `<path>.old` complete, and `load_checkpoint` falls back to `.old`.
-On several machines `path` must be on a file system every rank sees.
+A failure in rank 0's file operations is sent to every rank and raised there, so no rank is
+left waiting in a collective. On several machines `path` must be on a file system every rank
+sees.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -36,12 +43,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from .env import barrier, is_rank0
-
 __all__ = ["save_checkpoint", "load_checkpoint", "resolve_checkpoint"]
 
 _FORMAT = "torch_mhc.dcp.v1"
-_META = "meta.json"
+_META = "meta.json"  # written last: its presence marks a complete checkpoint
+_EXTRA = "extra.pt"
 # Flattened optimizer state keys are parameter names, so the state can be resharded across
 # layouts (the DCP documentation's recipe for pipeline parallelism).
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -65,6 +71,42 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _on_rank0(fn: Callable[[], None]) -> None:
+    """Run fn on rank 0 and raise its error on every rank (a plain call in one process)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        fn()
+        return
+    error: list[str | None] = [None]
+    caught: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            fn()
+        except Exception as e:  # sent to every rank below, then raised here as it was
+            caught, error = e, [f"{type(e).__name__}: {e}"]
+    dist.broadcast_object_list(error, src=0)
+    if caught is not None:
+        raise caught
+    if error[0] is not None:
+        raise RuntimeError(f"checkpoint I/O failed on rank 0: {error[0]}")
+
+
+def _serialise_extra(extra: dict | None) -> bytes:
+    """extra as torch.save bytes, checked to load back with weights_only=True."""
+    extra = {} if extra is None else extra
+    if not isinstance(extra, dict):
+        raise TypeError(f"save_checkpoint: extra must be a dict, got {type(extra).__name__}")
+    buf = io.BytesIO()
+    try:
+        torch.save(extra, buf)
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception as e:
+        raise TypeError(
+            "save_checkpoint: extra must hold only plain values (dict, list, tuple, str, int, "
+            f"float, bool, None) and tensors, which load with weights_only=True: {e}"
+        ) from None
+    return buf.getvalue()
+
+
 def save_checkpoint(
     path: str | os.PathLike,
     model: nn.Module,
@@ -74,7 +116,8 @@ def save_checkpoint(
     """Write model (and optimizer) state to the directory `path`; every rank must call it.
 
     model: the module the training step runs (DDP wrapper, FSDP2 module, a pipeline's
-    `Pipeline.module`, or a plain module in a single process). extra: JSON-able metadata.
+    `Pipeline.module`, or a plain module in a single process). extra: the caller's own state,
+    plain values and tensors (see the module docstring); rank 0's copy is saved.
     Returns the final path. Replaces an existing checkpoint at `path` only once the new one is
     complete.
     """
@@ -82,17 +125,16 @@ def save_checkpoint(
 
     path = Path(path)
     tmp, old = _siblings(path)
-    meta = {"format": _FORMAT, "extra": extra or {}}
-    try:
-        meta_text = json.dumps(meta, indent=2, sort_keys=True)
-    except TypeError as e:
-        raise TypeError(f"save_checkpoint: extra must be JSON-serialisable: {e}") from None
+    extra_bytes = _serialise_extra(extra)  # every rank checks, so every rank fails alike
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    meta_text = json.dumps({"format": _FORMAT, "saved_by_world_size": world}, indent=2)
 
-    if is_rank0():
+    def prepare() -> None:
         if tmp.exists():  # left by a save that failed: never a good checkpoint
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-    barrier()
+
+    _on_rank0(prepare)
 
     optimizers = [optimizer] if optimizer is not None else []
     model_sd, optim_sd = get_state_dict(model, optimizers, options=_OPTIONS)
@@ -101,11 +143,12 @@ def save_checkpoint(
         state["optim"] = optim_sd
     dcp.save(state, checkpoint_id=tmp)  # collective: returns once the metadata is written
 
-    if is_rank0():
-        with open(tmp / _META, "w") as f:
-            f.write(meta_text)
-            f.flush()
-            os.fsync(f.fileno())
+    def commit() -> None:
+        for name, data in ((_EXTRA, extra_bytes), (_META, meta_text.encode())):
+            with open(tmp / name, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
         _fsync_dir(tmp)
         if path.exists():
             if old.exists():
@@ -115,7 +158,8 @@ def save_checkpoint(
         _fsync_dir(path.parent)
         if old.exists():
             shutil.rmtree(old)
-    barrier()
+
+    _on_rank0(commit)
     return path
 
 
@@ -147,7 +191,7 @@ def load_checkpoint(
 
     The layout may differ from the one that saved (world size, DDP / FSDP2 / pipeline / single
     process): DCP reads each rank's pieces. Build the optimizer before loading (for FSDP2,
-    after apply_fsdp). Returns the `extra` dict that was saved.
+    after apply_fsdp). Returns the `extra` dict that was saved (tensors on the CPU).
     """
     import torch.distributed.checkpoint as dcp
 
@@ -171,4 +215,4 @@ def load_checkpoint(
         optim_state_dict=state.get("optim", {}),
         options=_OPTIONS,
     )
-    return meta["extra"]
+    return torch.load(where / _EXTRA, map_location="cpu", weights_only=True)
