@@ -9,7 +9,7 @@ import torch
 
 import torch_mhc.ops as ops
 from torch_mhc import HyperConnection, ManifoldHyperConnection, expand_streams, sinkhorn_unrolled
-from torch_mhc.ops import cpu, reference
+from torch_mhc.ops import cpu, cpu_native, reference
 
 # Gradients of bf16 tensors are rounded to bf16 (8 bits): allow a few roundings of the
 # largest entry. fp32: both sides compute the same float32 maths in a different order.
@@ -56,6 +56,17 @@ def clone_inputs(inputs):
     return [t.detach().clone().requires_grad_() for t in inputs]
 
 
+@pytest.fixture(params=["native", "torch"])
+def cpu_path(request, monkeypatch):
+    """Run a test on the native loops and again on the pure-torch fallback."""
+    if request.param == "native":
+        if cpu._NATIVE is None:
+            pytest.skip("native CPU library unavailable (no C compiler, or TORCH_MHC_NATIVE=0)")
+    else:
+        monkeypatch.setattr(cpu, "_NATIVE", None)
+    return request.param
+
+
 # ---------------------------------------------------------------------------------------------
 # (a) maps, (d) Sinkhorn
 # ---------------------------------------------------------------------------------------------
@@ -66,7 +77,7 @@ def clone_inputs(inputs):
     "tokens, n, c",
     [((7,), 4, 100), ((2, 5), 3, 100), ((63,), 8, 16), ((1,), 1, 8), ((5,), 2, 33)],
 )
-def test_mhc_maps_match_reference(tokens, n, c, dtype):
+def test_mhc_maps_match_reference(tokens, n, c, dtype, cpu_path):
     inputs = maps_inputs(tokens, n, c, dtype)
     out_ref, grad_ref = run(reference.mhc_maps, inputs)
     out_cpu, grad_cpu = run(cpu.mhc_maps, clone_inputs(inputs))
@@ -79,7 +90,7 @@ def test_mhc_maps_match_reference(tokens, n, c, dtype):
         assert_close(a, e, TOL[dtype] if name == "x" else 1e-4)
 
 
-def test_mhc_maps_with_deepseek_epsilons_and_few_iterations():
+def test_mhc_maps_with_deepseek_epsilons_and_few_iterations(cpu_path):
     inputs = maps_inputs((9,), 4, 24, torch.float32, seed=3)
     kw = dict(sinkhorn_iters=3, norm_eps=1e-4, sinkhorn_eps=1e-2, pre_eps=1e-2)
     out_ref, grad_ref = run(lambda *a: reference.mhc_maps(*a, **kw), inputs)
@@ -88,7 +99,7 @@ def test_mhc_maps_with_deepseek_epsilons_and_few_iterations():
         assert_close(a, e, 2e-5)
 
 
-def test_mhc_maps_when_only_some_maps_are_used():
+def test_mhc_maps_when_only_some_maps_are_used(cpu_path):
     inputs = maps_inputs((6,), 4, 20, torch.float32, seed=4)
     g = torch.randn(6, 4, 4)
     grads = []
@@ -99,7 +110,7 @@ def test_mhc_maps_when_only_some_maps_are_used():
         assert_close(a, e, 2e-5)
 
 
-def test_mhc_maps_gradcheck_float64():
+def test_mhc_maps_gradcheck_float64(cpu_path):
     inputs = [t.detach().double().requires_grad_() for t in maps_inputs((3,), 3, 5, torch.float32)]
     assert torch.autograd.gradcheck(
         lambda *a: cpu.mhc_maps(*a, sinkhorn_iters=4, sinkhorn_eps=1e-3, pre_eps=1e-3), inputs
@@ -150,7 +161,7 @@ def merge_inputs(tokens, n, c, dtype, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens, n, c", [((7,), 4, 100), ((3, 21), 3, 100), ((63,), 8, 16)])
-def test_pre_aggregate_and_post_merge_match_reference(tokens, n, c, dtype):
+def test_pre_aggregate_and_post_merge_match_reference(tokens, n, c, dtype, cpu_path):
     x, f, h_pre, h_post, h_res = merge_inputs(tokens, n, c, dtype)
     for fn, inputs in ((reference.pre_aggregate, cpu.pre_aggregate), (x, h_pre)), (
         (reference.post_merge, cpu.post_merge), (x, f, h_post, h_res)
@@ -164,7 +175,7 @@ def test_pre_aggregate_and_post_merge_match_reference(tokens, n, c, dtype):
             assert_close(a, e, TOL[dtype])
 
 
-def test_merge_ops_accept_broadcast_streams():
+def test_merge_ops_accept_broadcast_streams(cpu_path):
     """The first connection sees expand_streams' stride-0 view."""
     h = torch.randn(2, 5, 12, requires_grad=True)
     _, f, h_pre, h_post, h_res = merge_inputs((2, 5), 3, 12, torch.float32)
@@ -177,11 +188,64 @@ def test_merge_ops_accept_broadcast_streams():
         assert_close(a, e, 2e-6)
 
 
-def test_merge_ops_gradcheck_float64():
+def test_merge_ops_gradcheck_float64(cpu_path):
     inputs = [t.detach().double().requires_grad_() for t in merge_inputs((3,), 3, 5, torch.float32)]
     x, f, h_pre, h_post, h_res = inputs
     assert torch.autograd.gradcheck(cpu.pre_aggregate, (x, h_pre))
     assert torch.autograd.gradcheck(cpu.post_merge, (x, f, h_post, h_res))
+
+
+def _native_op_samples():
+    x, f, h_pre, h_post, h_res = [t.detach() for t in merge_inputs((5,), 3, 20, torch.float32)]
+    m = 3 * 3 + 2 * 3
+    return {
+        "cpu_pre_aggregate_fwd": (x, h_pre),
+        "cpu_pre_aggregate_bwd": (x, h_pre, f),
+        "cpu_post_merge_fwd": (x, f, h_post, h_res),
+        "cpu_post_merge_bwd": (x, f, h_post, h_res, torch.randn_like(x)),
+        "cpu_maps_dx": (x, torch.randn(5, m), torch.randn(m, 60), torch.randn(5)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_native_op_samples()))
+def test_native_custom_ops_pass_opcheck(name):
+    """Schema, fake implementation and autograd registration of the native ops."""
+    if cpu._NATIVE is None:
+        pytest.skip("native CPU library unavailable")
+    args = _native_op_samples()[name]
+    if name.endswith("_fwd"):
+        args = tuple(a.requires_grad_() for a in args)
+    torch.library.opcheck(getattr(torch.ops.torch_mhc, name).default, args)
+
+
+def test_native_library_builds_into_the_cache(monkeypatch, tmp_path):
+    if cpu._NATIVE is None:
+        pytest.skip("native CPU library unavailable")
+    monkeypatch.setattr(cpu_native, "_tried", False)
+    monkeypatch.setattr(cpu_native, "_loaded", None)
+    monkeypatch.setenv("TORCH_MHC_CACHE", str(tmp_path))
+    lib = cpu_native.load()
+    assert lib is not None and lib.path.parent == tmp_path and lib.path.exists()
+    x, f, h_pre, h_post, h_res = [t.detach() for t in merge_inputs((200,), 4, 33, torch.float32)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)  # 200 tokens split into 3 ranges on the thread pool
+        out = lib.merge_fwd(x, f, h_post, h_res)
+    finally:
+        torch.set_num_threads(threads)
+    assert_close(out, reference.post_merge(x, f, h_post, h_res), 1e-6)
+
+
+def test_native_library_falls_back_when_it_cannot_build(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_native, "_tried", False)
+    monkeypatch.setattr(cpu_native, "_loaded", None)
+    monkeypatch.setenv("TORCH_MHC_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    with pytest.warns(UserWarning, match="native CPU ops unavailable, using pure torch"):
+        assert cpu_native.load() is None
+    monkeypatch.setattr(cpu_native, "_tried", False)
+    monkeypatch.setenv("TORCH_MHC_NATIVE", "0")
+    assert cpu_native.load() is None
 
 
 def test_merge_ops_reject_mismatched_shapes():
@@ -217,7 +281,7 @@ def _perturbed(conn, seed=0):
 
 
 @pytest.mark.parametrize("kind", ["mhc", "hc"])
-def test_connection_cpu_equals_reference(kind):
+def test_connection_cpu_equals_reference(kind, cpu_path):
     c, n = 100, 4
     torch.manual_seed(0)
     if kind == "mhc":
@@ -240,7 +304,7 @@ def test_connection_cpu_equals_reference(kind):
         assert_close(a, e, 2e-5)
 
 
-def test_connection_cpu_compiles_fullgraph():
+def test_connection_cpu_compiles_fullgraph(cpu_path):
     c, n = 16, 4
     torch.manual_seed(1)
     conn = _perturbed(ManifoldHyperConnection(c, n, 0, Branch(c), impl="cpu"))

@@ -33,12 +33,15 @@ from dataclasses import dataclass
 
 import torch
 
-from . import reference
+# Imported here, outside any torch.compile trace: importing `cpu` builds (once per machine)
+# or loads its native library (ops/cpu_native.py).
+from . import cpu, reference
 
 __all__ = [
     "IMPLS",
     "Ops",
     "check_impl_name",
+    "cpu",
     "get_impl",
     "reference",
     "resolve_impl_name",

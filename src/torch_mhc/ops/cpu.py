@@ -1,25 +1,31 @@
-"""The `cpu` implementation: the reference maths as autograd Functions tuned for the CPU.
+"""The `cpu` implementation: the reference maths tuned for the CPU, same results to rounding.
 
-Same results as `ops.reference` (to rounding), fewer passes over memory and less saved for
-backward. What made it fast on a 2-core x86 CPU (benchmarks/NOTES_ops.md has the numbers):
+Measured on a 2-core x86 CPU (benchmarks/NOTES_ops.md has the numbers and commands), the
+overhead of a connection is memory traffic over [T, n, C] tensors, so everything here is
+about fewer passes and fewer saved tensors:
 
-- Map computation: one matmul gives the logits transposed, [M, T] with M = n*n + 2n, so the
-  per-token epilogue (gates, Sinkhorn) runs on rows of length T. Sinkhorn on [n, n, T]
-  ("token-last") normalises with reductions over the outer axes, about ten times faster in
-  torch than on [T, n, n], whose tiny innermost reductions take a slow path.
-- Backward is written by hand: the maps save only x, phi, the logits and the RMS (M + 1
-  numbers per token besides x); the merge saves x, f and the maps and returns dx and df from
-  one batched matmul; Sinkhorn recomputes its iterates from the n x n logits.
-- The merge forward is one bmm plus one in-place rank-1 update, no [T, n, C] temporaries.
+- Map computation (autograd Function): one matmul gives the logits transposed, [M, T] with
+  M = n*n + 2n, so the per-token epilogue (gates, Sinkhorn) works on rows of length T.
+  Sinkhorn on [n, n, T] ("token-last") normalises with reductions over the outer axes, about
+  ten times faster in torch than on [T, n, n]. The backward is written by hand and saves
+  only x, phi, the logits and the RMS (M + 1 numbers per token besides x); Sinkhorn
+  recomputes its iterates from the n x n logits.
+- Pre-aggregation, post-merge and the maps' input gradient dx = coef * x + dz @ phi^T run
+  as native loops (ops/cpu_native.py, C built on first import) registered as custom ops,
+  for contiguous float32 and bfloat16 CPU tensors: one pass per op, bf16 converted in
+  registers. Without a C compiler, or with TORCH_MHC_NATIVE=0, or for other dtypes, they
+  are autograd Functions over batched matmuls (no [T, n, C] temporaries in the merge).
 
 Dtypes follow the reference: maps are computed in float32 (float64 stays float64) and
-returned in float32; aggregation and merge run in the streams' dtype.
+returned in float32; aggregation and merge run in the streams' dtype (the native loops
+accumulate in float32 and round once).
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import cpu_native as _native
 from . import reference as _ref
 
 __all__ = ["mhc_maps", "hc_maps", "pre_aggregate", "post_merge", "sinkhorn"]
@@ -163,11 +169,16 @@ class _MhcMaps(torch.autograd.Function):
         d_zt = d_lt.div_(r)  # [M, T]
         v = x.reshape(t, k).to(cdt)
         phi_c = phi.to(cdt)
-        dv = torch.mm(d_zt.t(), phi_c.t())  # [T, K]
-        dv.addcmul_(v, coef.unsqueeze(-1))
+        if _use_native(x):  # one pass: x in, dx out (in x's dtype)
+            dx = torch.ops.torch_mhc.cpu_maps_dx(
+                x.contiguous(), d_zt.t().contiguous(), phi_c.t().contiguous(), coef
+            )
+        else:
+            dv = torch.mm(d_zt.t(), phi_c.t())  # [T, K]
+            dx = dv.addcmul_(v, coef.unsqueeze(-1)).reshape(t, n, c).to(x.dtype)
         d_phi = torch.mm(d_zt, v).t()  # [K, M]
         return (
-            dv.reshape(t, n, c).to(x.dtype),
+            dx,
             d_phi.to(phi.dtype),
             d_alpha.to(alpha.dtype),
             d_b[:n].to(b_dtypes[0]),
@@ -271,6 +282,106 @@ def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(b.unsqueeze(-2), a.transpose(-1, -2)).squeeze(-2)
 
 
+# The native loops (ops/cpu_native.py) as custom ops, so torch.compile sees opaque calls with
+# fake implementations instead of ctypes. Used for contiguous fp32/bf16 CPU tensors when the
+# library built; everything else takes the autograd Functions above.
+
+_NATIVE = _native.load()
+
+
+@torch.library.custom_op("torch_mhc::cpu_pre_aggregate_fwd", mutates_args=())
+def _native_pre_fwd(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    return _NATIVE.pre_fwd(x, h)
+
+
+@_native_pre_fwd.register_fake
+def _(x, h):
+    return x.new_empty((x.shape[0], x.shape[2]))
+
+
+@torch.library.custom_op("torch_mhc::cpu_pre_aggregate_bwd", mutates_args=())
+def _native_pre_bwd(
+    x: torch.Tensor, h: torch.Tensor, da: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _NATIVE.pre_bwd(x, h, da)
+
+
+@_native_pre_bwd.register_fake
+def _(x, h, da):
+    return torch.empty_like(x), torch.empty_like(h)
+
+
+def _native_pre_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _native_pre_backward(ctx, da):
+    x, h = ctx.saved_tensors
+    return torch.ops.torch_mhc.cpu_pre_aggregate_bwd(x, h, da.to(x.dtype).contiguous())
+
+
+_native_pre_fwd.register_autograd(_native_pre_backward, setup_context=_native_pre_setup)
+
+
+@torch.library.custom_op("torch_mhc::cpu_post_merge_fwd", mutates_args=())
+def _native_merge_fwd(
+    x: torch.Tensor, f: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor
+) -> torch.Tensor:
+    return _NATIVE.merge_fwd(x, f, h_post, h_res)
+
+
+@_native_merge_fwd.register_fake
+def _(x, f, h_post, h_res):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("torch_mhc::cpu_post_merge_bwd", mutates_args=())
+def _native_merge_bwd(
+    x: torch.Tensor, f: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor,
+    g: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _NATIVE.merge_bwd(x, f, h_post, h_res, g)
+
+
+@_native_merge_bwd.register_fake
+def _(x, f, h_post, h_res, g):
+    return (
+        torch.empty_like(x), torch.empty_like(f),
+        torch.empty_like(h_post), torch.empty_like(h_res),
+    )
+
+
+def _native_merge_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _native_merge_backward(ctx, g):
+    x, f, h_post, h_res = ctx.saved_tensors
+    return torch.ops.torch_mhc.cpu_post_merge_bwd(
+        x, f, h_post, h_res, g.to(x.dtype).contiguous()
+    )
+
+
+_native_merge_fwd.register_autograd(_native_merge_backward, setup_context=_native_merge_setup)
+
+
+@torch.library.custom_op("torch_mhc::cpu_maps_dx", mutates_args=())
+def _native_maps_dx(
+    x: torch.Tensor, dz: torch.Tensor, phit: torch.Tensor, coef: torch.Tensor
+) -> torch.Tensor:
+    """The maps' dx = coef * x + dz @ phi^T; x [T, n, C], dz [T, M], phit [M, n*C], coef [T]."""
+    return _NATIVE.maps_dx(x, dz, phit, coef)
+
+
+@_native_maps_dx.register_fake
+def _(x, dz, phit, coef):
+    return torch.empty_like(x)
+
+
+def _use_native(x: torch.Tensor) -> bool:
+    return _NATIVE is not None and _native.supports(x)
+
+
 def _check_streams(x: torch.Tensor, what: str) -> None:
     if x.dim() < 2:
         raise ValueError(f"{what} expects streams x [..., n, C], got shape {tuple(x.shape)}")
@@ -284,6 +395,9 @@ def pre_aggregate(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"pre_aggregate expects h_pre of shape {tuple(x.shape[:-1])}, got {tuple(h_pre.shape)}"
         )
+    if _use_native(x):
+        h = h_pre.reshape(-1, n).to(torch.float32).contiguous()
+        return _native_pre_fwd(x.reshape(-1, n, c).contiguous(), h).reshape(*lead, c)
     h = h_pre.to(x.dtype).reshape(-1, n)
     return _PreAggregate.apply(x.reshape(-1, n, c), h).reshape(*lead, c)
 
@@ -301,6 +415,14 @@ def post_merge(
                 f"post_merge expects {name} of shape {expected[name]} for x of shape "
                 f"{tuple(x.shape)}, got {tuple(tensor.shape)}"
             )
+    if _use_native(x):
+        out = _native_merge_fwd(
+            x.reshape(-1, n, c).contiguous(),
+            f.to(x.dtype).reshape(-1, c).contiguous(),
+            h_post.reshape(-1, n).to(torch.float32).contiguous(),
+            h_res.reshape(-1, n, n).to(torch.float32).contiguous(),
+        )
+        return out.reshape(x.shape)
     out = _PostMerge.apply(
         x.reshape(-1, n, c),
         f.to(x.dtype).reshape(-1, c),

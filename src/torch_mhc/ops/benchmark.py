@@ -1,0 +1,129 @@
+"""Time one mHC connection's ops, forward + backward, per implementation, in one process.
+
+    python -m torch_mhc.ops.benchmark --tokens 2048 --streams 4 --dim 512 --impls reference cpu
+
+For each implementation: maps + pre-aggregation + post-merge, forward and backward with a
+random upstream gradient, around an identity branch (so only the connection is timed),
+against the plain residual's x + f on the same tokens. Runs alternate between the
+implementations and the median is reported, which keeps a shared machine's load from
+favouring one of them. Prints JSON, then a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from . import get_impl
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _connection_step(impl: str, tokens: int, n: int, c: int, dtype: torch.dtype, device: str):
+    """A closure running one forward + backward of the connection's ops."""
+    g = torch.Generator().manual_seed(0)
+    m = n * n + 2 * n
+    x = torch.randn(tokens, n, c, generator=g).to(device=device, dtype=dtype).requires_grad_()
+    params = [
+        (torch.randn(n * c, m, generator=g) / (n * c) ** 0.5),
+        torch.full((3,), 0.5),
+        torch.zeros(n),
+        torch.zeros(n),
+        torch.randn(n, n, generator=g),
+    ]
+    params = [p.to(device).requires_grad_() for p in params]
+    upstream = torch.randn(tokens, n, c, generator=g).to(device=device, dtype=dtype)
+    ops = get_impl(impl, device, dtype)
+
+    def step():
+        h_pre, h_post, h_res = ops.mhc_maps(x, *params)
+        f = ops.pre_aggregate(x, h_pre)  # identity branch
+        ops.post_merge(x, f, h_post, h_res).backward(upstream)
+
+    return step
+
+
+def _residual_step(tokens: int, c: int, dtype: torch.dtype, device: str):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, c, generator=g).to(device=device, dtype=dtype).requires_grad_()
+    upstream = torch.randn(tokens, c, generator=g).to(device=device, dtype=dtype)
+
+    def step():
+        (x + x * 1.0).backward(upstream)  # x + F(x) with a (nearly free) branch
+
+    return step
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(
+    impls: list[str],
+    tokens: int = 2048,
+    streams: int = 4,
+    dim: int = 512,
+    dtype: str = "float32",
+    device: str = "cpu",
+    repeats: int = 15,
+    warmup: int = 2,
+) -> dict:
+    """Median milliseconds of each implementation's connection step and of the residual."""
+    dt = _DTYPES[dtype]
+    steps = {name: _connection_step(name, tokens, streams, dim, dt, device) for name in impls}
+    steps["residual"] = _residual_step(tokens, dim, dt, device)
+    times = {name: [] for name in steps}
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    for _ in range(repeats):
+        for name, step in steps.items():  # interleaved: load changes hit every entry alike
+            _sync(device)
+            t0 = time.perf_counter()
+            step()
+            _sync(device)
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {
+        "config": {"tokens": tokens, "streams": streams, "dim": dim, "dtype": dtype,
+                   "device": device, "threads": torch.get_num_threads(), "repeats": repeats},
+        "median_ms": {name: statistics.median(ts) for name, ts in times.items()},
+        "min_ms": {name: min(ts) for name, ts in times.items()},
+    }
+
+
+def markdown(result: dict) -> str:
+    med, mins = result["median_ms"], result["min_ms"]
+    base = med.get("reference")
+    lines = ["| ops | median ms | min ms | vs reference |", "|---|---:|---:|---:|"]
+    for name, ms in med.items():
+        ratio = f"{base / ms:.2f}x faster" if base and name != "reference" else ""
+        lines.append(f"| {name} | {ms:.2f} | {mins[name]:.2f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--impls", nargs="+", default=["reference", "cpu"])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    result = measure(args.impls, args.tokens, args.streams, args.dim, args.dtype, args.device,
+                     args.repeats)
+    print(json.dumps(result, indent=2))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
