@@ -72,7 +72,7 @@ def cpu_path(request, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize(
     "tokens, n, c",
     [((7,), 4, 100), ((2, 5), 3, 100), ((63,), 8, 16), ((1,), 1, 8), ((5,), 2, 33)],
@@ -81,13 +81,46 @@ def test_mhc_maps_match_reference(tokens, n, c, dtype, cpu_path):
     inputs = maps_inputs(tokens, n, c, dtype)
     out_ref, grad_ref = run(reference.mhc_maps, inputs)
     out_cpu, grad_cpu = run(cpu.mhc_maps, clone_inputs(inputs))
+    maps_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     for a, e in zip(out_cpu, out_ref, strict=True):
-        assert a.dtype == e.dtype == torch.float32
-        assert_close(a, e, TOL[torch.float32])
+        assert a.dtype == e.dtype == maps_dtype
+        assert_close(a, e, TOL[maps_dtype])
     for a, e, name in zip(grad_cpu, grad_ref, ("x", "phi", "alpha", "b_pre", "b_post", "b_res"),
                           strict=True):
         assert a.dtype == e.dtype, name
-        assert_close(a, e, TOL[dtype] if name == "x" else 1e-4)
+        assert_close(a, e, TOL[dtype] if name == "x" or dtype == torch.float64 else 1e-4)
+
+
+def _maps_then_pre(*args, **kw):
+    h_pre, h_post, h_res = reference.mhc_maps(*args, **kw)
+    return h_pre, h_post, h_res, reference.pre_aggregate(args[0], h_pre)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("tokens, n, c", [((7,), 4, 100), ((3, 21), 3, 100), ((63,), 8, 16)])
+def test_fused_maps_and_pre_aggregation_match_reference(tokens, n, c, dtype, cpu_path):
+    """mhc_maps_pre: one node whose backward writes dx once (maps' and aggregation's shares)."""
+    inputs = maps_inputs(tokens, n, c, dtype, seed=5)
+    kw = dict(sinkhorn_iters=7, pre_eps=1e-2)
+    out_ref, grad_ref = run(lambda *a: _maps_then_pre(*a, **kw), inputs)
+    out_cpu, grad_cpu = run(lambda *a: cpu.mhc_maps_pre(*a, **kw), clone_inputs(inputs))
+    maps_tol = 1e-12 if dtype == torch.float64 else 2e-5
+    for a, e, tol in zip(out_cpu, out_ref, (maps_tol,) * 3 + (TOL[dtype],), strict=True):
+        assert a.dtype == e.dtype
+        assert_close(a, e, tol)
+    for a, e, name in zip(grad_cpu, grad_ref, ("x", "phi", "alpha", "b_pre", "b_post", "b_res"),
+                          strict=True):
+        assert a.dtype == e.dtype, name
+        # bf16: the reference rounds H_pre to bf16 before aggregating; the cpu path does not.
+        exact = name == "x" or dtype != torch.float32
+        assert_close(a, e, TOL[dtype] if exact else 1e-4)
+
+
+def test_fused_maps_and_pre_aggregation_gradcheck_float64(cpu_path):
+    inputs = [t.detach().double().requires_grad_() for t in maps_inputs((3,), 3, 5, torch.float32)]
+    assert torch.autograd.gradcheck(
+        lambda *a: cpu.mhc_maps_pre(*a, sinkhorn_iters=3, pre_eps=1e-3), inputs
+    )
 
 
 def test_mhc_maps_with_deepseek_epsilons_and_few_iterations(cpu_path):
@@ -203,7 +236,8 @@ def _native_op_samples():
         "cpu_pre_aggregate_bwd": (x, h_pre, f),
         "cpu_post_merge_fwd": (x, f, h_post, h_res),
         "cpu_post_merge_bwd": (x, f, h_post, h_res, torch.randn_like(x)),
-        "cpu_maps_dx": (x, torch.randn(5, m), torch.randn(m, 60), torch.randn(5)),
+        "cpu_maps_dx": (x, torch.randn(5, m), torch.randn(m, 60), torch.randn(5), h_pre, f),
+        "cpu_pre_aggregate_dh": (x, f),
     }
 
 
@@ -317,6 +351,14 @@ def test_connection_cpu_compiles_fullgraph(cpu_path):
     for a, e in zip(torch.autograd.grad(out_c, params, g), torch.autograd.grad(out_e, params, g),
                     strict=True):
         assert_close(a, e, 1e-6)
+
+
+def test_every_implementation_has_a_maps_pre_op():
+    inputs = maps_inputs((4,), 3, 10, torch.float32)
+    expected = _maps_then_pre(*inputs)
+    for name in ("reference", "cpu"):
+        for a, e in zip(ops.get_impl(name).mhc_maps_pre(*inputs), expected, strict=True):
+            assert_close(a.detach(), e.detach(), 2e-6)
 
 
 def test_get_impl_selection(monkeypatch):

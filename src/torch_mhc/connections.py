@@ -123,12 +123,12 @@ class _Connection(nn.Module):
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         self._check_input(x)
         ops = _ops.get_impl(self.impl, x.device, x.dtype)
-        h_pre, h_post, h_res = self.maps(x)
+        h_pre, h_post, h_res, h_in = self.maps(x, with_pre=True)
         if self.check_finite:
             self._check_maps(h_pre, h_post, h_res)
         if _diag.ACTIVE is not None:
             _diag.ACTIVE.record(self, h_res)
-        f = self.branch(ops.pre_aggregate(x, h_pre), *args, **kwargs)
+        f = self.branch(h_in, *args, **kwargs)
         return ops.post_merge(x, f, h_post, h_res)
 
     def no_weight_decay(self) -> set[str]:
@@ -190,11 +190,14 @@ class HyperConnection(_Connection):
             self.register_buffer("s_alpha", torch.tensor(0.0))
             self.register_buffer("s_beta", torch.tensor(0.0))
 
-    def maps(self, x: torch.Tensor):
-        return _ops.get_impl(self.impl, x.device, x.dtype).hc_maps(
+    def maps(self, x: torch.Tensor, with_pre: bool = False):
+        """H_pre, H_post, H_res; with_pre=True appends the branch input sum_j H_pre[j] x[j]."""
+        ops = _ops.get_impl(self.impl, x.device, x.dtype)
+        maps = ops.hc_maps(
             x, self.w, self.s_alpha, self.s_beta,
             self.static_pre, self.static_post, self.static_res, self.norm_eps,
         )
+        return (*maps, ops.pre_aggregate(x, maps[0])) if with_pre else maps
 
     def no_weight_decay(self) -> set[str]:
         names = {"static_pre", "static_post", "static_res"}
@@ -246,8 +249,11 @@ class ManifoldHyperConnection(_Connection):
         self.b_post = nn.Parameter(torch.zeros(n))  # 2 sigmoid(0) = 1
         self.b_res = nn.Parameter(_res_bias(n, res_init_diag))
 
-    def maps(self, x: torch.Tensor):
-        return _ops.get_impl(self.impl, x.device, x.dtype).mhc_maps(
+    def maps(self, x: torch.Tensor, with_pre: bool = False):
+        """H_pre, H_post, H_res; with_pre=True appends the branch input sum_j H_pre[j] x[j]
+        (one fused op where the implementation has one)."""
+        ops = _ops.get_impl(self.impl, x.device, x.dtype)
+        return (ops.mhc_maps_pre if with_pre else ops.mhc_maps)(
             x, self.phi, self.alpha, self.b_pre, self.b_post, self.b_res,
             self.sinkhorn_iters, self.norm_eps, self.sinkhorn_eps, self.pre_eps,
         )

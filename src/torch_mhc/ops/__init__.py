@@ -1,12 +1,14 @@
 """One op interface, several implementations, chosen by device and overridable.
 
-Every implementation provides the same five functions with the same contracts as
+Every implementation provides the same six functions with the same contracts as
 `ops.reference` (the plain-torch oracle):
 
     mhc_maps(x, phi, alpha, b_pre, b_post, b_res, sinkhorn_iters=20, norm_eps=1e-6,
              sinkhorn_eps=0.0, pre_eps=0.0)    -> H_pre [..., n], H_post [..., n], H_res [..., n, n]
     hc_maps(x, w, s_alpha, s_beta, static_pre, static_post, static_res, norm_eps=1e-6)
                                               -> the same three maps, HC's definition
+    mhc_maps_pre(same arguments as mhc_maps)  -> H_pre, H_post, H_res, pre_aggregate(x, H_pre)
+                                              (one node: an implementation may fuse them)
     pre_aggregate(x, h_pre)                   -> [..., C]     sum_j H_pre[j] x[j]
     post_merge(x, f, h_post, h_res)           -> [..., n, C]  H_res x + H_post^T f
     sinkhorn(logits, iters=20, *, eps=0.0)    -> [..., n, n]
@@ -61,10 +63,11 @@ _MODULES = {
 
 @dataclass(frozen=True)
 class Ops:
-    """The five ops of one implementation (see the module docstring for the contracts)."""
+    """The ops of one implementation (see the module docstring for the contracts)."""
 
     name: str
     mhc_maps: Callable
+    mhc_maps_pre: Callable
     hc_maps: Callable
     pre_aggregate: Callable
     post_merge: Callable
@@ -118,6 +121,16 @@ def resolve_impl_name(
     return "reference"
 
 
+def _composed_maps_pre(module) -> Callable:
+    """mhc_maps then pre_aggregate, for implementations without a fused mhc_maps_pre."""
+
+    def mhc_maps_pre(x, *args, **kwargs):
+        h_pre, h_post, h_res = module.mhc_maps(x, *args, **kwargs)
+        return h_pre, h_post, h_res, module.pre_aggregate(x, h_pre)
+
+    return mhc_maps_pre
+
+
 def get_impl(
     name: str = "auto",
     device: torch.device | str | None = None,
@@ -136,6 +149,7 @@ def get_impl(
         ops = Ops(
             name=resolved,
             mhc_maps=module.mhc_maps,
+            mhc_maps_pre=getattr(module, "mhc_maps_pre", None) or _composed_maps_pre(module),
             hc_maps=module.hc_maps,
             pre_aggregate=module.pre_aggregate,
             post_merge=module.post_merge,

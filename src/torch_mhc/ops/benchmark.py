@@ -97,12 +97,15 @@ def measure(
 
 
 def markdown(result: dict) -> str:
+    """One row per implementation (and the residual): median and min ms, speed-up."""
     med, mins = result["median_ms"], result["min_ms"]
     base = med.get("reference")
-    lines = ["| ops | median ms | min ms | vs reference |", "|---|---:|---:|---:|"]
+    lines = ["| connection ops | median ms | min ms | speed-up vs reference |",
+             "|---|---:|---:|---:|"]
     for name, ms in med.items():
-        ratio = f"{base / ms:.2f}x faster" if base and name != "reference" else ""
-        lines.append(f"| {name} | {ms:.2f} | {mins[name]:.2f} | {ratio} |")
+        ratio = f"{base / ms:.2f}x" if base and name not in ("reference", "residual") else ""
+        label = "residual x + f" if name == "residual" else name
+        lines.append(f"| {label} | {ms:.2f} | {mins[name]:.2f} | {ratio} |")
     return "\n".join(lines)
 
 

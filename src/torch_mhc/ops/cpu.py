@@ -28,7 +28,7 @@ import torch
 from . import cpu_native as _native
 from . import reference as _ref
 
-__all__ = ["mhc_maps", "hc_maps", "pre_aggregate", "post_merge", "sinkhorn"]
+__all__ = ["mhc_maps", "mhc_maps_pre", "hc_maps", "pre_aggregate", "post_merge", "sinkhorn"]
 
 hc_maps = _ref.hc_maps  # HC's maps are a few small ops; nothing to fuse on the CPU
 
@@ -112,10 +112,17 @@ def sinkhorn(logits: torch.Tensor, iters: int = 20, *, eps: float = 0.0) -> torc
 
 
 class _MhcMaps(torch.autograd.Function):
-    """Inputs x [T, n, C] (any float dtype) and the parameters; outputs in the maps dtype."""
+    """Maps of x [T, n, C] (any float dtype), in the maps dtype; with_pre=True also returns
+    the pre-aggregation a = sum_j H_pre[j] x[j] in x's dtype.
+
+    With the aggregation inside, the backward writes dx once: coef * x + dz @ phi^T (the
+    maps' share) + H_pre[j] da (the aggregation's share), instead of autograd adding two
+    [T, n, C] gradients.
+    """
 
     @staticmethod
-    def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, iters, norm_eps, sk_eps, pre_eps):
+    def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, iters, norm_eps, sk_eps, pre_eps,
+                with_pre):
         t, n, c = x.shape
         k = n * c
         cdt = _maps_dtype(x.dtype)
@@ -135,20 +142,27 @@ class _MhcMaps(torch.autograd.Function):
         h_res = _sinkhorn_fwd_tl(ht[2 * n :].reshape(n, n, t).clone(), iters, sk_eps)  # [n, n, T]
         # Saved: the logits and the RMS, M + 1 numbers per token besides x and the parameters.
         ctx.save_for_backward(x, phi, alpha, lt, r, ht, a_rows)
-        ctx.iters, ctx.sk_eps = iters, sk_eps
+        ctx.iters, ctx.sk_eps, ctx.pre_eps = iters, sk_eps, pre_eps
         ctx.b_dtypes = (b_pre.dtype, b_post.dtype, b_res.dtype)
         # Token-last results seen as [T, ...]; consumers that need contiguity copy (tiny).
-        return h_pre.t(), h_post.t(), h_res.permute(2, 0, 1)
+        maps = (h_pre.t(), h_post.t(), h_res.permute(2, 0, 1))
+        if not with_pre:
+            return maps
+        return (*maps, _pre_forward(x, h_pre.t()))
 
     @staticmethod
-    def backward(ctx, g_pre, g_post, g_res):
+    def backward(ctx, g_pre, g_post, g_res, g_a=None):
         x, phi, alpha, lt, r, ht, a_rows = ctx.saved_tensors
         b_dtypes = ctx.b_dtypes
         t, n, c = x.shape
         k = n * c
         cdt = lt.dtype
-        d_ht = torch.zeros_like(ht)  # [M, T] dL/dH~
         s = torch.sigmoid(ht[: 2 * n])  # [2n, T]: pre rows, then post rows
+        h_pre = s[:n].t() + ctx.pre_eps  # [T, n]
+        if g_a is not None:  # the aggregation's share of dL/dH_pre
+            dh = _pre_dh(x, g_a)
+            g_pre = dh if g_pre is None else g_pre + dh
+        d_ht = torch.zeros_like(ht)  # [M, T] dL/dH~
         ds = s * (1.0 - s)
         if g_pre is not None:
             d_ht[:n] = g_pre.t() * ds[:n]
@@ -169,13 +183,17 @@ class _MhcMaps(torch.autograd.Function):
         d_zt = d_lt.div_(r)  # [M, T]
         v = x.reshape(t, k).to(cdt)
         phi_c = phi.to(cdt)
-        if _use_native(x):  # one pass: x in, dx out (in x's dtype)
+        if _use_native(x):  # one pass: x (and da) in, dx out in x's dtype
+            ga = None if g_a is None else g_a.to(x.dtype).contiguous()
             dx = torch.ops.torch_mhc.cpu_maps_dx(
-                x.contiguous(), d_zt.t().contiguous(), phi_c.t().contiguous(), coef
+                x.contiguous(), d_zt.t().contiguous(), phi_c.t().contiguous(), coef,
+                h_pre.to(torch.float32).contiguous(), ga,
             )
         else:
-            dv = torch.mm(d_zt.t(), phi_c.t())  # [T, K]
-            dx = dv.addcmul_(v, coef.unsqueeze(-1)).reshape(t, n, c).to(x.dtype)
+            dv = torch.mm(d_zt.t(), phi_c.t()).addcmul_(v, coef.unsqueeze(-1))  # [T, K]
+            if g_a is not None:
+                dv.view(t, n, c).addcmul_(h_pre.unsqueeze(-1), g_a.to(cdt).unsqueeze(-2))
+            dx = dv.reshape(t, n, c).to(x.dtype)
         d_phi = torch.mm(d_zt, v).t()  # [K, M]
         return (
             dx,
@@ -184,8 +202,24 @@ class _MhcMaps(torch.autograd.Function):
             d_b[:n].to(b_dtypes[0]),
             d_b[n : 2 * n].to(b_dtypes[1]),
             d_b[2 * n :].reshape(n, n).to(b_dtypes[2]),
-            None, None, None, None,
+            None, None, None, None, None,
         )
+
+
+def _pre_forward(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """sum_j h[t, j] x[t, j] for x [T, n, C], h [T, n] (maps dtype), no autograd."""
+    if _use_native(x):
+        return torch.ops.torch_mhc.cpu_pre_aggregate_fwd(
+            x.contiguous(), h.to(torch.float32).contiguous()
+        )
+    return torch.bmm(h.to(x.dtype).unsqueeze(-2), x).squeeze(-2)
+
+
+def _pre_dh(x: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
+    """dL/dh of the pre-aggregation: <x[t, j], da[t]> -> [T, n] in the maps dtype."""
+    if _use_native(x):
+        return torch.ops.torch_mhc.cpu_pre_aggregate_dh(x.contiguous(), da.to(x.dtype).contiguous())
+    return _rowdot(x, da.to(x.dtype)).to(_maps_dtype(x.dtype))
 
 
 def _alpha_rows(alpha: torch.Tensor, n: int) -> torch.Tensor:
@@ -214,9 +248,33 @@ def mhc_maps(
     lead, (n, c) = x.shape[:-2], x.shape[-2:]
     h_pre, h_post, h_res = _MhcMaps.apply(
         x.reshape(-1, n, c), phi, alpha, b_pre, b_post, b_res,
-        int(sinkhorn_iters), float(norm_eps), float(sinkhorn_eps), float(pre_eps),
+        int(sinkhorn_iters), float(norm_eps), float(sinkhorn_eps), float(pre_eps), False,
     )
     return h_pre.reshape(*lead, n), h_post.reshape(*lead, n), h_res.reshape(*lead, n, n)
+
+
+def mhc_maps_pre(
+    x: torch.Tensor,
+    phi: torch.Tensor,
+    alpha: torch.Tensor,
+    b_pre: torch.Tensor,
+    b_post: torch.Tensor,
+    b_res: torch.Tensor,
+    sinkhorn_iters: int = 20,
+    norm_eps: float = 1e-6,
+    sinkhorn_eps: float = 0.0,
+    pre_eps: float = 0.0,
+):
+    """mhc_maps plus pre_aggregate(x, H_pre) as one autograd node (one dx in backward)."""
+    lead, (n, c) = x.shape[:-2], x.shape[-2:]
+    h_pre, h_post, h_res, a = _MhcMaps.apply(
+        x.reshape(-1, n, c), phi, alpha, b_pre, b_post, b_res,
+        int(sinkhorn_iters), float(norm_eps), float(sinkhorn_eps), float(pre_eps), True,
+    )
+    return (
+        h_pre.reshape(*lead, n), h_post.reshape(*lead, n), h_res.reshape(*lead, n, n),
+        a.reshape(*lead, c),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,15 +425,28 @@ _native_merge_fwd.register_autograd(_native_merge_backward, setup_context=_nativ
 
 @torch.library.custom_op("torch_mhc::cpu_maps_dx", mutates_args=())
 def _native_maps_dx(
-    x: torch.Tensor, dz: torch.Tensor, phit: torch.Tensor, coef: torch.Tensor
+    x: torch.Tensor, dz: torch.Tensor, phit: torch.Tensor, coef: torch.Tensor,
+    h_pre: torch.Tensor | None, ga: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The maps' dx = coef * x + dz @ phi^T; x [T, n, C], dz [T, M], phit [M, n*C], coef [T]."""
-    return _NATIVE.maps_dx(x, dz, phit, coef)
+    """dx = coef * x + dz @ phi^T (+ h_pre[j] ga on stream j): x [T, n, C], dz [T, M],
+    phit [M, n*C], coef [T], h_pre [T, n], ga [T, C]."""
+    return _NATIVE.maps_dx(x, dz, phit, coef, h_pre, ga)
 
 
 @_native_maps_dx.register_fake
-def _(x, dz, phit, coef):
+def _(x, dz, phit, coef, h_pre, ga):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("torch_mhc::cpu_pre_aggregate_dh", mutates_args=())
+def _native_pre_dh(x: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
+    """dh[t, j] = <x[t, j], da[t]> in float32 (the pre-aggregation's dL/dH_pre)."""
+    return _NATIVE.pre_dh(x, da)
+
+
+@_native_pre_dh.register_fake
+def _(x, da):
+    return x.new_empty((x.shape[0], x.shape[1]), dtype=torch.float32)
 
 
 def _use_native(x: torch.Tensor) -> bool:

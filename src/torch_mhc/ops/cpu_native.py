@@ -196,9 +196,11 @@ INLINE void pre_bwd_##SUF##_impl(const T* restrict x, const float* restrict h,  
         ROWS(at, da + t * C, C, buf);                                                        \
         ROWS(xt, x + t * n * C, n * C, buf + C);                                             \
         for (int64_t j = 0; j < n; ++j) {                                                    \
-            const float hj = h[t * n + j];                                                   \
-            T* dxj = dx + (t * n + j) * C;                                                   \
-            for (int64_t c = 0; c < C; ++c) ST(dxj, c, hj * at[c]);                          \
+            if (dx) {  /* NULL: only dh (the fused maps backward writes dx) */               \
+                const float hj = h[t * n + j];                                               \
+                T* dxj = dx + (t * n + j) * C;                                               \
+                for (int64_t c = 0; c < C; ++c) ST(dxj, c, hj * at[c]);                      \
+            }                                                                                \
             rows[j] = xt + j * C;                                                            \
         }                                                                                    \
         dots(at, rows, n, C, dh + t * n);                                                    \
@@ -206,27 +208,40 @@ INLINE void pre_bwd_##SUF##_impl(const T* restrict x, const float* restrict h,  
     free(buf);                                                                               \
 }                                                                                            \
                                                                                              \
-/* nt (<= 8) tokens from t of maps_dx; nt is a constant 8 for full blocks after inlining. */ \
+/* nt (<= 8) tokens from t of maps_dx; nt is a constant 8 for full blocks after inlining.   \
+   Walks stream by stream so that the optional pre-aggregation term h_pre[t, j] ga[t]      \
+   (the same pass's other gradient of x) lines up with channel c. */                         \
 INLINE void maps_dx_block_##SUF(const T* restrict x, const float* restrict dz,               \
                                 const float* restrict phit, const float* restrict coef,      \
+                                const float* restrict hp, const T* restrict ga,              \
                                 T* restrict dx, int64_t t, int64_t nt, int64_t M,            \
-                                int64_t K) {                                                 \
-    int64_t k = 0;                                                                           \
-    for (; k + 16 <= K; k += 16) {                                                           \
-        v16 acc[nt];                                                                         \
-        for (int64_t u = 0; u < nt; ++u) acc[u] = coef[t + u] * LD16(x + (t + u) * K + k);   \
-        for (int64_t m = 0; m < M; ++m) {                                                    \
-            const v16 p = load16(phit + m * K + k);                                          \
-            for (int64_t u = 0; u < nt; ++u) acc[u] += dz[(t + u) * M + m] * p;              \
+                                int64_t n, int64_t C) {                                      \
+    const int64_t K = n * C;                                                                 \
+    for (int64_t j = 0; j < n; ++j) {                                                        \
+        int64_t c = 0;                                                                       \
+        for (; c + 16 <= C; c += 16) {                                                       \
+            const int64_t k = j * C + c;                                                     \
+            v16 acc[nt];                                                                     \
+            for (int64_t u = 0; u < nt; ++u)                                                 \
+                acc[u] = coef[t + u] * LD16(x + (t + u) * K + k);                            \
+            if (ga)                                                                          \
+                for (int64_t u = 0; u < nt; ++u)                                             \
+                    acc[u] += hp[(t + u) * n + j] * LD16(ga + (t + u) * C + c);              \
+            for (int64_t m = 0; m < M; ++m) {                                                \
+                const v16 p = load16(phit + m * K + k);                                      \
+                for (int64_t u = 0; u < nt; ++u) acc[u] += dz[(t + u) * M + m] * p;          \
+            }                                                                                \
+            for (int64_t u = 0; u < nt; ++u) ST16(dx + (t + u) * K + k, acc[u]);             \
         }                                                                                    \
-        for (int64_t u = 0; u < nt; ++u) ST16(dx + (t + u) * K + k, acc[u]);                 \
+        for (; c < C; ++c)                                                                   \
+            for (int64_t u = 0; u < nt; ++u) {                                               \
+                const int64_t k = j * C + c;                                                 \
+                float a = coef[t + u] * LD(x + (t + u) * K, k);                              \
+                if (ga) a += hp[(t + u) * n + j] * LD(ga + (t + u) * C, c);                  \
+                for (int64_t m = 0; m < M; ++m) a += dz[(t + u) * M + m] * phit[m * K + k];  \
+                ST(dx + (t + u) * K, k, a);                                                  \
+            }                                                                                \
     }                                                                                        \
-    for (; k < K; ++k)                                                                       \
-        for (int64_t u = 0; u < nt; ++u) {                                                   \
-            float a = coef[t + u] * LD(x + (t + u) * K, k);                                  \
-            for (int64_t m = 0; m < M; ++m) a += dz[(t + u) * M + m] * phit[m * K + k];      \
-            ST(dx + (t + u) * K, k, a);                                                      \
-        }                                                                                    \
 }
 
 DEFINE(f32, float, ld_f32, st_f32, ROWS_F32, ld16_f32, st16_f32)
@@ -251,13 +266,16 @@ void pre_bwd_##SUF(const T* x, const float* h, const T* da, T* dx, float* dh,   
                    int64_t t0, int64_t t1, int64_t n, int64_t C) {                           \
     pre_bwd_##SUF##_impl(x, h, da, dx, dh, t0, t1, n, C);                                    \
 }                                                                                            \
-/* The maps' input gradient dx[t] = coef[t] x[t] + dz[t] @ phi^T, phit = phi^T [M, K]:       \
-   blocks of 8 tokens share each 16-wide slice of phi^T (read from L2 once per block). */    \
-void maps_dx_##SUF(const T* x, const float* dz, const float* phit, const float* coef, T* dx, \
-                   int64_t t0, int64_t t1, int64_t M, int64_t K) {                           \
+/* The maps' input gradient dx[t] = coef[t] x[t] + dz[t] @ phi^T (+ h_pre[t, j] ga[t] on    \
+   stream j when ga is not NULL), phit = phi^T [M, n*C]: blocks of 8 tokens share each       \
+   16-wide slice of phi^T (read from L2 once per block). */                                  \
+void maps_dx_##SUF(const T* x, const float* dz, const float* phit, const float* coef,        \
+                   const float* hp, const T* ga, T* dx,                                      \
+                   int64_t t0, int64_t t1, int64_t M, int64_t n, int64_t C) {                \
     int64_t t = t0;                                                                          \
-    for (; t + 8 <= t1; t += 8) maps_dx_block_##SUF(x, dz, phit, coef, dx, t, 8, M, K);      \
-    if (t < t1) maps_dx_block_##SUF(x, dz, phit, coef, dx, t, t1 - t, M, K);                 \
+    for (; t + 8 <= t1; t += 8)                                                              \
+        maps_dx_block_##SUF(x, dz, phit, coef, hp, ga, dx, t, 8, M, n, C);                   \
+    if (t < t1) maps_dx_block_##SUF(x, dz, phit, coef, hp, ga, dx, t, t1 - t, M, n, C);      \
 }
 
 EXPORT(f32, float)
@@ -317,22 +335,27 @@ class NativeOps:
         self.path = path
         self._lib = ctypes.CDLL(str(path))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        arity = {"merge_fwd": 5, "merge_bwd": 9, "pre_fwd": 3, "pre_bwd": 5, "maps_dx": 5}
-        for name, n_ptrs in arity.items():
+        # Pointer arguments, then t0, t1 and the sizes: (n, C), or (M, n, C) for maps_dx.
+        arity = {"merge_fwd": (5, 2), "merge_bwd": (9, 2), "pre_fwd": (3, 2),
+                 "pre_bwd": (5, 2), "maps_dx": (7, 3)}
+        for name, (n_ptrs, n_sizes) in arity.items():
             for suffix in _SUFFIX.values():
                 fn = getattr(self._lib, f"{name}_{suffix}")
-                fn.argtypes = [p] * n_ptrs + [i64] * 4
+                fn.argtypes = [p] * n_ptrs + [i64] * (2 + n_sizes)
                 fn.restype = None
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
 
-    def _run(self, name: str, dtype: torch.dtype, tensors: list[torch.Tensor], tokens: int,
-             n: int, c: int) -> None:
+    def _run(self, name: str, dtype: torch.dtype, tensors: list, tokens: int, *sizes: int):
+        """Call name_<dtype>(pointers..., t0, t1, *sizes) over [0, tokens) on the pool.
+
+        A None among tensors passes NULL (an optional operand).
+        """
         fn = getattr(self._lib, f"{name}_{_SUFFIX[dtype]}")
-        ptrs = [t.data_ptr() for t in tensors]
+        ptrs = [None if t is None else t.data_ptr() for t in tensors]
         threads = max(1, min(torch.get_num_threads(), tokens // _MIN_TOKENS_PER_THREAD))
         if threads == 1:
-            fn(*ptrs, 0, tokens, n, c)
+            fn(*ptrs, 0, tokens, *sizes)
             return
         if self._pool is None or self._pool_size != threads:
             if self._pool is not None:
@@ -340,7 +363,7 @@ class NativeOps:
             self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="torch_mhc")
             self._pool_size = threads
         bounds = [tokens * k // threads for k in range(threads + 1)]
-        futures = [self._pool.submit(fn, *ptrs, bounds[k], bounds[k + 1], n, c)
+        futures = [self._pool.submit(fn, *ptrs, bounds[k], bounds[k + 1], *sizes)
                    for k in range(threads)]
         for fut in futures:
             fut.result()
@@ -365,12 +388,12 @@ class NativeOps:
         self._run("pre_fwd", x.dtype, [x, h, out], t, n, c)
         return out
 
-    def maps_dx(self, x, dz, phit, coef):
-        """coef[t] x[t] + dz[t] @ phit for x [T, n, C], dz [T, M], phit [M, n*C], coef [T]."""
+    def maps_dx(self, x, dz, phit, coef, h_pre=None, ga=None):
+        """coef[t] x[t] + dz[t] @ phit (+ h_pre[t, j] ga[t] on stream j) for x [T, n, C],
+        dz [T, M], phit [M, n*C], coef [T], h_pre [T, n], ga [T, C]."""
         t, n, c = x.shape
         dx = torch.empty_like(x)
-        # _run's (n, c) arguments carry (M, K) here.
-        self._run("maps_dx", x.dtype, [x, dz, phit, coef, dx], t, dz.shape[1], n * c)
+        self._run("maps_dx", x.dtype, [x, dz, phit, coef, h_pre, ga, dx], t, dz.shape[1], n, c)
         return dx
 
     def pre_bwd(self, x, h, da):
@@ -378,6 +401,13 @@ class NativeOps:
         dx, dh = torch.empty_like(x), torch.empty_like(h)
         self._run("pre_bwd", x.dtype, [x, h, da, dx, dh], t, n, c)
         return dx, dh
+
+    def pre_dh(self, x, da):
+        """pre_bwd's dh alone: <x[t, j], da[t]> -> [T, n] float32."""
+        t, n, c = x.shape
+        dh = x.new_empty((t, n), dtype=torch.float32)
+        self._run("pre_bwd", x.dtype, [x, None, da, None, dh], t, n, c)
+        return dh
 
 
 def supports(*tensors: torch.Tensor) -> bool:
