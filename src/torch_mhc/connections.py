@@ -123,6 +123,8 @@ class _Connection(nn.Module):
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         self._check_input(x)
         ops = _ops.get_impl(self.impl, x.device, x.dtype)
+        # expand_streams' broadcast view: copy once here rather than once inside every op.
+        x = x if x.is_contiguous() else x.contiguous()
         h_pre, h_post, h_res, h_in = self.maps(x, with_pre=True)
         if self.check_finite:
             self._check_maps(h_pre, h_post, h_res)

@@ -1,12 +1,19 @@
-"""Time one mHC connection's ops, forward + backward, per implementation, in one process.
+"""Time the connection ops per implementation, and a training step with each, in one process.
 
     python -m torch_mhc.ops.benchmark --tokens 2048 --streams 4 --dim 512 --impls reference cpu
+    python -m torch_mhc.ops.benchmark --model --dim 512 --layers 8 --impls reference cpu
 
-For each implementation: maps + pre-aggregation + post-merge, forward and backward with a
-random upstream gradient, around an identity branch (so only the connection is timed),
-against the plain residual's x + f on the same tokens. Runs alternate between the
-implementations and the median is reported, which keeps a shared machine's load from
-favouring one of them. Prints JSON, then a markdown table.
+Ops: for each implementation, maps + pre-aggregation + post-merge, forward and backward
+with a random upstream gradient, around an identity branch (so only the connection is
+timed), against the plain residual's x + f on the same tokens.
+--model: one training step (forward, cross-entropy, backward) of the reference LM
+(torch_mhc.model) with residual connections and with mHC under each implementation,
+batch 8 x 256 tokens, as ratios to the residual.
+
+Runs alternate between the entries and the median is reported, which keeps a shared
+machine's load from favouring one of them; --clock process times this process's CPU time
+instead of wall time (steadier when other processes compete for the cores). Prints JSON,
+then a markdown table.
 """
 
 from __future__ import annotations
@@ -58,9 +65,51 @@ def _residual_step(tokens: int, c: int, dtype: torch.dtype, device: str):
     return step
 
 
+def _model_step(impl: str | None, dim: int, layers: int, streams: int, batch: int, seq: int,
+                dtype: torch.dtype, device: str):
+    """A closure running one training step of the reference LM (impl None: residual)."""
+    from ..model import LM, ModelConfig
+    from . import set_default_impl
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(dim=dim, n_layers=layers, n_heads=max(1, dim // 64), max_seq_len=seq,
+                      residual="residual" if impl is None else "mhc", streams=streams)
+    model = LM(cfg).to(device=device, dtype=dtype)
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g).to(device)
+
+    def step():
+        set_default_impl(impl)
+        try:
+            _, loss = model(idx[:, :-1], idx[:, 1:])
+            loss.backward()
+        finally:
+            set_default_impl(None)
+        for p in model.parameters():
+            p.grad = None
+
+    return step
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def _time(steps: dict, repeats: int, warmup: int, device: str, clock: str) -> dict:
+    now = time.process_time if clock == "process" else time.perf_counter
+    times = {name: [] for name in steps}
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    for _ in range(repeats):
+        for name, step in steps.items():  # interleaved: load changes hit every entry alike
+            _sync(device)
+            t0 = now()
+            step()
+            _sync(device)
+            times[name].append((now() - t0) * 1e3)
+    return times
 
 
 def measure(
@@ -72,27 +121,48 @@ def measure(
     device: str = "cpu",
     repeats: int = 15,
     warmup: int = 2,
+    clock: str = "wall",
 ) -> dict:
     """Median milliseconds of each implementation's connection step and of the residual."""
     dt = _DTYPES[dtype]
     steps = {name: _connection_step(name, tokens, streams, dim, dt, device) for name in impls}
     steps["residual"] = _residual_step(tokens, dim, dt, device)
-    times = {name: [] for name in steps}
-    for _ in range(warmup):
-        for step in steps.values():
-            step()
-    for _ in range(repeats):
-        for name, step in steps.items():  # interleaved: load changes hit every entry alike
-            _sync(device)
-            t0 = time.perf_counter()
-            step()
-            _sync(device)
-            times[name].append((time.perf_counter() - t0) * 1e3)
+    times = _time(steps, repeats, warmup, device, clock)
     return {
         "config": {"tokens": tokens, "streams": streams, "dim": dim, "dtype": dtype,
-                   "device": device, "threads": torch.get_num_threads(), "repeats": repeats},
+                   "device": device, "threads": torch.get_num_threads(), "repeats": repeats,
+                   "clock": clock},
         "median_ms": {name: statistics.median(ts) for name, ts in times.items()},
         "min_ms": {name: min(ts) for name, ts in times.items()},
+    }
+
+
+def measure_model(
+    impls: list[str],
+    dim: int = 512,
+    layers: int = 8,
+    streams: int = 4,
+    batch: int = 8,
+    seq: int = 256,
+    dtype: str = "float32",
+    device: str = "cpu",
+    repeats: int = 5,
+    warmup: int = 1,
+    clock: str = "wall",
+) -> dict:
+    """Median ms of a training step, residual and mHC per implementation, and the ratios."""
+    dt = _DTYPES[dtype]
+    steps = {"residual": _model_step(None, dim, layers, streams, batch, seq, dt, device)}
+    for name in impls:
+        steps[f"mhc/{name}"] = _model_step(name, dim, layers, streams, batch, seq, dt, device)
+    times = _time(steps, repeats, warmup, device, clock)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    return {
+        "config": {"dim": dim, "layers": layers, "streams": streams, "batch": batch, "seq": seq,
+                   "dtype": dtype, "device": device, "threads": torch.get_num_threads(),
+                   "repeats": repeats, "clock": clock},
+        "median_ms": med,
+        "ratio_to_residual": {name: ms / med["residual"] for name, ms in med.items()},
     }
 
 
@@ -109,21 +179,38 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def markdown_model(result: dict) -> str:
+    lines = ["| training step | median ms | x residual |", "|---|---:|---:|"]
+    for name, ms in result["median_ms"].items():
+        lines.append(f"| {name} | {ms:.0f} | {result['ratio_to_residual'][name]:.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--model", action="store_true", help="time LM training steps instead")
+    parser.add_argument("--tokens", type=int, default=2048, help="ops: tokens (B*T)")
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8, help="--model: transformer blocks")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--impls", nargs="+", default=["reference", "cpu"])
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=None, help="default 15 (ops), 5 (model)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--clock", choices=["wall", "process"], default="wall")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.model:
+        result = measure_model(args.impls, args.dim, args.layers, args.streams,
+                               dtype=args.dtype, device=args.device,
+                               repeats=args.repeats or 5, clock=args.clock)
+        print(json.dumps(result, indent=2))
+        print(markdown_model(result))
+        return
     result = measure(args.impls, args.tokens, args.streams, args.dim, args.dtype, args.device,
-                     args.repeats)
+                     args.repeats or 15, clock=args.clock)
     print(json.dumps(result, indent=2))
     print(markdown(result))
 
