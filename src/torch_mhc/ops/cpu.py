@@ -43,7 +43,8 @@ def _maps_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _sinkhorn_fwd_tl(h: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Paper Eq. 9 on h [n, n, T]: column softmax, then (rows, columns) alternately."""
+    """Paper Eq. 9 on h [n, n, T]: column softmax (+ eps), rows, then (columns, rows)
+    iters - 1 times, in place on the softmax's output (h is not modified)."""
     m = torch.softmax(h, dim=0)  # the first column step
     if eps:
         m.add_(eps)
@@ -85,7 +86,7 @@ class _Sinkhorn(torch.autograd.Function):
         h = _to_token_last(logits.reshape(-1, n, n).to(cdt))  # [n, n, T]
         ctx.save_for_backward(h)
         ctx.iters, ctx.eps = iters, eps
-        out = _sinkhorn_fwd_tl(h.clone(), iters, eps).permute(2, 0, 1)  # [T, n, n]
+        out = _sinkhorn_fwd_tl(h, iters, eps).permute(2, 0, 1)  # [T, n, n]
         return out.reshape(logits.shape).to(logits.dtype)
 
     @staticmethod
@@ -139,7 +140,7 @@ class _MhcMaps(torch.autograd.Function):
         if pre_eps:
             h_pre.add_(pre_eps)
         h_post = torch.sigmoid(ht[n : 2 * n]).mul_(2.0)  # [n, T]
-        h_res = _sinkhorn_fwd_tl(ht[2 * n :].reshape(n, n, t).clone(), iters, sk_eps)  # [n, n, T]
+        h_res = _sinkhorn_fwd_tl(ht[2 * n :].reshape(n, n, t), iters, sk_eps)  # [n, n, T]
         # Saved: the logits and the RMS, M + 1 numbers per token besides x and the parameters.
         ctx.save_for_backward(x, phi, alpha, lt, r, ht, a_rows)
         ctx.iters, ctx.sk_eps, ctx.pre_eps = iters, sk_eps, pre_eps
