@@ -258,7 +258,7 @@ def test_clear_errors_for_unsupported_inputs(monkeypatch):
     x, f, h_pre, h_post, h_res = merge_inputs((3,), 3, 5, torch.float32)
     with pytest.raises(TypeError, match="float32, float16 and bfloat16.*float64"):
         tri.pre_aggregate(x.double(), h_pre)
-    monkeypatch.setattr(tri, "interpreted", lambda: False)
+    monkeypatch.setattr(tri, "_INTERPRETED", False)
     with pytest.raises(RuntimeError, match="needs CUDA tensors.*TRITON_INTERPRET=1"):
         tri.post_merge(x.cpu(), f.cpu(), h_post.cpu(), h_res.cpu())
 

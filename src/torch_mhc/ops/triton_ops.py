@@ -38,9 +38,14 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _F32 = torch.float32
 
 
+# Decided when triton_kernels was imported; a constant, so torch.compile never traces a
+# check on the kernel objects themselves.
+_INTERPRETED = not isinstance(_k.merge_fwd_kernel, triton.runtime.jit.JITFunction)
+
+
 def interpreted() -> bool:
-    """True when the kernels run in Triton's interpreter (decided when they were imported)."""
-    return not isinstance(_k.merge_fwd_kernel, triton.runtime.jit.JITFunction)
+    """True when the kernels run in Triton's interpreter (CPU tensors allowed)."""
+    return _INTERPRETED
 
 
 def _padded(n: int) -> int:
@@ -73,7 +78,7 @@ def _check(name: str, *tensors: Tensor) -> None:
                 f"triton {name} supports float32, float16 and bfloat16 tensors, got {t.dtype}; "
                 "use impl='cpu' or 'reference' for other dtypes"
             )
-        if t.device.type != "cuda" and not interpreted() and t.device.type != "meta":
+        if t.device.type not in ("cuda", "meta") and not _INTERPRETED:
             raise RuntimeError(
                 f"triton {name} needs CUDA tensors, got a tensor on {t.device}; use impl='cpu', "
                 "or set TRITON_INTERPRET=1 before torch_mhc.ops.triton_kernels is imported "
