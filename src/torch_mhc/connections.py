@@ -36,6 +36,7 @@ from torch import nn
 
 from . import diagnostics as _diag
 from . import ops as _ops
+from . import recompute as _recompute
 
 __all__ = [
     "Residual",
@@ -122,16 +123,27 @@ class _Connection(nn.Module):
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         self._check_input(x)
-        ops = _ops.get_impl(self.impl, x.device, x.dtype)
         # expand_streams' broadcast view: copy once here rather than once inside every op.
         x = x if x.is_contiguous() else x.contiguous()
+        if _recompute.ACTIVE is not None and torch.is_grad_enabled():
+            return _recompute.ACTIVE.run(self, x, args, kwargs)
+        h_in, state = self.mix_in(x)
+        f = self.branch(h_in, *args, **kwargs)
+        return self.mix_out(x, f, state)
+
+    def mix_in(self, x: torch.Tensor):
+        """Maps and pre-aggregation: x [..., n, C] -> (h_in [..., C], (H_post, H_res))."""
         h_pre, h_post, h_res, h_in = self.maps(x, with_pre=True)
         if self.check_finite:
             self._check_maps(h_pre, h_post, h_res)
         if _diag.ACTIVE is not None:
             _diag.ACTIVE.record(self, h_res)
-        f = self.branch(h_in, *args, **kwargs)
-        return ops.post_merge(x, f, h_post, h_res)
+        return h_in, (h_post, h_res)
+
+    def mix_out(self, x: torch.Tensor, f: torch.Tensor, state) -> torch.Tensor:
+        """Post-and-merge: H_res x + H_post^T f -> [..., n, C]."""
+        h_post, h_res = state
+        return _ops.get_impl(self.impl, x.device, x.dtype).post_merge(x, f, h_post, h_res)
 
     def no_weight_decay(self) -> set[str]:
         """Names (relative to this module) of the static maps and gates."""

@@ -25,6 +25,7 @@ the two branches (pre-norm + sublayer), Block, LM.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass, fields
 
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .connections import CONNECTION_KINDS, expand_streams, make_connection, reduce_streams
+from .recompute import optimal_interval, recompute_streams
 
 __all__ = ["ModelConfig", "KVCache", "LM"]
 
@@ -60,6 +62,8 @@ class ModelConfig:
     init_std: float = 0.02
     tie_embeddings: bool = True
     check_finite: bool = False  # connections raise if a map holds NaN/Inf (costs a sync)
+    recompute: bool = False  # recompute the connections' stream arithmetic in backward
+    recompute_interval: int = 0  # connections per recompute group; 0: round(sqrt(nL/(n+2)))
 
     def __post_init__(self) -> None:
         self.validate()
@@ -92,7 +96,14 @@ class ModelConfig:
             raise ValueError(
                 f"dim * mlp_ratio must give an MLP width >= 1, got {self.dim} * {self.mlp_ratio}"
             )
-        for name in ("tie_embeddings", "check_finite"):
+        if isinstance(self.recompute_interval, bool) or not isinstance(
+            self.recompute_interval, int
+        ) or self.recompute_interval < 0:
+            raise ValueError(
+                "ModelConfig.recompute_interval must be an integer >= 0 (0: the optimal "
+                f"interval), got {self.recompute_interval!r}"
+            )
+        for name in ("tie_embeddings", "check_finite", "recompute"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ModelConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -387,8 +398,11 @@ class LM(nn.Module):
 
         h = self.tok_emb(idx)  # [B, T, C]
         x = expand_streams(h, self.cfg.n_streams)  # [B, T, n, C]
-        for block in self.blocks:
-            x = block(x, cos, sin, kv_cache=kv_cache, start_pos=start_pos)  # [B, T, n, C]
+        with self.recompute_context(len(self.blocks)) as stats:
+            for block in self.blocks:
+                x = block(x, cos, sin, kv_cache=kv_cache, start_pos=start_pos)  # [B, T, n, C]
+        if stats is not None:
+            self.recompute_stats = stats  # bytes kept for backward, for measurements
         h = reduce_streams(x)  # [B, T, C]
         logits = self.lm_head(self.norm_f(h))  # [B, T, V]
 
@@ -536,6 +550,18 @@ class LM(nn.Module):
         if exclude_embeddings:
             n -= self.tok_emb.weight.numel()
         return n
+
+    def recompute_context(self, n_blocks: int):
+        """Selective recomputation over n_blocks blocks (2 connections each) when enabled.
+
+        A pipeline stage calls this with its own block count, so that recompute groups never
+        cross a stage boundary (paper section 4.3).
+        """
+        cfg = self.cfg
+        if not (cfg.recompute and self.training and cfg.n_streams > 1):
+            return contextlib.nullcontext()
+        interval = cfg.recompute_interval or optimal_interval(cfg.n_streams, 2 * n_blocks)
+        return recompute_streams(interval)
 
     def connections(self) -> list[nn.Module]:
         """The 2 * n_layers connection modules, in layer_index order."""
