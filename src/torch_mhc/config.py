@@ -53,6 +53,8 @@ HELP = {
     "init_std": "weight init standard deviation",
     "tie_embeddings": "share the embedding and LM-head weights",
     "check_finite": "raise inside a connection whose maps hold NaN/Inf (slower)",
+    "recompute": "recompute the connections' stream arithmetic in backward (less memory)",
+    "recompute_interval": "connections per recompute group (0: the paper's optimum)",
     # train
     "data": "text file, folder of text files, or saved HF dataset (default: stdlib source)",
     "cache_dir": "token cache folder (default: $TORCH_MHC_CACHE or ~/.cache/torch_mhc)",

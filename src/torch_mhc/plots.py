@@ -13,6 +13,7 @@ import math
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import LogFormatter, MaxNLocator
 
 __all__ = ["COLORS", "composite_gain_png", "gain_over_training_png", "grad_norm_png",
            "loss_curves_png"]
@@ -26,6 +27,15 @@ def _png(fig: Figure) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     return buf.getvalue()
+
+
+def _plain_log_axis(ax) -> None:
+    """Log y axis labelled 0.5, 1, 2, 1e+03 ... rather than 10^x (the gains often span less
+    than a decade, where matplotlib's default labels read 1.1 x 10^0)."""
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(LogFormatter(labelOnlyBase=False))
+    # minor ticks labelled only when the axis spans few decades (all of them below half one)
+    ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
 
 
 def _running_mean(values: list[float], window: int) -> list[float]:
@@ -79,7 +89,7 @@ def grad_norm_png(runs: dict[str, dict]) -> bytes:
         ax.plot(steps, norms, color=color, alpha=0.2, linewidth=0.8)
         ax.plot(steps, _running_mean(norms, window), color=color, linewidth=1.5,
                 label=f"{LABELS.get(kind, kind)} (mean of {window})")
-    ax.set_yscale("log")
+    _plain_log_axis(ax)
     ax.set_xlabel("step")
     ax.set_ylabel("gradient norm (before clipping)")
     ax.set_title("Gradient norm")
@@ -106,7 +116,8 @@ def composite_gain_png(gains: dict[str, dict]) -> bytes:
             ax.plot(depth, [c["mean"] for c in comp], color=color, linewidth=1.0,
                     linestyle="--", label=f"{LABELS.get(kind, kind)} mean")
         ax.axhline(1.0, color="black", linewidth=0.6, alpha=0.5)
-        ax.set_yscale("log")
+        _plain_log_axis(ax)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("depth (sublayers composed)")
         name = "forward (max row sum)" if direction == "fwd" else "backward (max column sum)"
         ax.set_title(f"Composite {name}")
@@ -130,7 +141,7 @@ def gain_over_training_png(histories: dict[str, list[dict]]) -> bytes:
         ax.plot(steps, [h["max_composite_bwd"] for h in history], color=color, marker="s",
                 markersize=3, linestyle="--", label=f"{LABELS.get(kind, kind)} backward")
     ax.axhline(1.0, color="black", linewidth=0.6, alpha=0.5)
-    ax.set_yscale("log")
+    _plain_log_axis(ax)
     ax.set_xlabel("step")
     ax.set_ylabel("max composite Amax gain")
     ax.set_title("Composite gain during training")

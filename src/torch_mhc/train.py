@@ -560,6 +560,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes | Callable) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        _usual_permissions(fd)
         with os.fdopen(fd, "wb") as f:
             if callable(data):
                 data(f)
@@ -572,6 +573,15 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes | Callable) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def _usual_permissions(fd: int) -> None:
+    """mkstemp creates files readable by their owner only; give the file the permissions a
+    plain open() would (0o666 minus the umask), since it replaces an ordinary file."""
+    umask = os.umask(0)
+    os.umask(umask)
+    with contextlib.suppress(OSError, AttributeError):  # fchmod: not on every platform
+        os.fchmod(fd, 0o666 & ~umask)
 
 
 def _rng_state() -> dict:
@@ -610,6 +620,7 @@ def save_checkpoint(out_dir: str | os.PathLike, state: dict) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{LAST_CHECKPOINT}.", suffix=".tmp")
     try:
+        _usual_permissions(fd)
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
             f.flush()
@@ -813,8 +824,8 @@ class TrainResult:
     final_loss: float  # mean training loss over the last min(20, steps) steps
     val_loss: float
     val_bpb: float
-    tokens_per_s: float  # training steps only (no evaluation, gains or checkpoints)
-    step_time_median_s: float
+    tokens_per_s: float  # tokens / time of the training steps (no eval, gains, checkpoints)
+    step_time_median_s: float  # robust to other processes' interference, unlike the mean
     peak_mem_bytes: int
     peak_mem_kind: str
     params: int
@@ -848,6 +859,9 @@ class TrainResult:
         d["max_composite_gain_fwd"] = self.max_composite_gain_fwd
         d["max_composite_gain_bwd"] = self.max_composite_gain_bwd
         return d
+
+
+_HISTORIES = ("loss_history", "grad_norm_history", "lr_history", "val_history", "gain_history")
 
 
 class _Printer:
@@ -943,6 +957,7 @@ def train(cfg: TrainConfig, corpus: _data.Corpus | None = None) -> TrainResult:
     if corpus is None:
         corpus = load_training_corpus(cfg)
 
+    memory = _PeakMemory(device)  # from here: the model, optimizer state and activations
     seed_everything(cfg.seed)
     model = build_model(cfg, device)
     model.train()
@@ -977,15 +992,17 @@ def train(cfg: TrainConfig, corpus: _data.Corpus | None = None) -> TrainResult:
             raise CheckpointError(f"checkpoint {resume_path} does not fit this run: {e}") from None
         guard.load_state_dict(resume_state["spike"])
         _set_rng_state(resume_state["rng"])
-        for key, value in resume_state["history"].items():
-            setattr(result, key, list(value))
+        for key in _HISTORIES:
+            setattr(result, key, list(resume_state["history"].get(key, [])))
+        if result.val_history:
+            result.val_loss = result.val_history[-1]["val_loss"]
+            result.val_bpb = result.val_history[-1]["val_bpb"]
         start_step = int(resume_state["step"])
         result.steps = start_step
         result.checkpoint = str(resume_path)
 
     printer = _Printer(cfg)
     metrics = _MetricsLog(cfg, start_step)
-    memory = _PeakMemory(device)
     step_times: list[float] = []
     printer(
         f"training {cfg.model.residual} (n={cfg.model.n_streams}): {result.params:,} parameters "
@@ -1029,9 +1046,7 @@ def train(cfg: TrainConfig, corpus: _data.Corpus | None = None) -> TrainResult:
             "rng": _rng_state(),
             "sampler": sampler.state_dict(),
             "spike": guard.state_dict(),
-            "history": {key: getattr(result, key) for key in (
-                "loss_history", "grad_norm_history", "lr_history", "val_history",
-                "gain_history")},
+            "history": {key: getattr(result, key) for key in _HISTORIES},
         }
         result.checkpoint = str(save_checkpoint(cfg.out_dir, state))
 
