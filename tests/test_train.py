@@ -332,6 +332,17 @@ def test_config_round_trip():
     assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
 
 
+def test_threads_setting(tmp_path):
+    before = torch.get_num_threads()
+    try:
+        train(tiny_config(tmp_path, "residual", steps=1, threads=1))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ConfigError, match="threads must be an integer >= 0"):
+        tiny_config(tmp_path, threads=-1).validate()
+
+
 def test_bad_data_inputs(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         train(tiny_config(tmp_path, data=str(tmp_path / "nope.txt")))

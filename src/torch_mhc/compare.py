@@ -18,6 +18,7 @@ Written to out_dir (created if missing), each file atomically (temp file + renam
     composite_gain.png     composite forward / backward Amax gain versus depth, HC vs mHC
     gain_over_training.png the largest composite gain at each measurement
     <kind>/                each run's metrics.jsonl and final checkpoint (last.pt)
+Running compare again on the same folder replaces all of these.
 
 Presets (`PRESETS`):
 - "default": finishes on a 2-core CPU in about 6 minutes and every variant learns clearly

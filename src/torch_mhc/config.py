@@ -88,6 +88,7 @@ HELP = {
     "dtype": "auto | fp32 | bf16 (autocast)",
     "device": "auto | cpu | cuda | cuda:N | mps",
     "compile": "torch.compile the model",
+    "threads": "CPU threads for torch (0: torch's default); 1 is steadier on a busy machine",
     "spike_factor": "stop when the loss exceeds this x its running mean (0: off)",
     "spike_window": "steps in the spike policy's running mean",
 }

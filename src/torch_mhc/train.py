@@ -160,6 +160,7 @@ class TrainConfig:
     dtype: str = "auto"  # "fp32" | "bf16" (autocast) | "auto" (see resolve_dtype)
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N" | "mps"
     compile: bool = False  # torch.compile the model for the training steps
+    threads: int = 0  # torch.set_num_threads for the process; 0 leaves torch's default
     # spike policy
     spike_factor: float = 4.0  # stop when loss > factor x running mean; 0: off (NaN still stops)
     spike_window: int = 50  # steps in the running mean
@@ -183,7 +184,7 @@ class TrainConfig:
         _check_int(self, "steps", 1)
         _check_int(self, "warmup", 0)
         _check_int(self, "seed", 0)
-        for name in ("eval_every", "gain_every", "checkpoint_every"):
+        for name in ("eval_every", "gain_every", "checkpoint_every", "threads"):
             _check_int(self, name, 0)
         for name in ("eval_batches", "gain_batch_size", "log_every", "spike_window"):
             _check_int(self, name, 1)
@@ -957,6 +958,8 @@ def train(cfg: TrainConfig, corpus: _data.Corpus | None = None) -> TrainResult:
     if corpus is None:
         corpus = load_training_corpus(cfg)
 
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     memory = _PeakMemory(device)  # from here: the model, optimizer state and activations
     seed_everything(cfg.seed)
     model = build_model(cfg, device)
