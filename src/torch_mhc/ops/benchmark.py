@@ -13,7 +13,8 @@ batch 8 x 256 tokens, as ratios to the residual.
 Runs alternate between the entries and the median is reported, which keeps a shared
 machine's load from favouring one of them; --clock process times this process's CPU time
 instead of wall time (steadier when other processes compete for the cores). Prints JSON,
-then a markdown table.
+then a markdown table. The timing loop and the LM training step are torch_mhc.bench's
+(`mhc bench` runs the whole benchmark suite).
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
+from ..bench import build_model, random_tokens, time_interleaved, train_step
 from . import get_impl
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -68,48 +69,9 @@ def _residual_step(tokens: int, c: int, dtype: torch.dtype, device: str):
 def _model_step(impl: str | None, dim: int, layers: int, streams: int, batch: int, seq: int,
                 dtype: torch.dtype, device: str):
     """A closure running one training step of the reference LM (impl None: residual)."""
-    from ..model import LM, ModelConfig
-    from . import set_default_impl
-
-    torch.manual_seed(0)
-    cfg = ModelConfig(dim=dim, n_layers=layers, n_heads=max(1, dim // 64), max_seq_len=seq,
-                      residual="residual" if impl is None else "mhc", streams=streams)
-    model = LM(cfg).to(device=device, dtype=dtype)
-    g = torch.Generator().manual_seed(1)
-    idx = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g).to(device)
-
-    def step():
-        set_default_impl(impl)
-        try:
-            _, loss = model(idx[:, :-1], idx[:, 1:])
-            loss.backward()
-        finally:
-            set_default_impl(None)
-        for p in model.parameters():
-            p.grad = None
-
-    return step
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _time(steps: dict, repeats: int, warmup: int, device: str, clock: str) -> dict:
-    now = time.process_time if clock == "process" else time.perf_counter
-    times = {name: [] for name in steps}
-    for _ in range(warmup):
-        for step in steps.values():
-            step()
-    for _ in range(repeats):
-        for name, step in steps.items():  # interleaved: load changes hit every entry alike
-            _sync(device)
-            t0 = now()
-            step()
-            _sync(device)
-            times[name].append((now() - t0) * 1e3)
-    return times
+    kind = "residual" if impl is None else "mhc"
+    model = build_model(kind, dim, layers, streams, seq, dtype=dtype, device=device)
+    return train_step(model, random_tokens(batch, seq + 1, device=device), impl)
 
 
 def measure(
@@ -127,7 +89,7 @@ def measure(
     dt = _DTYPES[dtype]
     steps = {name: _connection_step(name, tokens, streams, dim, dt, device) for name in impls}
     steps["residual"] = _residual_step(tokens, dim, dt, device)
-    times = _time(steps, repeats, warmup, device, clock)
+    times = time_interleaved(steps, repeats, warmup, clock, device)
     return {
         "config": {"tokens": tokens, "streams": streams, "dim": dim, "dtype": dtype,
                    "device": device, "threads": torch.get_num_threads(), "repeats": repeats,
@@ -155,7 +117,7 @@ def measure_model(
     steps = {"residual": _model_step(None, dim, layers, streams, batch, seq, dt, device)}
     for name in impls:
         steps[f"mhc/{name}"] = _model_step(name, dim, layers, streams, batch, seq, dt, device)
-    times = _time(steps, repeats, warmup, device, clock)
+    times = time_interleaved(steps, repeats, warmup, clock, device)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     return {
         "config": {"dim": dim, "layers": layers, "streams": streams, "batch": batch, "seq": seq,
