@@ -4,6 +4,7 @@
     mhc compare  --out DIR [--preset default|tiny|stress] [--config f.toml] [flags]
     mhc generate --checkpoint DIR/last.pt [--prompt "def "] [--no-cache]
     mhc cost     ...   (the analytic cost model: torch_mhc.cost)
+    mhc bench    ...   (the benchmark suite: torch_mhc.bench)
 
 Each subcommand is one `_add_<name>(subparsers)` function that builds its parser and sets
 `run`; `SUBCOMMANDS` lists them, so adding a command is one function and one list entry.
@@ -194,8 +195,19 @@ def _run_cost(argv: list[str]) -> int:
     return cli_main(argv)
 
 
-SUBCOMMANDS: list[Callable] = [_add_train, _add_compare, _add_generate, _add_cost]
-DELEGATED: dict[str, Callable[[list[str]], int]] = {"cost": _run_cost}
+def _add_bench(subparsers) -> None:
+    subparsers.add_parser("bench", help="benchmark suite (see mhc bench --help)",
+                          add_help=False)
+
+
+def _run_bench(argv: list[str]) -> int:
+    from .bench import bench_main
+
+    return bench_main(argv)
+
+
+SUBCOMMANDS: list[Callable] = [_add_train, _add_compare, _add_generate, _add_cost, _add_bench]
+DELEGATED: dict[str, Callable[[list[str]], int]] = {"cost": _run_cost, "bench": _run_bench}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -234,3 +246,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _one_line(e: Exception) -> str:
     return " ".join(str(e).split())
+
+
+if __name__ == "__main__":  # `python -m torch_mhc.cli` (torchrun -m torch_mhc.cli) as `mhc`
+    sys.exit(main())
