@@ -6,24 +6,9 @@ from torch import nn
 
 import torch_mhc as tm
 from test_connections import MLP, Attention, _perturb
+from torch_mhc.bench import saved_bytes
 from torch_mhc.model import LM, ModelConfig
 from torch_mhc.recompute import optimal_interval, recompute_streams
-
-
-def saved_bytes(fn, exclude=()):
-    """Bytes of distinct tensor storages autograd saves while fn() runs, plus the result."""
-    storages = {}
-    skip = {p.untyped_storage().data_ptr() for p in exclude}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in skip:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return sum(storages.values()), out
 
 
 @pytest.mark.parametrize("impl", ["reference", "cpu"])
