@@ -26,10 +26,18 @@ the last spike_window accepted losses, stops the run with `TrainingDiverged` nam
 The check runs before the update, so nothing bad reaches the weights and no checkpoint is
 written after it: the last good checkpoint on disk stays byte for byte as it was.
 
-Distributed training (DDP / FSDP / pipeline under torchrun) is not implemented here; the
-pieces it will replace are separate functions (`build_model`, `wrap_model`,
-`build_optimizer`, `train_step`, `evaluate`, checkpoint I/O), and everything that writes
-(logs, metrics, checkpoints, the progress bar) goes through `is_main_process()`.
+Distributed training (`parallel` = "ddp" | "fsdp" | "pp", launched by torchrun) goes
+through torch_mhc.parallel: the layout is checked in `TrainConfig.validate` before anything is
+built; every rank seeds alike and draws the same global batch, DDP / FSDP2 ranks keep their
+slice of it, a pipeline takes all of it (`micro_batches` per step). The spike policy sees the
+loss of the global batch (all-reduced), so every rank stops at the same step. Evaluation runs
+the same forwards on every rank (FSDP2 needs them); gains are measured for ddp / fsdp and
+skipped under pp. Checkpoints are DCP directories (out_dir/ckpt, `parallel.save_checkpoint`)
+with the run's own state in their `extra`; they resume at another world size, or in one
+process without torchrun. Everything that writes (logs, metrics, the progress bar) runs on
+rank 0 only (`is_main_process()`); peak memory and step times are rank 0's.
+
+    torchrun --nproc-per-node 2 -m torch_mhc.cli train --parallel fsdp --batch-size 16 ...
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ import torch
 from tqdm import tqdm
 
 from . import data as _data
+from . import parallel as par
 from .connections import param_groups
 from .diagnostics import GainReport, collect_gains
 from .model import LM, ModelConfig
@@ -82,6 +91,7 @@ __all__ = [
 ]
 
 CHECKPOINT_FORMAT = 1
+DCP_CHECKPOINT = "ckpt"  # the distributed checkpoint directory inside out_dir
 LAST_CHECKPOINT = "last.pt"
 PREVIOUS_CHECKPOINT = "prev.pt"
 METRICS_FILE = "metrics.jsonl"
@@ -161,6 +171,10 @@ class TrainConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N" | "mps"
     compile: bool = False  # torch.compile the model for the training steps
     threads: int = 0  # torch.set_num_threads for the process; 0 leaves torch's default
+    # parallelism (under torchrun; see torch_mhc.parallel)
+    parallel: str = "none"  # "none" | "ddp" | "fsdp" | "pp"
+    pp_schedule: str = "1f1b"  # "1f1b" | "dualpipev" (parallel = "pp")
+    micro_batches: int = 1  # pipeline micro-batches per step (parallel = "pp"; else 1)
     # spike policy
     spike_factor: float = 4.0  # stop when loss > factor x running mean; 0: off (NaN still stops)
     spike_window: int = 50  # steps in the running mean
@@ -239,6 +253,43 @@ class TrainConfig:
         try:
             device = resolve_device(self.device)
             resolve_dtype(self.dtype, device)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self._validate_parallel()
+
+    def _validate_parallel(self) -> None:
+        """The parallel fields, and the layout for the world size torchrun announces."""
+        if self.parallel not in par.PARALLEL_MODES:
+            raise ConfigError(
+                f"parallel must be one of {par.PARALLEL_MODES}, got {self.parallel!r}"
+            )
+        if self.pp_schedule not in par.SCHEDULES:
+            raise ConfigError(f"pp_schedule must be one of {par.SCHEDULES}, got "
+                              f"{self.pp_schedule!r}")
+        _check_int(self, "micro_batches", 1)
+        if self.parallel != "pp" and self.micro_batches != 1:
+            raise ConfigError(
+                f"micro_batches is the pipeline's (parallel = 'pp'); gradient accumulation is "
+                f"not implemented, so with parallel = {self.parallel!r} it must be 1, got "
+                f"{self.micro_batches}"
+            )
+        if self.parallel != "none":
+            if "WORLD_SIZE" not in os.environ:
+                raise ConfigError(
+                    f"parallel = {self.parallel!r} runs under torchrun: torchrun "
+                    f"--nproc-per-node N -m torch_mhc.cli train --parallel {self.parallel} ..."
+                )
+            if self.compile:
+                raise ConfigError("compile is supported with parallel = 'none' only")
+        try:
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+        except ValueError:
+            raise ConfigError(
+                f"WORLD_SIZE must be an integer, got {os.environ['WORLD_SIZE']!r}"
+            ) from None
+        try:
+            par.validate_layout(world, self.parallel, self.model.n_layers, self.batch_size,
+                                micro_batches=self.micro_batches, schedule=self.pp_schedule)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
@@ -510,6 +561,46 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torc
     return loss_value, norm
 
 
+def train_step_parallel(model: torch.nn.Module, pipe: par.Pipeline | None, info: par.DistInfo,
+                        optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+                        lr: float, cfg: TrainConfig, guard: SpikeGuard, step: int,
+                        amp_dtype: torch.dtype | None) -> tuple[float, float]:
+    """train_step on every rank of a distributed run; x, y [B, T]: the global batch.
+
+    DDP / FSDP2: this rank's slice of the batch; the spike policy checks the mean loss over
+    the ranks (the global batch's loss), so every rank takes the same decision and none is
+    left waiting in a collective. Pipeline: the schedule runs forward and backward together,
+    so the loss is checked after the backward pass, still before the update.
+    """
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+    if pipe is None:
+        xs, ys = par.shard_batch(x, info), par.shard_batch(y, info)  # [B / world, T]
+        loss = forward_loss(model, xs, ys, info.device, amp_dtype)
+        loss_value = par.all_reduce_mean(loss.detach()).item()
+        if (reason := guard.check_loss(step, loss_value)) is not None:
+            raise _Stop(reason, step)
+        loss.backward()
+        norm_t = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        if hasattr(norm_t, "full_tensor"):  # FSDP2: a DTensor
+            norm_t = norm_t.full_tensor()
+        norm = norm_t.item()
+    else:
+        loss_value = pipe.step(x, y).item()  # the global batch's mean loss, on every rank
+        if (reason := guard.check_loss(step, loss_value)) is not None:
+            optimizer.zero_grad(set_to_none=True)
+            raise _Stop(reason, step)
+        norm = pipe.clip_grad_norm_(max_norm).item()
+    if (reason := guard.check_grad_norm(step, norm)) is not None:
+        optimizer.zero_grad(set_to_none=True)
+        raise _Stop(reason, step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    guard.accept(loss_value)
+    return loss_value, norm
+
+
 class _Stop(Exception):
     def __init__(self, reason: str, step: int):
         super().__init__(reason)
@@ -528,6 +619,21 @@ def evaluate(model: torch.nn.Module, val_tokens: np.ndarray, cfg: TrainConfig,
         total += forward_loss(model, x, y, device, amp_dtype).item()
         count += 1
     model.train(was_training)
+    return total / count
+
+
+@torch.no_grad()
+def evaluate_pipeline(pipe: par.Pipeline, val_tokens: np.ndarray, cfg: TrainConfig,
+                      device: torch.device) -> float:
+    """evaluate through a pipeline (every rank calls it; fp32, the stages' own dtype)."""
+    was_training = pipe.module.training
+    pipe.module.eval()
+    total, count = 0.0, 0
+    for x, y in _data.val_batches(val_tokens, cfg.batch_size, cfg.seq_len, cfg.eval_batches,
+                                  device=device):
+        total += pipe.eval_loss(x, y).item()
+        count += 1
+    pipe.module.train(was_training)
     return total / count
 
 
@@ -637,18 +743,56 @@ def save_checkpoint(out_dir: str | os.PathLike, state: dict) -> Path:
 
 
 def resolve_checkpoint_path(cfg: TrainConfig) -> Path:
-    """The checkpoint `cfg.resume` points at (out_dir/last.pt, or prev.pt if only that exists)."""
+    """The checkpoint `cfg.resume` points at: a file (out_dir/last.pt, or prev.pt if only that
+    exists) or a distributed checkpoint directory (out_dir/ckpt, or one named by resume).
+
+    A distributed run (parallel != "none") looks for out_dir/ckpt first; a single process for
+    last.pt first, then out_dir/ckpt (a run saved by torchrun, resumed without it)."""
     if isinstance(cfg.resume, str):
         path = Path(cfg.resume).expanduser()
-        if path.is_dir():
+        if path.is_dir() and not _is_dcp(path):
             path = path / LAST_CHECKPOINT
+            if not path.exists() and _is_dcp(path.parent / DCP_CHECKPOINT):
+                path = path.parent / DCP_CHECKPOINT
     else:
-        path = Path(cfg.out_dir) / LAST_CHECKPOINT
-        if not path.exists() and (Path(cfg.out_dir) / PREVIOUS_CHECKPOINT).exists():
-            path = Path(cfg.out_dir) / PREVIOUS_CHECKPOINT
+        out = Path(cfg.out_dir)
+        candidates = [out / LAST_CHECKPOINT, out / PREVIOUS_CHECKPOINT]
+        if cfg.parallel != "none":
+            candidates = [out / DCP_CHECKPOINT, *candidates]
+        else:
+            candidates.append(out / DCP_CHECKPOINT)
+        path = next((c for c in candidates if c.is_file() or _is_dcp(c)), candidates[0])
+    if _is_dcp(path):
+        return path
     if not path.is_file():
         raise CheckpointError(f"no checkpoint to resume from: {path} does not exist")
     return path
+
+
+def _is_dcp(path: Path) -> bool:
+    """A complete parallel.save_checkpoint directory (or its interrupted-save fallback)."""
+    try:
+        par.resolve_checkpoint(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _load_dcp(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+              cfg: TrainConfig) -> dict:
+    """Load a distributed checkpoint into model and optimizer in place (any layout, also one
+    process without a process group); return its extra state, checked like a checkpoint file."""
+    try:
+        state = par.load_checkpoint(path, model, optimizer)
+    except Exception as e:  # DCP: missing keys, shape mismatches, unreadable files
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"distributed checkpoint {path} does not fit this run ({first[:300]})"
+        ) from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path} is not a torch-mhc training checkpoint")
+    _check_resumable({**state, "optimizer": "loaded by DCP"}, cfg, path)
+    return state
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict:
@@ -907,7 +1051,7 @@ def _check_out_dir(cfg: TrainConfig) -> None:
     """Refuse to start a fresh run over a checkpoint (unless overwrite)."""
     if cfg.out_dir is None or cfg.resume is not False or cfg.overwrite:
         return
-    for name in (LAST_CHECKPOINT, PREVIOUS_CHECKPOINT):
+    for name in (LAST_CHECKPOINT, PREVIOUS_CHECKPOINT, DCP_CHECKPOINT):
         if (Path(cfg.out_dir) / name).exists():
             raise ConfigError(
                 f"{Path(cfg.out_dir) / name} exists: pass resume to continue that run, or "
@@ -947,16 +1091,45 @@ def train(cfg: TrainConfig, corpus: _data.Corpus | None = None) -> TrainResult:
     t_start = time.perf_counter()
     cfg.validate()
     _check_out_dir(cfg)
-    device = resolve_device(cfg.device)
+    if cfg.parallel == "none":
+        return _train(cfg, corpus, None, t_start)
+    # "cuda" / "auto": cuda:LOCAL_RANK when there is a GPU; "cpu": gloo on the CPU
+    info = par.init_distributed(device="cpu" if cfg.device == "cpu" else None)
+    try:
+        result = _train(cfg, corpus, info, t_start)
+    except TrainingDiverged:  # raised on every rank at the same step (all-reduced loss)
+        par.destroy_distributed()
+        raise
+    # also avoids torch 2.13's abort at exit after DCP saves (see destroy_distributed)
+    par.destroy_distributed()
+    return result
+
+
+def _train(cfg: TrainConfig, corpus: _data.Corpus | None, info: par.DistInfo | None,
+           t_start: float) -> TrainResult:
+    """The run of `train`; info: this rank's DistInfo, or None for a single process."""
+    device = resolve_device(cfg.device) if info is None else info.device
     amp_dtype = resolve_dtype(cfg.dtype, device)
 
-    resume_state, resume_path = None, None
+    resume_state, resume_path, resume_dcp = None, None, False
     if cfg.resume is not False:
         resume_path = resolve_checkpoint_path(cfg)
-        resume_state = load_checkpoint(resume_path, map_location="cpu")
-        _check_resumable(resume_state, cfg, resume_path)
+        resume_dcp = resume_path.is_dir()
+        if not resume_dcp:
+            if info is not None:
+                raise CheckpointError(
+                    f"{resume_path} is a single-process checkpoint; a distributed run resumes "
+                    f"from a distributed checkpoint directory (out_dir/{DCP_CHECKPOINT})"
+                )
+            resume_state = load_checkpoint(resume_path, map_location="cpu")
+            _check_resumable(resume_state, cfg, resume_path)
     if corpus is None:
-        corpus = load_training_corpus(cfg)
+        # rank 0 builds the token cache, the others read it once it is complete
+        if is_main_process():
+            corpus = load_training_corpus(cfg)
+        par.barrier()
+        if corpus is None:
+            corpus = load_training_corpus(cfg)
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -964,8 +1137,19 @@ def train(cfg: TrainConfig, corpus: _data.Corpus | None = None) -> TrainResult:
     seed_everything(cfg.seed)
     model = build_model(cfg, device)
     model.train()
-    step_model = wrap_model(model, cfg)
-    optimizer = build_optimizer(model, cfg)
+    n_params, n_conn_params = model.num_params(), model.connection_params()
+    pipe = None
+    if cfg.parallel == "ddp":
+        step_model = par.wrap_ddp(model, info)
+    elif cfg.parallel == "fsdp":
+        step_model = model = par.apply_fsdp(model, info)
+    elif cfg.parallel == "pp":
+        pipe = par.build_pipeline(cfg.model, model, info, cfg.pp_schedule,
+                                  n_microbatches=cfg.micro_batches)
+        step_model = model = pipe.module  # this rank's stages, under the LM's names
+    else:
+        step_model = wrap_model(model, cfg)
+    optimizer = build_optimizer(step_model if pipe is None else pipe.module, cfg)
     schedule = LRSchedule(cfg)
     guard = SpikeGuard(cfg.spike_factor, cfg.spike_window)
     try:
@@ -980,16 +1164,20 @@ def train(cfg: TrainConfig, corpus: _data.Corpus | None = None) -> TrainResult:
     result = TrainResult(
         config=cfg.to_dict(), steps=0, final_loss=math.nan, val_loss=math.nan,
         val_bpb=math.nan, tokens_per_s=math.nan, step_time_median_s=math.nan,
-        peak_mem_bytes=0, peak_mem_kind="", params=model.num_params(),
-        connection_params=model.connection_params(),
+        peak_mem_bytes=0, peak_mem_kind="", params=n_params,
+        connection_params=n_conn_params,
         amp_dtype="bf16" if amp_dtype is not None else "fp32", device=str(device),
         elapsed_s=0.0,
     )
     start_step = 0
+    if resume_dcp:  # every rank reads its pieces; the run's own state is the extra
+        resume_state = _load_dcp(resume_path, step_model, optimizer, cfg)
     if resume_state is not None:
-        _load_weights(model, resume_state["model"], resume_path)
+        if not resume_dcp:
+            _load_weights(model, resume_state["model"], resume_path)
         try:
-            optimizer.load_state_dict(resume_state["optimizer"])
+            if not resume_dcp:
+                optimizer.load_state_dict(resume_state["optimizer"])
             sampler.load_state_dict(resume_state["sampler"])
         except (ValueError, KeyError, RuntimeError) as e:
             raise CheckpointError(f"checkpoint {resume_path} does not fit this run: {e}") from None
@@ -1007,16 +1195,24 @@ def train(cfg: TrainConfig, corpus: _data.Corpus | None = None) -> TrainResult:
     printer = _Printer(cfg)
     metrics = _MetricsLog(cfg, start_step)
     step_times: list[float] = []
+    layout = "" if info is None else (
+        f", parallel {cfg.parallel} on {info.world_size} processes"
+        + (f" ({cfg.pp_schedule}, {cfg.micro_batches} micro-batches)" if pipe else ""))
     printer(
         f"training {cfg.model.residual} (n={cfg.model.n_streams}): {result.params:,} parameters "
         f"({result.connection_params:,} in connections), {cfg.steps} steps of "
-        f"{cfg.batch_size}x{cfg.seq_len} tokens, {result.amp_dtype} on {device}; "
+        f"{cfg.batch_size}x{cfg.seq_len} tokens, {result.amp_dtype} on {device}{layout}; "
         f"data: {corpus.source_description}"
         + (f"; resuming {resume_path} at step {start_step}" if start_step else "")
     )
+    if pipe is not None and cfg.model.residual != "residual":
+        printer("gains are not measured under parallel = 'pp' (no stage sees every block)")
 
     def record_eval(step: int) -> None:
-        val = evaluate(step_model, corpus.val, cfg, device, amp_dtype)
+        if pipe is not None:
+            val = evaluate_pipeline(pipe, corpus.val, cfg, device)
+        else:  # every rank runs the same forwards (FSDP2 gathers parameters collectively)
+            val = evaluate(step_model, corpus.val, cfg, device, amp_dtype)
         entry = {"step": step, "val_loss": val, "val_bpb": _data.bits_per_byte(val)}
         result.val_history.append(entry)
         result.val_loss, result.val_bpb = entry["val_loss"], entry["val_bpb"]
@@ -1024,6 +1220,8 @@ def train(cfg: TrainConfig, corpus: _data.Corpus | None = None) -> TrainResult:
         printer(f"step {step}: val loss {val:.4f} nats, {entry['val_bpb']:.4f} bits/byte")
 
     def record_gains(step: int) -> None:
+        if pipe is not None:
+            return
         report = measure_gains(model, gain_x, device, amp_dtype)
         if report is None:
             return
@@ -1036,14 +1234,12 @@ def train(cfg: TrainConfig, corpus: _data.Corpus | None = None) -> TrainResult:
                        "composite_bwd": report.composite_bwd})
 
     def checkpoint(step: int) -> None:
-        if cfg.out_dir is None or not is_main_process():
+        if cfg.out_dir is None or (info is None and not is_main_process()):
             return
         state = {
             "format": CHECKPOINT_FORMAT,
-            "model": model.state_dict(),
             "model_config": cfg.model.to_dict(),
             "train_config": cfg.to_dict(),
-            "optimizer": optimizer.state_dict(),
             "scheduler": {"step": step, **schedule.state_dict()},
             "step": step,
             "rng": _rng_state(),
@@ -1051,6 +1247,13 @@ def train(cfg: TrainConfig, corpus: _data.Corpus | None = None) -> TrainResult:
             "spike": guard.state_dict(),
             "history": {key: getattr(result, key) for key in _HISTORIES},
         }
+        if info is not None:  # every rank writes its pieces; rank 0's state is the extra
+            path = par.save_checkpoint(Path(cfg.out_dir) / DCP_CHECKPOINT, step_model,
+                                       optimizer, extra=state)
+            result.checkpoint = str(path)
+            return
+        state["model"] = model.state_dict()
+        state["optimizer"] = optimizer.state_dict()
         result.checkpoint = str(save_checkpoint(cfg.out_dir, state))
 
     if start_step == 0:
@@ -1067,8 +1270,12 @@ def train(cfg: TrainConfig, corpus: _data.Corpus | None = None) -> TrainResult:
             t0 = time.perf_counter()
             x, y = sampler.next()  # [B, T] each
             try:
-                loss, norm = train_step(step_model, optimizer, x, y, lr, cfg, guard, done,
-                                        device, amp_dtype)
+                if info is None:
+                    loss, norm = train_step(step_model, optimizer, x, y, lr, cfg, guard, done,
+                                            device, amp_dtype)
+                else:
+                    loss, norm = train_step_parallel(step_model, pipe, info, optimizer, x, y,
+                                                     lr, cfg, guard, done, amp_dtype)
             except _Stop as stop:
                 raise _diverged(stop, cfg, result, metrics, printer) from None
             if device.type == "cuda":

@@ -1,0 +1,118 @@
+"""`mhc train --parallel ddp | fsdp | pp` under torchrun reproduces the single-process run.
+
+Two CPU processes (gloo) launched by `torchrun --standalone` run the real command line on a
+tiny model and corpus; the training losses they log (rank 0's metrics.jsonl) must equal those
+of a plain `mhc train` with the same config to rtol 1e-5 (same seed, same global batches: the
+ranks differ only in how the sums are split). An impossible layout must fail before training
+with exit code 2 in the worker and a message naming the problem. Each launch has a timeout,
+so a hang fails instead of blocking the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
+                       reason="torch.distributed with the gloo backend is not available"),
+]
+
+TIMEOUT_S = 120  # one launch takes ~10 s on 2 busy cores
+RTOL = 1e-5
+STEPS = 4
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(name, None)  # the test may itself run under a launcher
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _flags(tmp_path: Path, out: str, *extra: str) -> list[str]:
+    corpus = tmp_path / "corpus.txt"
+    if not corpus.exists():
+        lines = [f"def f{i % 17}(x):\n    return x * {i % 7} + {i % 5}\n" for i in range(400)]
+        corpus.write_text("".join(lines))
+    return [
+        "train", "--data", str(corpus), "--cache-dir", str(tmp_path / "cache"),
+        "--val-fraction", "0.1", "--dim", "32", "--n-layers", "2", "--n-heads", "2",
+        "--max-seq-len", "16", "--seq-len", "16", "--batch-size", "4", "--steps", str(STEPS),
+        "--lr", "3e-3", "--warmup", "2", "--eval-every", "0", "--eval-batches", "2",
+        "--gain-every", "0", "--gain-batch-size", "2", "--log-every", "1", "--no-progress",
+        "--no-tensorboard", "--quiet", "--dtype", "fp32", "--device", "cpu", "--threads", "1",
+        "--out-dir", str(tmp_path / out), *extra,
+    ]
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    # A new session, so a timeout kills torchrun and its workers together.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_env(), start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish in {TIMEOUT_S} s:\n{out[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out)
+
+
+def _torchrun(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node=2", "-m", "torch_mhc.cli", *args]
+
+
+def _train_losses(out_dir: Path) -> list[float]:
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]
+    return [r["loss"] for r in records if r["kind"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def single_losses(tmp_path_factory) -> tuple[Path, list[float]]:
+    tmp = tmp_path_factory.mktemp("train_dist")
+    done = _run([sys.executable, "-m", "torch_mhc", *_flags(tmp, "single")])
+    assert done.returncode == 0, done.stdout[-4000:]
+    losses = _train_losses(tmp / "single")
+    assert len(losses) == STEPS
+    return tmp, losses
+
+
+@pytest.mark.parametrize("mode", [
+    ["--parallel", "ddp"],
+    ["--parallel", "fsdp"],
+    ["--parallel", "pp", "--pp-schedule", "1f1b", "--micro-batches", "2"],
+], ids=["ddp", "fsdp", "pp_1f1b"])
+def test_parallel_train_logs_the_single_process_losses(single_losses, mode):
+    tmp, reference = single_losses
+    out = f"run_{mode[1]}"
+    done = _run(_torchrun(_flags(tmp, out, *mode)))
+    assert done.returncode == 0, done.stdout[-6000:]
+    losses = _train_losses(tmp / out)
+    assert len(losses) == STEPS
+    for step, (got, want) in enumerate(zip(losses, reference, strict=True), start=1):
+        assert abs(got - want) <= RTOL * abs(want), f"step {step}: {got} vs {want}"
+    assert losses[-1] < losses[0]  # it trained: the comparison is not of two constant runs
+    assert (tmp / out / "ckpt" / "meta.json").is_file()  # the DCP checkpoint is complete
+
+
+def test_impossible_layout_fails_before_training(tmp_path):
+    # batch 4 cannot be split into 3 micro-batches
+    done = _run(_torchrun(_flags(tmp_path, "bad", "--parallel", "pp", "--micro-batches", "3")))
+    assert done.returncode != 0
+    assert "exitcode  : 2" in done.stdout  # torchrun's report of the workers' exit code
+    assert "mhc train: error: impossible parallel layout" in done.stdout
+    assert "batch_size 4 is not divisible into 3 micro-batches" in done.stdout
+    assert not (tmp_path / "bad").exists()  # nothing was written
