@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,7 +41,7 @@ def _env() -> dict:
     return env
 
 
-def _flags(tmp_path: Path, out: str, *extra: str) -> list[str]:
+def _flags(tmp_path: Path, out: str, *extra: str, steps: int = STEPS) -> list[str]:
     corpus = tmp_path / "corpus.txt"
     if not corpus.exists():
         lines = [f"def f{i % 17}(x):\n    return x * {i % 7} + {i % 5}\n" for i in range(400)]
@@ -48,7 +49,7 @@ def _flags(tmp_path: Path, out: str, *extra: str) -> list[str]:
     return [
         "train", "--data", str(corpus), "--cache-dir", str(tmp_path / "cache"),
         "--val-fraction", "0.1", "--dim", "32", "--n-layers", "2", "--n-heads", "2",
-        "--max-seq-len", "16", "--seq-len", "16", "--batch-size", "4", "--steps", str(STEPS),
+        "--max-seq-len", "16", "--seq-len", "16", "--batch-size", "4", "--steps", str(steps),
         "--lr", "3e-3", "--warmup", "2", "--eval-every", "0", "--eval-batches", "2",
         "--gain-every", "0", "--gain-batch-size", "2", "--log-every", "1", "--no-progress",
         "--no-tensorboard", "--quiet", "--dtype", "fp32", "--device", "cpu", "--threads", "1",
@@ -116,3 +117,20 @@ def test_impossible_layout_fails_before_training(tmp_path):
     assert "mhc train: error: impossible parallel layout" in done.stdout
     assert "batch_size 4 is not divisible into 3 micro-batches" in done.stdout
     assert not (tmp_path / "bad").exists()  # nothing was written
+
+
+def test_two_rank_checkpoint_resumes_in_one_process(single_losses):
+    # FSDP2 on 2 ranks saves a DCP checkpoint at step STEPS; plain `mhc train --resume` (no
+    # torchrun) continues it exactly as it continues the single-process run's last.pt
+    tmp, _ = single_losses
+    done = _run(_torchrun(_flags(tmp, "fsdp_saved", "--parallel", "fsdp")))
+    assert done.returncode == 0, done.stdout[-6000:]
+    shutil.copytree(tmp / "single", tmp / "single_resumed")  # the fixture's run stays as it was
+    for out in ("fsdp_saved", "single_resumed"):
+        args = _flags(tmp, out, "--resume", steps=STEPS + 2)
+        done = _run([sys.executable, "-m", "torch_mhc", *args])
+        assert done.returncode == 0, done.stdout[-4000:]
+    from_dcp, from_file = _train_losses(tmp / "fsdp_saved"), _train_losses(tmp / "single_resumed")
+    assert len(from_dcp) == len(from_file) == STEPS + 2
+    for got, want in zip(from_dcp[STEPS:], from_file[STEPS:], strict=True):
+        assert abs(got - want) <= RTOL * abs(want)
