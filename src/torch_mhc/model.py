@@ -343,6 +343,18 @@ class Block(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
+def recompute_context(cfg: ModelConfig, training: bool, n_blocks: int):
+    """Selective recomputation over n_blocks blocks (2 connections each) when enabled.
+
+    A pipeline stage calls this with its own block count, so that recompute groups never
+    cross a stage boundary (paper section 4.3). Off in eval mode and for the plain residual.
+    """
+    if not (cfg.recompute and training and cfg.n_streams > 1):
+        return contextlib.nullcontext()
+    interval = cfg.recompute_interval or optimal_interval(cfg.n_streams, 2 * n_blocks)
+    return recompute_streams(interval)
+
+
 class LM(nn.Module):
     """Decoder-only LM: embedding, n_layers blocks of connections, final RMSNorm, LM head."""
 
@@ -552,16 +564,8 @@ class LM(nn.Module):
         return n
 
     def recompute_context(self, n_blocks: int):
-        """Selective recomputation over n_blocks blocks (2 connections each) when enabled.
-
-        A pipeline stage calls this with its own block count, so that recompute groups never
-        cross a stage boundary (paper section 4.3).
-        """
-        cfg = self.cfg
-        if not (cfg.recompute and self.training and cfg.n_streams > 1):
-            return contextlib.nullcontext()
-        interval = cfg.recompute_interval or optimal_interval(cfg.n_streams, 2 * n_blocks)
-        return recompute_streams(interval)
+        """Selective recomputation over this model's blocks when enabled (recompute_context)."""
+        return recompute_context(self.cfg, self.training, n_blocks)
 
     def connections(self) -> list[nn.Module]:
         """The 2 * n_layers connection modules, in layer_index order."""

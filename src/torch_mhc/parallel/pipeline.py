@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..connections import expand_streams, reduce_streams
-from ..model import LM, ModelConfig, rope_angles
+from ..model import LM, ModelConfig, recompute_context, rope_angles
 from .env import DistInfo, broadcast_module
 from .layout import SCHEDULES, stage_block_ranges, stage_to_rank, stages_for
 
@@ -102,8 +102,9 @@ class StageModule(nn.Module):
             x = inp  # [b, T, n, C]
         T = x.shape[1]
         cos, sin = rope_angles(0, T, self.cfg.head_dim, self.cfg.rope_base, x.device)
-        for block in self.blocks.values():
-            x = block(x, cos, sin)  # [b, T, n, C]
+        with recompute_context(self.cfg, self.training, len(self.blocks)):
+            for block in self.blocks.values():
+                x = block(x, cos, sin)  # [b, T, n, C]
         if self.is_last:
             return self.lm_head(self.norm_f(reduce_streams(x)))  # [b, T, V]
         # Sent to the next stage as one buffer. A block may return a view (a matmul's reshape),
