@@ -104,6 +104,7 @@ def _positive_ratios(entries: dict, baseline: str):
 
 
 def test_quick_step_and_hyper_connections(quick_report):
+    pytest.importorskip("hyper_connections")
     b = quick_report["benchmarks"]
     step, hc = b["step"], b["hyper_connections"]
     assert step["config"]["optimizer"] == "excluded"

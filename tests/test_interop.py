@@ -150,6 +150,10 @@ def test_maps_layer_and_gradients_match(dtype, n, dim):
         mhc = from_deepseek_v4(state, block, sinkhorn_iters=ITERS, hc_eps=HC_EPS,
                                rms_norm_eps=RMS_EPS)
     assert mhc.phi.dtype == dtype
+    # What is tested here is the parameter mapping, on the reference ops (whose fp32 sums
+    # these tolerances were measured with); the fused implementations are compared with the
+    # reference in tests/test_ops_*.py.
+    mhc.impl = "reference"
     want = _dsv4_layer(x, post, comb, collapsed, block)
 
     h_pre, h_post, h_res = mhc.maps(x)
