@@ -22,11 +22,16 @@ Running compare again on the same folder replaces all of these.
 
 Presets (`PRESETS`):
 - "default": finishes on a 2-core CPU in about 6 minutes and every variant learns clearly
-  (validation well under 3 bits per byte on the standard library source); see the README.
+  (validation about 2.6 bits per byte on the standard library source); see the README.
 - "tiny": seconds; for tests and smoke checks.
 - "stress": 24 blocks (48 sublayers) of width 64 at a high learning rate: the setting in
   which the HC paper's unconstrained H_res maps compound, so HC's composite gain can grow by
   orders of magnitude while mHC's doubly stochastic maps keep it near 1.
+"default" and "stress" run torch on one CPU thread (`threads = 1`; `--threads 0` restores
+torch's default). Their matrices are small: on an idle 2-core machine a second thread made a
+step only 1.3-1.8x faster, while on a machine shared with other work a two-thread step
+stalled whenever either thread lost its core, and whole comparisons took 2-3x longer
+(9-17 minutes measured, against 5.6 on one thread).
 """
 
 from __future__ import annotations
@@ -69,13 +74,13 @@ PRESETS: dict[str, dict] = {
         "dim": 128, "n_layers": 4, "n_heads": 4, "max_seq_len": 128,
         "seq_len": 128, "batch_size": 16, "steps": 400, "lr": 4e-3, "min_lr": 4e-4,
         "warmup": 40, "eval_every": 100, "eval_batches": 10, "gain_every": 50,
-        "log_every": 10,
+        "log_every": 10, "threads": 1,
     },
     "stress": {
         "dim": 64, "n_layers": 24, "n_heads": 2, "max_seq_len": 64,
         "seq_len": 64, "batch_size": 8, "steps": 500, "lr": 1e-2, "min_lr": 1e-3,
         "warmup": 20, "eval_every": 100, "eval_batches": 5, "gain_every": 25,
-        "log_every": 10,
+        "log_every": 10, "threads": 1,
     },
 }
 
