@@ -390,3 +390,22 @@ def test_unknown_impl_names_are_rejected_with_the_choices():
         ops.set_default_impl("gpu")
     with pytest.raises(ValueError, match="unknown op implementation 'fused'"):
         ManifoldHyperConnection(8, 4, 0, Branch(8), impl="fused")
+
+
+def test_lm_trains_under_cpu_bf16_autocast():
+    # Regression: the cpu ops once mixed autocast's bf16 logits with fp32 streams in backward.
+    from torch_mhc.model import LM, ModelConfig
+
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    losses = {}
+    for kind in ("residual", "hc", "mhc"):
+        torch.manual_seed(0)
+        model = LM(ModelConfig(dim=32, n_layers=2, max_seq_len=16, residual=kind))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(idx, idx)
+        loss.backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+        losses[kind] = loss.item()
+    # At initialisation HC and mHC compute the residual network's function.
+    assert losses["hc"] == pytest.approx(losses["residual"], rel=1e-3)
+    assert losses["mhc"] == pytest.approx(losses["residual"], rel=1e-3)

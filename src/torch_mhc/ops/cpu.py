@@ -23,6 +23,8 @@ accumulate in float32 and round once).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import cpu_native as _native
@@ -78,8 +80,22 @@ def _to_token_last(m: torch.Tensor) -> torch.Tensor:
     return m.permute(1, 2, 0).contiguous()
 
 
+
+def _no_autocast(fn):
+    """Run an autograd Function's forward/backward with CPU autocast off: the ops choose
+    their own precision (maps in fp32, streams in their dtype), as they do without it."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.autocast("cpu", enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
 class _Sinkhorn(torch.autograd.Function):
     @staticmethod
+    @_no_autocast
     def forward(ctx, logits, iters, eps):
         cdt = _maps_dtype(logits.dtype)
         n = logits.shape[-1]
@@ -90,6 +106,7 @@ class _Sinkhorn(torch.autograd.Function):
         return out.reshape(logits.shape).to(logits.dtype)
 
     @staticmethod
+    @_no_autocast
     def backward(ctx, grad):
         (h,) = ctx.saved_tensors
         n = h.shape[0]
@@ -122,6 +139,7 @@ class _MhcMaps(torch.autograd.Function):
     """
 
     @staticmethod
+    @_no_autocast
     def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, iters, norm_eps, sk_eps, pre_eps,
                 with_pre):
         t, n, c = x.shape
@@ -152,6 +170,7 @@ class _MhcMaps(torch.autograd.Function):
         return (*maps, _pre_forward(x, h_pre.t()))
 
     @staticmethod
+    @_no_autocast
     def backward(ctx, g_pre, g_post, g_res, g_a=None):
         x, phi, alpha, lt, r, ht, a_rows = ctx.saved_tensors
         b_dtypes = ctx.b_dtypes
@@ -287,12 +306,14 @@ class _PreAggregate(torch.autograd.Function):
     """a = sum_j H_pre[j] x[j] on x [T, n, C], h [T, n] (h already in x's dtype)."""
 
     @staticmethod
+    @_no_autocast
     def forward(ctx, x, h):
         h3 = h.unsqueeze(-2).contiguous()  # [T, 1, n]
         ctx.save_for_backward(x, h3)
         return torch.bmm(h3, x).squeeze(-2)  # [T, C]
 
     @staticmethod
+    @_no_autocast
     def backward(ctx, grad):
         x, h3 = ctx.saved_tensors
         dx = dh = None
@@ -307,6 +328,7 @@ class _PostMerge(torch.autograd.Function):
     """out = H_res x + H_post^T f on x [T, n, C], f [T, C], h_post [T, n], h_res [T, n, n]."""
 
     @staticmethod
+    @_no_autocast
     def forward(ctx, x, f, h_post, h_res):
         n = x.shape[1]
         hh = torch.cat([h_res, h_post.unsqueeze(-1)], dim=-1)  # [T, n, n + 1]: [H_res | H_post]
@@ -315,6 +337,7 @@ class _PostMerge(torch.autograd.Function):
         return out.addcmul_(hh[..., n:], f.unsqueeze(-2))  # + H_post f, in place
 
     @staticmethod
+    @_no_autocast
     def backward(ctx, grad):
         x, f, hh = ctx.saved_tensors
         n = x.shape[1]
