@@ -17,9 +17,6 @@ tied gradient not summed) moves the losses by 1e-3 or more.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import dist_worker as W
+import launch as launch_helpers
 from torch_mhc.parallel import (
     DistInfo,
     init_distributed,
@@ -49,15 +47,6 @@ needs_gloo = pytest.mark.skipif(
 )
 
 
-def _clean_env() -> dict:
-    env = dict(os.environ)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                 "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-        env.pop(name, None)  # the test may itself run under a launcher
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 def launch(scenario: str, outdir: Path, nproc: int = 2) -> list[dict]:
     """Run the worker scenario on nproc processes (torchrun), or in one plain process when
     nproc == 1; return what each rank saved. Fails the test on error or timeout."""
@@ -66,17 +55,9 @@ def launch(scenario: str, outdir: Path, nproc: int = 2) -> list[dict]:
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", str(WORKER), scenario, str(outdir)]
-    # A new session, so a timeout can kill torchrun and its workers together.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_clean_env(), start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"scenario {scenario!r} did not finish in {LAUNCH_TIMEOUT_S} s:\n{out[-4000:]}")
-    if proc.returncode != 0:
-        pytest.fail(f"scenario {scenario!r} failed (exit {proc.returncode}):\n{out[-6000:]}")
+    code, out = launch_helpers.run(cmd, LAUNCH_TIMEOUT_S, f"scenario {scenario!r}")
+    if code != 0:
+        pytest.fail(f"scenario {scenario!r} failed (exit {code}):\n{out[-6000:]}")
     return [torch.load(outdir / f"{scenario}_rank{r}.pt") for r in range(nproc)]
 
 

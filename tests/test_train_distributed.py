@@ -11,15 +11,15 @@ so a hang fails instead of blocking the suite.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+
+import launch
 
 pytestmark = [
     pytest.mark.distributed,
@@ -30,15 +30,6 @@ pytestmark = [
 TIMEOUT_S = 120  # one launch takes ~10 s on 2 busy cores
 RTOL = 1e-5
 STEPS = 4
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                 "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-        env.pop(name, None)  # the test may itself run under a launcher
-    env["OMP_NUM_THREADS"] = "1"
-    return env
 
 
 def _flags(tmp_path: Path, out: str, *extra: str, steps: int = STEPS) -> list[str]:
@@ -58,16 +49,8 @@ def _flags(tmp_path: Path, out: str, *extra: str, steps: int = STEPS) -> list[st
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    # A new session, so a timeout kills torchrun and its workers together.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env(), start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish in {TIMEOUT_S} s:\n{out[-4000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out)
+    code, out = launch.run(cmd, TIMEOUT_S, " ".join(cmd))
+    return subprocess.CompletedProcess(cmd, code, out)
 
 
 def _torchrun(args: list[str]) -> list[str]:

@@ -87,9 +87,8 @@ class _Controller:
         self.group: _Group | None = None
 
     def run(self, conn, x, args, kwargs):
-        """A connection's forward with its saved tensors replaced by handles."""
-        if not torch.is_grad_enabled():
-            return None  # nothing is saved without autograd: run normally
+        """A connection's forward with its saved tensors replaced by handles (the connection
+        calls this only when autograd is recording)."""
         if self.count % self.interval == 0:
             self.group = _Group(
                 x.detach(), x.requires_grad, _autocast_state(x.device.type), self.stats

@@ -550,6 +550,13 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torc
     loss.backward()
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf  # inf: measure, never clip
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
+    _apply_update(optimizer, lr, guard, step, loss_value, norm)
+    return loss_value, norm
+
+
+def _apply_update(optimizer: torch.optim.Optimizer, lr: float, guard: SpikeGuard, step: int,
+                  loss_value: float, norm: float) -> None:
+    """The optimizer step after backward, unless the gradient norm trips the spike policy."""
     if (reason := guard.check_grad_norm(step, norm)) is not None:
         optimizer.zero_grad(set_to_none=True)
         raise _Stop(reason, step)
@@ -558,7 +565,6 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torc
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     guard.accept(loss_value)
-    return loss_value, norm
 
 
 def train_step_parallel(model: torch.nn.Module, pipe: par.Pipeline | None, info: par.DistInfo,
@@ -590,14 +596,7 @@ def train_step_parallel(model: torch.nn.Module, pipe: par.Pipeline | None, info:
             optimizer.zero_grad(set_to_none=True)
             raise _Stop(reason, step)
         norm = pipe.clip_grad_norm_(max_norm).item()
-    if (reason := guard.check_grad_norm(step, norm)) is not None:
-        optimizer.zero_grad(set_to_none=True)
-        raise _Stop(reason, step)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    guard.accept(loss_value)
+    _apply_update(optimizer, lr, guard, step, loss_value, norm)
     return loss_value, norm
 
 
