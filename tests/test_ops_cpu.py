@@ -116,6 +116,65 @@ def test_fused_maps_and_pre_aggregation_match_reference(tokens, n, c, dtype, cpu
         assert_close(a, e, TOL[dtype] if exact else 1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "tokens, n, c", [((7,), 4, 100), ((3, 21), 3, 100), ((63,), 8, 16), ((5,), 1, 33),
+                     ((5,), 9, 16)],  # n = 9: more streams than the native loops take
+)
+def test_linked_maps_and_merge_match_reference(tokens, n, c, dtype, cpu_path):
+    """mhc_maps_pre(link=True) + post_merge(x_link, linked=True), around a branch: the
+    merge's share of x's gradient goes through the maps node (one dx)."""
+    inputs = maps_inputs(tokens, n, c, dtype, seed=7)
+    f_extra = torch.randn(*tokens, c, generator=torch.Generator().manual_seed(8))
+    f_extra = f_extra.to(dtype).requires_grad_()
+
+    def ref(x, *rest):
+        *params, extra = rest
+        h_pre, h_post, h_res = reference.mhc_maps(x, *params, sinkhorn_iters=7)
+        a = reference.pre_aggregate(x, h_pre)
+        return reference.post_merge(x, torch.tanh(a) + extra, h_post, h_res), a
+
+    def linked(x, *rest):
+        *params, extra = rest
+        _, h_post, h_res, a, x_link = cpu.mhc_maps_pre(x, *params, sinkhorn_iters=7, link=True)
+        return cpu.post_merge(x_link, torch.tanh(a) + extra, h_post, h_res, linked=True), a
+
+    out_ref, grad_ref = run(ref, [*inputs, f_extra])
+    out_cpu, grad_cpu = run(linked, clone_inputs([*inputs, f_extra]))
+    for a, e in zip(out_cpu, out_ref, strict=True):
+        assert a.dtype == e.dtype == dtype
+        assert_close(a, e, TOL[dtype])
+    names = ("x", "phi", "alpha", "b_pre", "b_post", "b_res", "f")
+    for a, e, name in zip(grad_cpu, grad_ref, names, strict=True):
+        assert a.dtype == e.dtype, name
+        # bf16: the reference rounds H_pre and H_res to bf16 before mixing; the cpu path not.
+        exact = name in ("x", "f") or dtype != torch.float32
+        assert_close(a, e, TOL[dtype] if exact else 1e-4)
+
+
+def test_inference_path_equals_autograd_path_and_sees_parameter_updates(cpu_path):
+    """Without autograd (decode) the connection takes the native loops directly, with a
+    cached copy of phi: same values as with autograd, and an in-place update is seen."""
+    c, n = 40, 4
+    torch.manual_seed(3)
+    conn = _perturbed(ManifoldHyperConnection(c, n, 1, Branch(c), impl="cpu"))
+    ref = ManifoldHyperConnection(c, n, 1, Branch(c), impl="reference")
+    x = torch.randn(2, 5, n, c)
+    with_grad = conn(x.clone().requires_grad_()).detach()
+    with torch.no_grad():
+        without = conn(x)
+    assert torch.equal(without, with_grad)
+    with torch.no_grad():
+        conn.phi.mul_(1.5)
+        conn.b_res.add_(0.2)
+        conn.alpha.mul_(2.0)
+        updated = conn(x)
+        ref.load_state_dict(conn.state_dict())
+        expected = ref(x)
+    assert (updated - without).abs().max() > 1e-3
+    assert_close(updated, expected, 2e-6)
+
+
 def test_fused_maps_and_pre_aggregation_gradcheck_float64(cpu_path):
     inputs = [t.detach().double().requires_grad_() for t in maps_inputs((3,), 3, 5, torch.float32)]
     assert torch.autograd.gradcheck(
@@ -231,13 +290,19 @@ def test_merge_ops_gradcheck_float64(cpu_path):
 def _native_op_samples():
     x, f, h_pre, h_post, h_res = [t.detach() for t in merge_inputs((5,), 3, 20, torch.float32)]
     m = 3 * 3 + 2 * 3
+    phi = torch.randn(60, m) / 60**0.5
+    ab = torch.randn(2, m)
+    lt, r, *_ = torch.ops.torch_mhc.cpu_mhc_maps_fwd(x, cpu._padded(phi), ab, 4, 1e-6, 0.0, 0.0,
+                                                    False)
+    g = torch.randn_like(x)
     return {
         "cpu_pre_aggregate_fwd": (x, h_pre),
         "cpu_pre_aggregate_bwd": (x, h_pre, f),
         "cpu_post_merge_fwd": (x, f, h_post, h_res),
-        "cpu_post_merge_bwd": (x, f, h_post, h_res, torch.randn_like(x)),
-        "cpu_maps_dx": (x, torch.randn(5, m), torch.randn(m, 60), torch.randn(5), h_pre, f),
-        "cpu_pre_aggregate_dh": (x, f),
+        "cpu_post_merge_bwd": (x, f, h_post, h_res, g, True),
+        "cpu_mhc_maps_fwd": (x, cpu._padded(phi), ab, 4, 1e-6, 0.0, 0.0, True),
+        "cpu_mhc_maps_bwd": (x, phi.t().contiguous(), ab, lt, r, h_pre, h_post, h_res, f, g,
+                             4, 0.0, 0.0),
     }
 
 
@@ -247,7 +312,7 @@ def test_native_custom_ops_pass_opcheck(name):
     if cpu._NATIVE is None:
         pytest.skip("native CPU library unavailable")
     args = _native_op_samples()[name]
-    if name.endswith("_fwd"):
+    if name in ("cpu_pre_aggregate_fwd", "cpu_post_merge_fwd"):  # registered autograd
         args = tuple(a.requires_grad_() for a in args)
     torch.library.opcheck(getattr(torch.ops.torch_mhc, name).default, args)
 

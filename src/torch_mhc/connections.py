@@ -132,18 +132,25 @@ class _Connection(nn.Module):
         return self.mix_out(x, f, state)
 
     def mix_in(self, x: torch.Tensor):
-        """Maps and pre-aggregation: x [..., n, C] -> (h_in [..., C], (H_post, H_res))."""
-        h_pre, h_post, h_res, h_in = self.maps(x, with_pre=True)
+        """Maps and pre-aggregation: x [..., n, C] -> (h_in [..., C], state for mix_out)."""
+        ops = _ops.get_impl(self.impl, x.device, x.dtype)
+        h_pre, h_post, h_res, h_in, x_link = self._maps_and_input(ops, x)
         if self.check_finite:
             self._check_maps(h_pre, h_post, h_res)
         if _diag.ACTIVE is not None:
             _diag.ACTIVE.record(self, h_res)
-        return h_in, (h_post, h_res)
+        return h_in, (ops, h_post, h_res, x_link)
 
     def mix_out(self, x: torch.Tensor, f: torch.Tensor, state) -> torch.Tensor:
         """Post-and-merge: H_res x + H_post^T f -> [..., n, C]."""
-        h_post, h_res = state
-        return _ops.get_impl(self.impl, x.device, x.dtype).post_merge(x, f, h_post, h_res)
+        ops, h_post, h_res, x_link = state
+        if x_link is not None:  # x's gradient through the merge joins the maps' one dx
+            return ops.post_merge(x_link, f, h_post, h_res, linked=True)
+        return ops.post_merge(x, f, h_post, h_res)
+
+    def _maps_and_input(self, ops, x: torch.Tensor):
+        """(H_pre, H_post, H_res, branch input, x_link or None) under implementation ops."""
+        return (*self.maps(x, with_pre=True), None)
 
     def no_weight_decay(self) -> set[str]:
         """Names (relative to this module) of the static maps and gates."""
@@ -267,10 +274,18 @@ class ManifoldHyperConnection(_Connection):
         """H_pre, H_post, H_res; with_pre=True appends the branch input sum_j H_pre[j] x[j]
         (one fused op where the implementation has one)."""
         ops = _ops.get_impl(self.impl, x.device, x.dtype)
-        return (ops.mhc_maps_pre if with_pre else ops.mhc_maps)(
+        return (ops.mhc_maps_pre if with_pre else ops.mhc_maps)(*self._map_args(x))
+
+    def _map_args(self, x: torch.Tensor) -> tuple:
+        return (
             x, self.phi, self.alpha, self.b_pre, self.b_post, self.b_res,
             self.sinkhorn_iters, self.norm_eps, self.sinkhorn_eps, self.pre_eps,
         )
+
+    def _maps_and_input(self, ops, x: torch.Tensor):
+        if ops.links:
+            return ops.mhc_maps_pre(*self._map_args(x), link=True)
+        return (*ops.mhc_maps_pre(*self._map_args(x)), None)
 
     def no_weight_decay(self) -> set[str]:
         return {"alpha", "b_pre", "b_post", "b_res"}

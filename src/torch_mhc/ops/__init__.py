@@ -13,6 +13,10 @@ Every implementation provides the same six functions with the same contracts as
     post_merge(x, f, h_post, h_res)           -> [..., n, C]  H_res x + H_post^T f
     sinkhorn(logits, iters=20, *, eps=0.0)    -> [..., n, n]
 
+Optionally (Ops.links, the `cpu` implementation): mhc_maps_pre(..., link=True) also returns
+x_link, and post_merge(x_link, f, h_post, h_res, linked=True) leaves x's gradient through the
+merge to the maps node, so that a connection writes x's gradient once.
+
 Implementations:
     "reference"  plain torch, autograd through every op: the definition and the test oracle
     "cpu"        hand-written backward passes and CPU-friendly layouts (ops/cpu.py)
@@ -72,6 +76,9 @@ class Ops:
     pre_aggregate: Callable
     post_merge: Callable
     sinkhorn: Callable
+    # mhc_maps_pre(..., link=True) and post_merge(..., linked=True) exist (ops/cpu.py: x's
+    # gradient through maps, aggregation and merge written once).
+    links: bool = False
 
 
 _default: str | None = None  # set by set_default_impl
@@ -154,6 +161,7 @@ def get_impl(
             pre_aggregate=module.pre_aggregate,
             post_merge=module.post_merge,
             sinkhorn=module.sinkhorn,
+            links=getattr(module, "LINKS", False),
         )
         _loaded[resolved] = ops
     return ops

@@ -47,10 +47,14 @@ def _connection_step(impl: str, tokens: int, n: int, c: int, dtype: torch.dtype,
     upstream = torch.randn(tokens, n, c, generator=g).to(device=device, dtype=dtype)
     ops = get_impl(impl, device, dtype)
 
-    def step():
-        h_pre, h_post, h_res = ops.mhc_maps(x, *params)
-        f = ops.pre_aggregate(x, h_pre)  # identity branch
-        ops.post_merge(x, f, h_post, h_res).backward(upstream)
+    def step():  # what ManifoldHyperConnection runs, around an identity branch
+        if ops.links:
+            _, h_post, h_res, f, x_link = ops.mhc_maps_pre(x, *params, link=True)
+            out = ops.post_merge(x_link, f, h_post, h_res, linked=True)
+        else:
+            _, h_post, h_res, f = ops.mhc_maps_pre(x, *params)
+            out = ops.post_merge(x, f, h_post, h_res)
+        out.backward(upstream)
 
     return step
 

@@ -24,6 +24,7 @@ accumulate in float32 and round once).
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
@@ -33,6 +34,7 @@ from . import reference as _ref
 __all__ = ["mhc_maps", "mhc_maps_pre", "hc_maps", "pre_aggregate", "post_merge", "sinkhorn"]
 
 hc_maps = _ref.hc_maps  # HC's maps are a few small ops; nothing to fuse on the CPU
+LINKS = True  # mhc_maps_pre(..., link=True) and post_merge(..., linked=True); see ops/__init__
 
 
 def _maps_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -131,114 +133,173 @@ def sinkhorn(logits: torch.Tensor, iters: int = 20, *, eps: float = 0.0) -> torc
 
 class _MhcMaps(torch.autograd.Function):
     """Maps of x [T, n, C] (any float dtype), in the maps dtype; with_pre=True also returns
-    the pre-aggregation a = sum_j H_pre[j] x[j] in x's dtype.
+    the pre-aggregation a = sum_j H_pre[j] x[j] in x's dtype, and link=True (with with_pre)
+    also returns `x_link`, x itself as a view, for post_merge(..., linked=True).
 
     With the aggregation inside, the backward writes dx once: coef * x + dz @ phi^T (the
     maps' share) + H_pre[j] da (the aggregation's share), instead of autograd adding two
-    [T, n, C] gradients.
+    [T, n, C] gradients. The link extends this to the merge: its backward hands the raw
+    upstream gradient g of the merge to x_link instead of computing H_res^T g, and this
+    backward adds H_res^T g to the same dx (so x's gradient from the whole connection is
+    one [T, n, C] write, and the merge's backward reads x and g without writing dx).
     """
 
     @staticmethod
     @_no_autocast
     def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, iters, norm_eps, sk_eps, pre_eps,
-                with_pre):
-        t, n, c = x.shape
-        k = n * c
-        cdt = _maps_dtype(x.dtype)
-        v = x.reshape(t, k).to(cdt)  # [T, K], a view for fp32 streams
-        phi_c = phi.to(cdt)
-        # Logits transposed, [M, T]: the epilogue then works on contiguous rows of length T.
-        lt = torch.mm(phi_c.t(), v.t())  # [M, T] = (v @ phi)^T
-        r = torch.linalg.vector_norm(v, dim=-1).square_().div_(k).add_(norm_eps).sqrt_()  # [T]
-        lt.div_(r)  # divide after the matmul (section 4.3)
-        a_rows = _alpha_rows(alpha.to(cdt), n)  # [M, 1]: alpha_pre, alpha_post, alpha_res
-        b_rows = _bias_rows(b_pre, b_post, b_res, cdt)  # [M, 1]
-        ht = torch.addcmul(b_rows, lt, a_rows)  # [M, T] gate logits H~
-        h_pre = torch.sigmoid(ht[:n])  # [n, T]
-        if pre_eps:
-            h_pre.add_(pre_eps)
-        h_post = torch.sigmoid(ht[n : 2 * n]).mul_(2.0)  # [n, T]
-        h_res = _sinkhorn_fwd_tl(ht[2 * n :].reshape(n, n, t), iters, sk_eps)  # [n, n, T]
-        # Saved: the logits and the RMS, M + 1 numbers per token besides x and the parameters.
-        ctx.save_for_backward(x, phi, alpha, lt, r, ht, a_rows)
+                with_pre, link):
+        ctx.set_materialize_grads(False)  # unused outputs' gradients arrive as None
         ctx.iters, ctx.sk_eps, ctx.pre_eps = iters, sk_eps, pre_eps
+        ctx.with_pre, ctx.link = with_pre, link
         ctx.b_dtypes = (b_pre.dtype, b_post.dtype, b_res.dtype)
-        # Token-last results seen as [T, ...]; consumers that need contiguity copy (tiny).
-        maps = (h_pre.t(), h_post.t(), h_res.permute(2, 0, 1))
-        if not with_pre:
-            return maps
-        return (*maps, _pre_forward(x, h_pre.t()))
+        ctx.native = _use_native(x)
+        if ctx.native:
+            ab = _gate_table(alpha, b_pre, b_post, b_res)
+            lt, r, h_pre, h_post, h_res, a = torch.ops.torch_mhc.cpu_mhc_maps_fwd(
+                x, _padded(phi), ab, iters, norm_eps, sk_eps, pre_eps, with_pre
+            )
+            # Saved: the logits [T, M] and the RMS, M + 1 numbers per token besides x.
+            ctx.save_for_backward(x, phi, alpha, lt, r, ab)
+            maps = (h_pre, h_post, h_res)
+        else:
+            cdt = _maps_dtype(x.dtype)
+            a_rows = _alpha_rows(alpha.to(cdt), x.shape[1])  # [M, 1]: alpha_pre, _post, _res
+            b_rows = _bias_rows(b_pre, b_post, b_res, cdt)  # [M, 1]
+            maps, a = _maps_forward_torch(ctx, x, phi, alpha, a_rows, b_rows, iters, norm_eps,
+                                          sk_eps, pre_eps, with_pre)
+        outs = (*maps, a) if with_pre else maps
+        return (*outs, x.view_as(x)) if link else outs
 
     @staticmethod
     @_no_autocast
-    def backward(ctx, g_pre, g_post, g_res, g_a=None):
-        x, phi, alpha, lt, r, ht, a_rows = ctx.saved_tensors
-        b_dtypes = ctx.b_dtypes
-        t, n, c = x.shape
-        k = n * c
-        cdt = lt.dtype
-        s = torch.sigmoid(ht[: 2 * n])  # [2n, T]: pre rows, then post rows
-        h_pre = s[:n].t() + ctx.pre_eps  # [T, n]
-        if g_a is not None:  # the aggregation's share of dL/dH_pre
-            dh = _pre_dh(x, g_a)
-            g_pre = dh if g_pre is None else g_pre + dh
-        d_ht = torch.zeros_like(ht)  # [M, T] dL/dH~
-        ds = s * (1.0 - s)
-        if g_pre is not None:
-            d_ht[:n] = g_pre.t() * ds[:n]
-        if g_post is not None:
-            d_ht[n : 2 * n] = g_post.t() * ds[n:] * 2.0
-        if g_res is not None:
-            g = _to_token_last(g_res.to(cdt))
-            h = ht[2 * n :].reshape(n, n, t)
-            d_ht[2 * n :] = _sinkhorn_bwd_tl(h, g, ctx.iters, ctx.sk_eps).reshape(n * n, t)
-        d_b = d_ht.sum(dim=1)  # [M]
-        d_a_rows = (d_ht * lt).sum(dim=1)  # [M]
-        d_alpha = torch.stack(
-            [d_a_rows[:n].sum(), d_a_rows[n : 2 * n].sum(), d_a_rows[2 * n :].sum()]
-        )
-        d_lt = d_ht.mul_(a_rows)  # [M, T] dL/dlogits
-        # logits = z / r with r = sqrt(mean(v^2) + eps): dL/dv = dz @ phi^T + coef * v.
-        coef = (d_lt * lt).sum(dim=0).div_(r.square()).div_(-k)  # [T]
-        d_zt = d_lt.div_(r)  # [M, T]
-        v = x.reshape(t, k).to(cdt)
-        phi_c = phi.to(cdt)
-        if _use_native(x):  # one pass: x (and da) in, dx out in x's dtype
-            ga = None if g_a is None else g_a.to(x.dtype).contiguous()
-            dx = torch.ops.torch_mhc.cpu_maps_dx(
-                x.contiguous(), d_zt.t().contiguous(), phi_c.t().contiguous(), coef,
-                h_pre.to(torch.float32).contiguous(), ga,
-            )
-        else:
-            dv = torch.mm(d_zt.t(), phi_c.t()).addcmul_(v, coef.unsqueeze(-1))  # [T, K]
-            if g_a is not None:
-                dv.view(t, n, c).addcmul_(h_pre.unsqueeze(-1), g_a.to(cdt).unsqueeze(-2))
-            dx = dv.reshape(t, n, c).to(x.dtype)
-        d_phi = torch.mm(d_zt, v).t()  # [K, M]
-        return (
-            dx,
-            d_phi.to(phi.dtype),
-            d_alpha.to(alpha.dtype),
-            d_b[:n].to(b_dtypes[0]),
-            d_b[n : 2 * n].to(b_dtypes[1]),
-            d_b[2 * n :].reshape(n, n).to(b_dtypes[2]),
-            None, None, None, None, None,
-        )
+    def backward(ctx, g_pre, g_post, g_res, *more):
+        g_a = more[0] if ctx.with_pre else None
+        g_link = more[1] if ctx.link else None
+        if ctx.native:
+            return _maps_backward_native(ctx, g_pre, g_post, g_res, g_a, g_link)
+        return _maps_backward_torch(ctx, g_pre, g_post, g_res, g_a, g_link)
+
+
+def _padded(phi: torch.Tensor) -> torch.Tensor:
+    """phi [K, M] as float32 with its columns zero-padded to whole 16-float vectors."""
+    m = phi.shape[1]
+    return torch.nn.functional.pad(phi.to(torch.float32), (0, _native.padded_width(m) - m))
+
+
+def _gate_table(alpha, b_pre, b_post, b_res) -> torch.Tensor:
+    """[2, M] float32: each logit row's gate (alpha_pre, alpha_post or alpha_res), then its
+    static bias, for the native loops."""
+    f32 = torch.float32
+    return torch.cat(
+        [_alpha_rows(alpha.to(f32), b_pre.shape[0]), _bias_rows(b_pre, b_post, b_res, f32)],
+        dim=1,
+    ).t().contiguous()
+
+
+def _parameter_grads(ctx, d_ht: torch.Tensor, lt: torch.Tensor, n: int, alpha_dtype):
+    """db_pre, db_post, db_res, dalpha from dL/dH~ and the logits, both [T, M]."""
+    d_b = d_ht.sum(dim=0)  # [M]
+    d_a_rows = (d_ht * lt).sum(dim=0)  # [M]
+    d_alpha = torch.stack(
+        [d_a_rows[:n].sum(), d_a_rows[n : 2 * n].sum(), d_a_rows[2 * n :].sum()]
+    )
+    b_dtypes = ctx.b_dtypes
+    return (
+        d_alpha.to(alpha_dtype),
+        d_b[:n].to(b_dtypes[0]),
+        d_b[n : 2 * n].to(b_dtypes[1]),
+        d_b[2 * n :].reshape(n, n).to(b_dtypes[2]),
+    )
+
+
+def _contiguous_or_none(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if t is None else t.to(dtype).contiguous()
+
+
+def _maps_backward_native(ctx, g_pre, g_post, g_res, g_a, g_link):
+    x, phi, alpha, lt, r, ab = ctx.saved_tensors
+    n = x.shape[1]
+    f32 = torch.float32
+    dx, d_ht, d_phi = torch.ops.torch_mhc.cpu_mhc_maps_bwd(
+        x, phi.to(f32).t().contiguous(), ab, lt, r,
+        _contiguous_or_none(g_pre, f32), _contiguous_or_none(g_post, f32),
+        _contiguous_or_none(g_res, f32), _contiguous_or_none(g_a, x.dtype),
+        _contiguous_or_none(g_link, x.dtype), ctx.iters, ctx.sk_eps, ctx.pre_eps,
+    )
+    return (dx, d_phi.to(phi.dtype), *_parameter_grads(ctx, d_ht, lt, n, alpha.dtype),
+            None, None, None, None, None, None)
+
+
+def _maps_forward_torch(ctx, x, phi, alpha, a_rows, b_rows, iters, norm_eps, sk_eps, pre_eps,
+                        with_pre):
+    """The maps in torch ops, token-last: one matmul gives the logits transposed [M, T], so
+    the gates and Sinkhorn work on contiguous rows of length T."""
+    t, n, c = x.shape
+    k = n * c
+    cdt = a_rows.dtype
+    v = x.reshape(t, k).to(cdt)  # [T, K], a view for fp32 streams
+    lt = torch.mm(phi.to(cdt).t(), v.t())  # [M, T] = (v @ phi)^T
+    r = torch.linalg.vector_norm(v, dim=-1).square_().div_(k).add_(norm_eps).sqrt_()  # [T]
+    lt.div_(r)  # divide after the matmul (section 4.3)
+    ht = torch.addcmul(b_rows, lt, a_rows)  # [M, T] gate logits H~
+    h_pre = torch.sigmoid(ht[:n])  # [n, T]
+    if pre_eps:
+        h_pre.add_(pre_eps)
+    h_post = torch.sigmoid(ht[n : 2 * n]).mul_(2.0)  # [n, T]
+    h_res = _sinkhorn_fwd_tl(ht[2 * n :].reshape(n, n, t), iters, sk_eps)  # [n, n, T]
+    # Saved: the logits and the RMS, M + 1 numbers per token besides x and the parameters.
+    ctx.save_for_backward(x, phi, alpha, lt, r, ht, a_rows)
+    # Token-last results seen as [T, ...]; consumers that need contiguity copy (tiny).
+    maps = (h_pre.t(), h_post.t(), h_res.permute(2, 0, 1))
+    return maps, (_pre_forward(x, h_pre.t()) if with_pre else None)
+
+
+def _maps_backward_torch(ctx, g_pre, g_post, g_res, g_a, g_link):
+    x, phi, alpha, lt, r, ht, a_rows = ctx.saved_tensors
+    t, n, c = x.shape
+    k = n * c
+    cdt = lt.dtype
+    s = torch.sigmoid(ht[: 2 * n])  # [2n, T]: pre rows, then post rows
+    h_pre = s[:n].t() + ctx.pre_eps  # [T, n]
+    if g_a is not None:  # the aggregation's share of dL/dH_pre
+        dh = _pre_dh(x, g_a)
+        g_pre = dh if g_pre is None else g_pre + dh
+    d_ht = torch.zeros_like(ht)  # [M, T] dL/dH~
+    ds = s * (1.0 - s)
+    if g_pre is not None:
+        d_ht[:n] = g_pre.t() * ds[:n]
+    if g_post is not None:
+        d_ht[n : 2 * n] = g_post.t() * ds[n:] * 2.0
+    h = ht[2 * n :].reshape(n, n, t)
+    if g_res is not None:
+        g = _to_token_last(g_res.to(cdt))
+        d_ht[2 * n :] = _sinkhorn_bwd_tl(h, g, ctx.iters, ctx.sk_eps).reshape(n * n, t)
+    params = _parameter_grads(ctx, d_ht.t(), lt.t(), n, alpha.dtype)
+    d_lt = d_ht.mul_(a_rows)  # [M, T] dL/dlogits
+    # logits = z / r with r = sqrt(mean(v^2) + eps): dL/dv = dz @ phi^T + coef * v.
+    coef = (d_lt * lt).sum(dim=0).div_(r.square()).div_(-k)  # [T]
+    d_zt = d_lt.div_(r)  # [M, T]
+    v = x.reshape(t, k).to(cdt)
+    phi_c = phi.to(cdt)
+    dv = torch.mm(d_zt.t(), phi_c.t()).addcmul_(v, coef.unsqueeze(-1))  # [T, K]
+    dv3 = dv.view(t, n, c)
+    if g_a is not None:
+        dv3.addcmul_(h_pre.unsqueeze(-1), g_a.to(cdt).unsqueeze(-2))
+    if g_link is not None:  # the merge's H_res^T g
+        h_res = _sinkhorn_fwd_tl(h, ctx.iters, ctx.sk_eps).permute(2, 1, 0)  # [T, j, i]
+        dv3.baddbmm_(h_res, g_link.to(cdt))
+    d_phi = torch.mm(d_zt, v).t()  # [K, M]
+    return (dv3.to(x.dtype), d_phi.to(phi.dtype), *params,
+            None, None, None, None, None, None)
 
 
 def _pre_forward(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """sum_j h[t, j] x[t, j] for x [T, n, C], h [T, n] (maps dtype), no autograd."""
-    if _use_native(x):
-        return torch.ops.torch_mhc.cpu_pre_aggregate_fwd(
-            x.contiguous(), h.to(torch.float32).contiguous()
-        )
     return torch.bmm(h.to(x.dtype).unsqueeze(-2), x).squeeze(-2)
 
 
 def _pre_dh(x: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
     """dL/dh of the pre-aggregation: <x[t, j], da[t]> -> [T, n] in the maps dtype."""
-    if _use_native(x):
-        return torch.ops.torch_mhc.cpu_pre_aggregate_dh(x.contiguous(), da.to(x.dtype).contiguous())
     return _rowdot(x, da.to(x.dtype)).to(_maps_dtype(x.dtype))
 
 
@@ -268,7 +329,7 @@ def mhc_maps(
     lead, (n, c) = x.shape[:-2], x.shape[-2:]
     h_pre, h_post, h_res = _MhcMaps.apply(
         x.reshape(-1, n, c), phi, alpha, b_pre, b_post, b_res,
-        int(sinkhorn_iters), float(norm_eps), float(sinkhorn_eps), float(pre_eps), False,
+        int(sinkhorn_iters), float(norm_eps), float(sinkhorn_eps), float(pre_eps), False, False,
     )
     return h_pre.reshape(*lead, n), h_post.reshape(*lead, n), h_res.reshape(*lead, n, n)
 
@@ -284,17 +345,77 @@ def mhc_maps_pre(
     norm_eps: float = 1e-6,
     sinkhorn_eps: float = 0.0,
     pre_eps: float = 0.0,
+    *,
+    link: bool = False,
 ):
-    """mhc_maps plus pre_aggregate(x, H_pre) as one autograd node (one dx in backward)."""
+    """mhc_maps plus pre_aggregate(x, H_pre) as one autograd node (one dx in backward).
+
+    link=True appends x_link (x's values) to pass to post_merge(x_link, ..., linked=True)
+    in place of x: the merge's share of x's gradient then joins the same single dx.
+    """
     lead, (n, c) = x.shape[:-2], x.shape[-2:]
-    h_pre, h_post, h_res, a = _MhcMaps.apply(
-        x.reshape(-1, n, c), phi, alpha, b_pre, b_post, b_res,
-        int(sinkhorn_iters), float(norm_eps), float(sinkhorn_eps), float(pre_eps), True,
-    )
-    return (
+    params = (phi, alpha, b_pre, b_post, b_res)
+    if _inference(x, *params):
+        outs = _maps_inference(x.reshape(-1, n, c), params, int(sinkhorn_iters),
+                               float(norm_eps), float(sinkhorn_eps), float(pre_eps))
+    else:
+        outs = _MhcMaps.apply(
+            x.reshape(-1, n, c), *params,
+            int(sinkhorn_iters), float(norm_eps), float(sinkhorn_eps), float(pre_eps), True,
+            link,
+        )
+    h_pre, h_post, h_res, a = outs[:4]
+    maps = (
         h_pre.reshape(*lead, n), h_post.reshape(*lead, n), h_res.reshape(*lead, n, n),
         a.reshape(*lead, c),
     )
+    if not link:
+        return maps
+    # x_link: the autograd node's view of x; without autograd, x itself.
+    return (*maps, x if len(outs) == 4 else outs[4].reshape(x.shape))
+
+
+# Inference (decode): no autograd graph, so the native loops are called directly, without
+# the autograd Function and the custom-op dispatch (a third of a decode step's connection
+# time at one token), and phi's padded copy is reused while the parameters are unchanged.
+
+
+def _inference(x: torch.Tensor, *params: torch.Tensor) -> bool:
+    """No gradient can be needed (no_grad / inference mode, or nothing requires grad), the
+    native loops handle x, and no torch.compile trace is running (it needs the custom ops)."""
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+        return False
+    return _use_native(x) and not torch.compiler.is_compiling()
+
+
+# id(phi) -> (weak reference to phi, key, padded phi, ab); an entry leaves with its phi.
+_param_cache: dict[int, tuple] = {}
+
+
+def _native_params(phi, alpha, b_pre, b_post, b_res) -> tuple[torch.Tensor, torch.Tensor]:
+    """(phi padded [K, Mp], gate table [2, M]) in float32, cached per phi tensor and its
+    parameters' identities and versions (in-place updates bump a tensor's version)."""
+    tensors = (phi, alpha, b_pre, b_post, b_res)
+    if any(t.is_inference() for t in tensors):  # no version counter: nothing to key on
+        return _padded(phi), _gate_table(alpha, b_pre, b_post, b_res)
+    key = tuple((id(t), t._version) for t in tensors)
+    hit = _param_cache.get(id(phi))
+    if hit is not None and hit[0]() is phi and hit[1] == key:
+        return hit[2], hit[3]
+    phip, ab = _padded(phi), _gate_table(alpha, b_pre, b_post, b_res)
+    ident = id(phi)
+    ref = weakref.ref(phi, lambda _, ident=ident: _param_cache.pop(ident, None))
+    _param_cache[ident] = (ref, key, phip, ab)
+    return phip, ab
+
+
+def _maps_inference(x, params, iters, norm_eps, sk_eps, pre_eps):
+    """mhc_maps_pre's values for x [T, n, C] without autograd."""
+    phip, ab = _native_params(*params)
+    _, _, h_pre, h_post, h_res, a = _NATIVE.maps_fwd(
+        x.contiguous(), phip, ab, iters, norm_eps, sk_eps, pre_eps, True
+    )
+    return h_pre, h_post, h_res, a
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,6 +474,39 @@ class _PostMerge(torch.autograd.Function):
         if ctx.needs_input_grad[3]:
             dh_res = torch.bmm(grad, x.transpose(-1, -2))  # [T, n, n]
         return dx, df, dh_post, dh_res
+
+
+class _LinkedMerge(torch.autograd.Function):
+    """post_merge on x_link: the same forward; the backward passes the upstream gradient g
+    through to x_link unchanged and computes only df, dH_post, dH_res. The maps node that
+    made x_link (_MhcMaps with link=True) adds H_res^T g to x's gradient."""
+
+    @staticmethod
+    @_no_autocast
+    def forward(ctx, x, f, h_post, h_res, native):
+        ctx.set_materialize_grads(False)
+        ctx.native = native
+        ctx.save_for_backward(x, f, h_post, h_res)
+        if native:
+            return torch.ops.torch_mhc.cpu_post_merge_fwd(x, f, h_post, h_res)
+        return torch.bmm(h_res, x).addcmul_(h_post.unsqueeze(-1), f.unsqueeze(-2))
+
+    @staticmethod
+    @_no_autocast
+    def backward(ctx, g):
+        if g is None:
+            return None, None, None, None, None
+        x, f, h_post, h_res = ctx.saved_tensors
+        g = g.to(x.dtype).contiguous()
+        if ctx.native:
+            _, df, dh_post, dh_res = torch.ops.torch_mhc.cpu_post_merge_bwd(
+                x, f, h_post, h_res, g, False
+            )
+        else:
+            df = torch.bmm(h_post.unsqueeze(-2), g).squeeze(-2)  # [T, C] H_post^T g
+            dh_post = _rowdot(g, f)  # [T, n]
+            dh_res = torch.bmm(g, x.transpose(-1, -2))  # [T, n, n]
+        return g, df, dh_post, dh_res, None
 
 
 def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -420,15 +574,17 @@ def _(x, f, h_post, h_res):
 @torch.library.custom_op("torch_mhc::cpu_post_merge_bwd", mutates_args=())
 def _native_merge_bwd(
     x: torch.Tensor, f: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor,
-    g: torch.Tensor,
+    g: torch.Tensor, with_dx: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _NATIVE.merge_bwd(x, f, h_post, h_res, g)
+    """(dx, df, dh_post, dh_res); with_dx=False leaves dx out (an empty tensor)."""
+    dx, df, dh_post, dh_res = _NATIVE.merge_bwd(x, f, h_post, h_res, g, with_dx)
+    return (x.new_empty(0) if dx is None else dx), df, dh_post, dh_res
 
 
 @_native_merge_bwd.register_fake
-def _(x, f, h_post, h_res, g):
+def _(x, f, h_post, h_res, g, with_dx):
     return (
-        torch.empty_like(x), torch.empty_like(f),
+        torch.empty_like(x) if with_dx else x.new_empty(0), torch.empty_like(f),
         torch.empty_like(h_post), torch.empty_like(h_res),
     )
 
@@ -440,40 +596,55 @@ def _native_merge_setup(ctx, inputs, output):
 def _native_merge_backward(ctx, g):
     x, f, h_post, h_res = ctx.saved_tensors
     return torch.ops.torch_mhc.cpu_post_merge_bwd(
-        x, f, h_post, h_res, g.to(x.dtype).contiguous()
+        x, f, h_post, h_res, g.to(x.dtype).contiguous(), True
     )
 
 
 _native_merge_fwd.register_autograd(_native_merge_backward, setup_context=_native_merge_setup)
 
 
-@torch.library.custom_op("torch_mhc::cpu_maps_dx", mutates_args=())
-def _native_maps_dx(
-    x: torch.Tensor, dz: torch.Tensor, phit: torch.Tensor, coef: torch.Tensor,
-    h_pre: torch.Tensor | None, ga: torch.Tensor | None,
-) -> torch.Tensor:
-    """dx = coef * x + dz @ phi^T (+ h_pre[j] ga on stream j): x [T, n, C], dz [T, M],
-    phit [M, n*C], coef [T], h_pre [T, n], ga [T, C]."""
-    return _NATIVE.maps_dx(x, dz, phit, coef, h_pre, ga)
+@torch.library.custom_op("torch_mhc::cpu_mhc_maps_fwd", mutates_args=())
+def _native_maps_fwd(
+    x: torch.Tensor, phip: torch.Tensor, ab: torch.Tensor, iters: int, norm_eps: float,
+    sk_eps: float, pre_eps: float, with_pre: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(lt [T, M], r [T], H_pre, H_post, H_res, a [T, C] or empty): see NativeOps.maps_fwd."""
+    lt, r, h_pre, h_post, h_res, a = _NATIVE.maps_fwd(
+        x.contiguous(), phip.contiguous(), ab, iters, norm_eps, sk_eps, pre_eps, with_pre
+    )
+    return lt, r, h_pre, h_post, h_res, (x.new_empty(0) if a is None else a)
 
 
-@_native_maps_dx.register_fake
-def _(x, dz, phit, coef, h_pre, ga):
-    return torch.empty_like(x)
+@_native_maps_fwd.register_fake
+def _(x, phip, ab, iters, norm_eps, sk_eps, pre_eps, with_pre):
+    t, n, c = x.shape
+    f32 = dict(dtype=torch.float32, device=x.device)
+    return (
+        x.new_empty((t, ab.shape[1]), **f32), x.new_empty((t,), **f32),
+        x.new_empty((t, n), **f32), x.new_empty((t, n), **f32), x.new_empty((t, n, n), **f32),
+        x.new_empty((t, c)) if with_pre else x.new_empty(0),
+    )
 
 
-@torch.library.custom_op("torch_mhc::cpu_pre_aggregate_dh", mutates_args=())
-def _native_pre_dh(x: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
-    """dh[t, j] = <x[t, j], da[t]> in float32 (the pre-aggregation's dL/dH_pre)."""
-    return _NATIVE.pre_dh(x, da)
+@torch.library.custom_op("torch_mhc::cpu_mhc_maps_bwd", mutates_args=())
+def _native_maps_bwd(
+    x: torch.Tensor, phit: torch.Tensor, ab: torch.Tensor, lt: torch.Tensor, r: torch.Tensor,
+    g_pre: torch.Tensor | None, g_post: torch.Tensor | None, g_res: torch.Tensor | None,
+    g_a: torch.Tensor | None, g_link: torch.Tensor | None, iters: int, sk_eps: float,
+    pre_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dL/dH~ [T, M], dphi [K, M]): see NativeOps.maps_bwd."""
+    return _NATIVE.maps_bwd(x.contiguous(), phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_link,
+                            iters, sk_eps, pre_eps)
 
 
-@_native_pre_dh.register_fake
-def _(x, da):
-    return x.new_empty((x.shape[0], x.shape[1]), dtype=torch.float32)
+@_native_maps_bwd.register_fake
+def _(x, phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_link, iters, sk_eps, pre_eps):
+    return torch.empty_like(x), torch.empty_like(lt), phit.new_empty(phit.t().shape)
 
 
 def _use_native(x: torch.Tensor) -> bool:
+    """Whether x [..., n, C] takes the native loops (built library, fp32/bf16, n <= 8)."""
     return _NATIVE is not None and _native.supports(x)
 
 
@@ -498,9 +669,14 @@ def pre_aggregate(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
 
 
 def post_merge(
-    x: torch.Tensor, f: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor
+    x: torch.Tensor, f: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor, *,
+    linked: bool = False,
 ) -> torch.Tensor:
-    """H_res x + H_post^T f: [..., n, C], [..., C], [..., n], [..., n, n] -> [..., n, C]."""
+    """H_res x + H_post^T f: [..., n, C], [..., C], [..., n], [..., n, n] -> [..., n, C].
+
+    linked=True: x is the x_link of mhc_maps_pre(..., link=True), and x's gradient through
+    the merge is left to that node's backward (the same values; one dx write in all).
+    """
     _check_streams(x, "post_merge")
     lead, (n, c) = x.shape[:-2], x.shape[-2:]
     expected = {"f": (*lead, c), "h_post": (*lead, n), "h_res": (*lead, n, n)}
@@ -510,18 +686,20 @@ def post_merge(
                 f"post_merge expects {name} of shape {expected[name]} for x of shape "
                 f"{tuple(x.shape)}, got {tuple(tensor.shape)}"
             )
-    if _use_native(x):
-        out = _native_merge_fwd(
-            x.reshape(-1, n, c).contiguous(),
-            f.to(x.dtype).reshape(-1, c).contiguous(),
-            h_post.reshape(-1, n).to(torch.float32).contiguous(),
-            h_res.reshape(-1, n, n).to(torch.float32).contiguous(),
-        )
-        return out.reshape(x.shape)
-    out = _PostMerge.apply(
-        x.reshape(-1, n, c),
-        f.to(x.dtype).reshape(-1, c),
-        h_post.to(x.dtype).reshape(-1, n),
-        h_res.to(x.dtype).reshape(-1, n, n),
+    native = _use_native(x)
+    maps_dtype = torch.float32 if native else x.dtype
+    args = (
+        x.reshape(-1, n, c).contiguous() if native else x.reshape(-1, n, c),
+        f.to(x.dtype).reshape(-1, c).contiguous(),
+        h_post.reshape(-1, n).to(maps_dtype).contiguous(),
+        h_res.reshape(-1, n, n).to(maps_dtype).contiguous(),
     )
+    if native and _inference(x, f, h_post, h_res):
+        out = _NATIVE.merge_fwd(*args)
+    elif linked:
+        out = _LinkedMerge.apply(*args, native)
+    elif native:
+        out = _native_merge_fwd(*args)
+    else:
+        out = _PostMerge.apply(*args)
     return out.reshape(x.shape)

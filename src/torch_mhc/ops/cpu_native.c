@@ -1,0 +1,613 @@
+/* torch_mhc native CPU kernels: the mHC connection's passes over the streams, one loop each.
+
+   Built and loaded by cpu_native.py (plain C11 with GCC/Clang vector extensions, no torch
+   headers); called through ctypes on contiguous tensors. Shapes: x [T, n, C] streams in fp32
+   or bf16 (the `bf` flag; bf16 is converted to fp32 in registers and rounded once on store),
+   K = n C, maps in fp32, M = n n + 2 n map logits per token (pre, post, then res row-major),
+   Mp = 16 MV >= M the padded width of phi's rows. Every entry point processes the token
+   range [t0, t1): cpu_native.py splits the tokens over threads.
+
+   Why this shape of code: a connection is a handful of passes over [T, n, C] tensors, so
+   the cost is memory traffic plus loop overhead. Each kernel reads every row once, keeps
+   per-token partial results in vector registers (loops over n and over the 16-wide vector
+   chunks are unrolled for the common n through the WITH_N specialisation), and fuses what
+   would otherwise be separate passes:
+     maps_fwd   logits x @ phi (a register-tiled skinny matmul) + the RMS + gates + Sinkhorn +
+                the pre-aggregation, per tile of tokens while the tile is in cache;
+     maps_bwd   the aggregation's dH_pre, the gates' and Sinkhorn's backward, dphi += x^T dz
+                and dx = coef x + dz phi^T + H_pre da + H_res^T g_merge in one pass;
+     merge_fwd  H_res x + H_post f;  merge_bwd  df, dH_post, dH_res (and dx unless the maps'
+                backward takes the merge's gradient, the "linked" path of ops/cpu.py). */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef uint16_t bf16_t;
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+#define INLINE static inline __attribute__((always_inline))
+#define W 16          /* floats per vector chunk */
+#define MAX_TILE 8    /* tokens per register tile */
+#define MAX_MV 5      /* phi row chunks, Mp / 16: M = n n + 2 n <= 80 for n <= MAXN */
+#define MAXN 8        /* streams; cpu_native.supports() sends larger n to torch */
+
+/* ---- loads and stores of 16-wide chunks (w < 16 only at a row's tail, zero padded) ---- */
+
+INLINE v16 vzero(void) { return (v16){0}; }
+INLINE v16 vload(const float* p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+INLINE void vstore(float* p, v16 v) { memcpy(p, &v, sizeof v); }
+
+INLINE float hsum(v16 v) {
+    v8 a, b;
+    memcpy(&a, &v, 32);
+    memcpy(&b, (char*)&v + 32, 32);
+    a += b;
+    v4 c, d;
+    memcpy(&c, &a, 16);
+    memcpy(&d, (char*)&a + 16, 16);
+    c += d;
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+INLINE float bf16_to_f32(bf16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Round to nearest even; a NaN stays a (quiet) NaN. */
+INLINE u16x16 f32_to_bf16(v16 v) {
+    u32x16 u;
+    memcpy(&u, &v, sizeof u);
+    const u32x16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const u32x16 nan = (u >> 16) | 0x40u;
+    const u32x16 is_nan = (u32x16)((u & 0x7fffffffu) > 0x7f800000u);
+    return __builtin_convertvector((nan & is_nan) | (rounded & ~is_nan), u16x16);
+}
+
+/* Element i of storage p (fp32 or bf16) as a float. */
+INLINE float lds(const void* p, int64_t i, int bf) {
+    return bf ? bf16_to_f32(((const bf16_t*)p)[i]) : ((const float*)p)[i];
+}
+
+INLINE v16 ldw(const void* p, int64_t i, int w, int bf) {
+    if (bf) {
+        u16x16 h = {0};
+        memcpy(&h, (const bf16_t*)p + i, (size_t)w * 2);
+        const u32x16 u = __builtin_convertvector(h, u32x16) << 16;
+        v16 f;
+        memcpy(&f, &u, sizeof f);
+        return f;
+    }
+    if (w == W) return vload((const float*)p + i);
+    v16 v = vzero();
+    memcpy(&v, (const float*)p + i, (size_t)w * 4);
+    return v;
+}
+
+INLINE void stw(void* p, int64_t i, v16 v, int w, int bf) {
+    if (bf) {
+        const u16x16 h = f32_to_bf16(v);
+        memcpy((bf16_t*)p + i, &h, (size_t)w * 2);
+    } else if (w == W) {
+        vstore((float*)p + i, v);
+    } else {
+        memcpy((float*)p + i, &v, (size_t)w * 4);
+    }
+}
+
+/* for (c = 0; c < C; c += 16) { BODY } with w the chunk's width; BODY is compiled twice, for
+   full chunks (w the constant 16: plain vector loads, accumulators stay in registers) and
+   for the tail chunk. */
+#define FOR_CHUNKS(c, w, C, ...)                                          \
+    for (int64_t c = 0; c < (C); c += W) {                                \
+        if ((C) - c >= W) { const int w = W; __VA_ARGS__ }                \
+        else { const int w = (int)((C) - c); __VA_ARGS__ }                \
+    }
+
+/* Call CALL with N_ a compile-time constant for the usual stream counts, so that loops over
+   n unroll and small per-token arrays live in registers; other n run the generic code. */
+#define WITH_N(n, CALL)                                             \
+    switch (n) {                                                    \
+        case 1: { enum { N_ = 1 }; CALL; break; }                   \
+        case 2: { enum { N_ = 2 }; CALL; break; }                   \
+        case 4: { enum { N_ = 4 }; CALL; break; }                   \
+        default: { const int64_t N_ = (n); CALL; break; }           \
+    }
+
+/* ---------------------------------------------------------------------------------------
+   Post-and-merge
+   --------------------------------------------------------------------------------------- */
+
+/* out[t, i] = sum_j h_res[t, i, j] x[t, j] + h_post[t, i] f[t] */
+INLINE void merge_fwd_body(const void* x, const void* f, const float* hp, const float* hr,
+                           void* out, int64_t t0, int64_t t1, const int64_t n, int64_t C,
+                           int bf) {
+    for (int64_t t = t0; t < t1; ++t) {
+        const float* hpt = hp + t * n;
+        const float* hrt = hr + t * n * n;
+        FOR_CHUNKS(c, w, C,
+            const v16 fv = ldw(f, t * C + c, w, bf);
+            v16 xv[MAXN];
+            for (int64_t j = 0; j < n; ++j) xv[j] = ldw(x, (t * n + j) * C + c, w, bf);
+            for (int64_t i = 0; i < n; ++i) {
+                /* The reference's order: the mixing sum, then + H_post f. */
+                v16 acc = hrt[i * n] * xv[0];
+                for (int64_t j = 1; j < n; ++j) acc += hrt[i * n + j] * xv[j];
+                acc += hpt[i] * fv;
+                stw(out, (t * n + i) * C + c, acc, w, bf);
+            }
+        )
+    }
+}
+
+/* df[t] = sum_i h_post[t, i] g[t, i]; dh_post[t, i] = <g[t, i], f[t]>;
+   dh_res[t, i, j] = <g[t, i], x[t, j]>; dx[t, j] = sum_i h_res[t, i, j] g[t, i] unless dx
+   is NULL (the linked path: the maps' backward adds H_res^T g to its own dx). */
+INLINE void merge_bwd_body(const void* x, const void* f, const float* hp, const float* hr,
+                           const void* g, void* dx, void* df, float* dhp, float* dhr,
+                           int64_t t0, int64_t t1, const int64_t n, int64_t C, int bf) {
+    for (int64_t t = t0; t < t1; ++t) {
+        const float* hpt = hp + t * n;
+        const float* hrt = hr + t * n * n;
+        v16 sp[MAXN], sr[MAXN * MAXN];
+        for (int64_t i = 0; i < n; ++i) sp[i] = vzero();
+        for (int64_t q = 0; q < n * n; ++q) sr[q] = vzero();
+        FOR_CHUNKS(c, w, C,
+            const v16 fv = ldw(f, t * C + c, w, bf);
+            v16 gv[MAXN], xv[MAXN];
+            for (int64_t i = 0; i < n; ++i) {
+                gv[i] = ldw(g, (t * n + i) * C + c, w, bf);
+                xv[i] = ldw(x, (t * n + i) * C + c, w, bf);
+            }
+            if (dx)
+                for (int64_t j = 0; j < n; ++j) {
+                    v16 acc = vzero();
+                    for (int64_t i = 0; i < n; ++i) acc += hrt[i * n + j] * gv[i];
+                    stw(dx, (t * n + j) * C + c, acc, w, bf);
+                }
+            v16 acc = vzero();
+            for (int64_t i = 0; i < n; ++i) {
+                acc += hpt[i] * gv[i];
+                sp[i] += gv[i] * fv;
+                for (int64_t j = 0; j < n; ++j) sr[i * n + j] += gv[i] * xv[j];
+            }
+            stw(df, t * C + c, acc, w, bf);
+        )
+        for (int64_t i = 0; i < n; ++i) {
+            dhp[t * n + i] = hsum(sp[i]);
+            for (int64_t j = 0; j < n; ++j) dhr[(t * n + i) * n + j] = hsum(sr[i * n + j]);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------
+   Pre-aggregation (standalone: HC, and mHC without the fused maps)
+   --------------------------------------------------------------------------------------- */
+
+/* a[t] = sum_j h[t, j] x[t, j] for one token */
+INLINE void aggregate_row(const void* x, const float* h, void* a, int64_t t, const int64_t n,
+                          int64_t C, int bf) {
+    FOR_CHUNKS(c, w, C,
+        v16 acc = vzero();
+        for (int64_t j = 0; j < n; ++j) acc += h[j] * ldw(x, (t * n + j) * C + c, w, bf);
+        stw(a, t * C + c, acc, w, bf);
+    )
+}
+
+/* dots[j] = <x[t, j], da[t]> for one token */
+INLINE void stream_dots(const void* x, const void* da, float* dots, int64_t t,
+                        const int64_t n, int64_t C, int bf) {
+    v16 s[MAXN];
+    for (int64_t j = 0; j < n; ++j) s[j] = vzero();
+    FOR_CHUNKS(c, w, C,
+        const v16 av = ldw(da, t * C + c, w, bf);
+        for (int64_t j = 0; j < n; ++j) s[j] += av * ldw(x, (t * n + j) * C + c, w, bf);
+    )
+    for (int64_t j = 0; j < n; ++j) dots[j] = hsum(s[j]);
+}
+
+INLINE void pre_fwd_body(const void* x, const float* h, void* a, int64_t t0, int64_t t1,
+                         const int64_t n, int64_t C, int bf) {
+    for (int64_t t = t0; t < t1; ++t) aggregate_row(x, h + t * n, a, t, n, C, bf);
+}
+
+/* dx[t, j] = h[t, j] da[t] (skipped when dx is NULL); dh[t, j] = <x[t, j], da[t]> */
+INLINE void pre_bwd_body(const void* x, const float* h, const void* da, void* dx, float* dh,
+                         int64_t t0, int64_t t1, const int64_t n, int64_t C, int bf) {
+    for (int64_t t = t0; t < t1; ++t) {
+        if (dx)
+            FOR_CHUNKS(c, w, C,
+                const v16 av = ldw(da, t * C + c, w, bf);
+                for (int64_t j = 0; j < n; ++j)
+                    stw(dx, (t * n + j) * C + c, h[t * n + j] * av, w, bf);
+            )
+        stream_dots(x, da, dh + t * n, t, n, C, bf);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------
+   Sinkhorn (paper Eq. 9, the same steps as ops/cpu.py's token-last version) on 16 tokens at
+   once, one token per vector lane: m[q] holds entry q = i n + j of the 16 matrices. A
+   column softmax (+ eps), a row normalisation, then (columns, rows) iters - 1 times; each
+   normalisation divides by the sum along its axis (+ eps). Step s of the 2 iters - 1
+   normalisations is a row step for even s and a column step for odd s.
+   --------------------------------------------------------------------------------------- */
+
+#define G 16  /* tokens per lane group */
+
+/* One normalisation of m [n n] along rows (axis 1) or columns (axis 0), in place; d[n]
+   receives the denominators. */
+INLINE void normalise(v16* m, v16* d, int axis, int64_t n, float eps) {
+    for (int64_t a = 0; a < n; ++a) {
+        v16 s = vzero();
+        for (int64_t b = 0; b < n; ++b) s += axis ? m[a * n + b] : m[b * n + a];
+        d[a] = s + eps;
+    }
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < n; ++j) m[i * n + j] /= d[axis ? i : j];
+}
+
+/* m: the column softmax p0 on entry, H_res on exit. */
+INLINE void sinkhorn_fwd_lanes(v16* m, int64_t n, int iters, float eps) {
+    v16 d[n];
+    for (int64_t q = 0; q < n * n; ++q) m[q] += eps;
+    for (int64_t s = 0; s < 2 * (int64_t)iters - 1; ++s) normalise(m, d, s % 2 ? 0 : 1, n, eps);
+}
+
+/* Exact reverse of the unrolled loop: g [n n] (upstream) becomes dL/dh in place, with
+   p0 the column softmax of h; out receives H_res. y [(2 iters - 1) n n] and d
+   [(2 iters - 1) n] are scratch for the recomputed iterates. */
+INLINE void sinkhorn_bwd_lanes(const v16* p0, v16* g, v16* out, v16* y, v16* d, int64_t n,
+                               int iters, float eps) {
+    const int64_t nn = n * n, steps = 2 * (int64_t)iters - 1;
+    for (int64_t q = 0; q < nn; ++q) y[q] = p0[q] + eps;
+    for (int64_t s = 0; s < steps; ++s) {
+        if (s) memcpy(y + s * nn, y + (s - 1) * nn, sizeof(v16) * nn);
+        normalise(y + s * nn, d + s * n, s % 2 ? 0 : 1, n, eps);
+    }
+    memcpy(out, y + (steps - 1) * nn, sizeof(v16) * nn);
+    /* Each step is y = m / d with d the sum of m along its axis (+ eps):
+       dL/dm = (g - sum_axis(g y)) / d. */
+    for (int64_t s = steps - 1; s >= 0; --s) {
+        const int axis = s % 2 ? 0 : 1;
+        const v16* ys = y + s * nn;
+        for (int64_t a = 0; a < n; ++a) {
+            v16 dot = vzero();
+            for (int64_t b = 0; b < n; ++b) {
+                const int64_t q = axis ? a * n + b : b * n + a;
+                dot += g[q] * ys[q];
+            }
+            for (int64_t b = 0; b < n; ++b) {
+                const int64_t q = axis ? a * n + b : b * n + a;
+                g[q] = (g[q] - dot) / d[s * n + a];
+            }
+        }
+    }
+    for (int64_t j = 0; j < n; ++j) {  /* the column softmax */
+        v16 dot = vzero();
+        for (int64_t i = 0; i < n; ++i) dot += g[i * n + j] * p0[i * n + j];
+        for (int64_t i = 0; i < n; ++i) g[i * n + j] = p0[i * n + j] * (g[i * n + j] - dot);
+    }
+}
+
+/* The column softmax of one token's h [n n] into lane u of p0. */
+INLINE void column_softmax_lane(const float* h, v16* p0, int u, int64_t n) {
+    for (int64_t j = 0; j < n; ++j) {
+        float mx = h[j];
+        for (int64_t i = 1; i < n; ++i) mx = h[i * n + j] > mx ? h[i * n + j] : mx;
+        float e[n], s = 0.0f;
+        for (int64_t i = 0; i < n; ++i) s += (e[i] = expf(h[i * n + j] - mx));
+        for (int64_t i = 0; i < n; ++i) p0[i * n + j][u] = e[i] / s;
+    }
+}
+
+/* Unused lanes of a partial group: the uniform matrix (no division by zero). */
+INLINE void fill_lanes(v16* m, int64_t count, int u0, float value) {
+    for (int64_t q = 0; q < count; ++q)
+        for (int u = u0; u < G; ++u) m[q][u] = value;
+}
+
+INLINE float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
+
+/* ---------------------------------------------------------------------------------------
+   The skinny matmuls with phi: z = x @ phi per token tile, dphi += x^T dz.
+   phip [K, Mp] is phi with its M columns padded to Mp = 16 MV with zeros.
+   TT tokens x MV chunks of accumulators stay in registers; each phi row is loaded once per
+   tile and each x element once.
+   --------------------------------------------------------------------------------------- */
+
+INLINE void xphi_tile(const void* x, const float* phip, int64_t t, int64_t K, const int TT,
+                      const int MV, float* z, int bf) {
+    v16 acc[MAX_TILE][MAX_MV];
+    for (int u = 0; u < TT; ++u)
+        for (int v = 0; v < MV; ++v) acc[u][v] = vzero();
+    for (int64_t k = 0; k < K; ++k) {
+        v16 p[MAX_MV];
+        for (int v = 0; v < MV; ++v) p[v] = vload(phip + k * MV * W + v * W);
+        for (int u = 0; u < TT; ++u) {
+            const float s = lds(x, (t + u) * K + k, bf);
+            for (int v = 0; v < MV; ++v) acc[u][v] += s * p[v];
+        }
+    }
+    for (int u = 0; u < TT; ++u)
+        for (int v = 0; v < MV; ++v) vstore(z + (u * MV + v) * W, acc[u][v]);
+}
+
+/* dphi[k, :] += sum_u x[t + u, k] dz[u, :] for dz [TT, Mp] */
+INLINE void dphi_tile(const void* x, const float* dz, float* dphi, int64_t t, int64_t K,
+                      const int TT, const int MV, int bf) {
+    v16 zv[MAX_TILE][MAX_MV];
+    for (int u = 0; u < TT; ++u)
+        for (int v = 0; v < MV; ++v) zv[u][v] = vload(dz + (u * MV + v) * W);
+    for (int64_t k = 0; k < K; ++k) {
+        v16 p[MAX_MV];
+        for (int v = 0; v < MV; ++v) p[v] = vload(dphi + k * MV * W + v * W);
+        for (int u = 0; u < TT; ++u) {
+            const float s = lds(x, (t + u) * K + k, bf);
+            for (int v = 0; v < MV; ++v) p[v] += s * zv[u][v];
+        }
+        for (int v = 0; v < MV; ++v) vstore(dphi + k * MV * W + v * W, p[v]);
+    }
+}
+
+/* z [tt, Mp] = x[t .. t + tt) @ phip and dphi += x[t .. t + tt)^T dz: full tiles of TT tokens,
+   then single tokens, with TT and MV literal in every call (so that the accumulators are
+   registers). TT = as many tokens as keep TT MV accumulators within 16 vector registers. */
+#define TILED_CASE(MV, TT, CALL)                                              \
+    case MV:                                                                  \
+        for (; u + TT <= tt; u += TT) CALL(TT, MV);                           \
+        for (; u < tt; ++u) CALL(1, MV);                                      \
+        break;
+#define TILED(MV, CALL)                                                       \
+    int64_t u = 0;                                                            \
+    switch (MV) {                                                             \
+        TILED_CASE(1, 8, CALL)                                                \
+        TILED_CASE(2, 8, CALL)                                                \
+        TILED_CASE(3, 4, CALL)                                                \
+        TILED_CASE(4, 4, CALL)                                                \
+        default: TILED_CASE(5, 2, CALL)                                       \
+    }
+
+static void xphi_rows(const void* x, const float* phip, int64_t t, int64_t tt, int64_t K,
+                      int64_t MV, float* z, int bf) {
+#define XPHI(TT, MV) xphi_tile(x, phip, t + u, K, TT, MV, z + u * (MV) * W, bf)
+    TILED(MV, XPHI)
+#undef XPHI
+}
+
+static void dphi_rows(const void* x, const float* dz, float* dphi, int64_t t, int64_t tt,
+                      int64_t K, int64_t MV, int bf) {
+#define DPHI(TT, MV) dphi_tile(x, dz + u * (MV) * W, dphi, t + u, K, TT, MV, bf)
+    TILED(MV, DPHI)
+#undef DPHI
+}
+
+/* sum_k x[t, k]^2 */
+INLINE float sum_squares(const void* x, int64_t t, int64_t K, int bf) {
+    v16 s = vzero();
+    FOR_CHUNKS(k, w, K, {
+        const v16 v = ldw(x, t * K + k, w, bf);
+        s += v * v;
+    })
+    return hsum(s);
+}
+
+/* ---------------------------------------------------------------------------------------
+   mHC maps, forward: per token
+     r = sqrt(mean(x^2) + norm_eps), l = (x @ phi) / r, h~ = alpha_row * l + b,
+     H_pre = sigmoid(h~_pre) + pre_eps, H_post = 2 sigmoid(h~_post), H_res = Sinkhorn(h~_res),
+     and, when a is not NULL, a = sum_j H_pre[j] x[j].
+   ab = [alpha_row (M), b (M)]. Writes lt [T, M] (the logits l) and r [T] for the backward.
+   --------------------------------------------------------------------------------------- */
+
+INLINE void gate_logits(const float* l, const float* ab, float* ht, int64_t M) {
+    for (int64_t m = 0; m < M; ++m) ht[m] = ab[m] * l[m] + ab[M + m];
+}
+
+INLINE void maps_fwd_body(const void* x, const float* phip, const float* ab, float* lt,
+                          float* r, float* hpre, float* hpost, float* hres, void* a,
+                          int64_t t0, int64_t t1, const int64_t n, int64_t C, int64_t M,
+                          int64_t MV, int iters, float norm_eps, float sk_eps, float pre_eps,
+                          int bf) {
+    const int64_t K = n * C, Mp = MV * W, nn = n * n;
+    float z[G * Mp], ht[M];
+    v16 m[nn];
+    for (int64_t t = t0; t < t1; t += G) {
+        const int64_t g = t1 - t < G ? t1 - t : G;
+        xphi_rows(x, phip, t, g, K, MV, z, bf);
+        for (int64_t u = 0; u < g; ++u) {
+            const int64_t tu = t + u;
+            const float rr = sqrtf(sum_squares(x, tu, K, bf) / (float)K + norm_eps);
+            r[tu] = rr;
+            for (int64_t q = 0; q < M; ++q) lt[tu * M + q] = z[u * Mp + q] / rr;
+            gate_logits(lt + tu * M, ab, ht, M);
+            for (int64_t i = 0; i < n; ++i) {
+                hpre[tu * n + i] = sigmoid(ht[i]) + pre_eps;
+                hpost[tu * n + i] = 2.0f * sigmoid(ht[n + i]);
+            }
+            column_softmax_lane(ht + 2 * n, m, (int)u, n);
+        }
+        fill_lanes(m, nn, (int)g, 1.0f / (float)n);
+        sinkhorn_fwd_lanes(m, n, iters, sk_eps);
+        for (int64_t u = 0; u < g; ++u) {
+            for (int64_t q = 0; q < nn; ++q) hres[(t + u) * nn + q] = m[q][u];
+            if (a) aggregate_row(x, hpre + (t + u) * n, a, t + u, n, C, bf);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------
+   mHC maps, backward. Inputs: the forward's lt, r; the upstream gradients of H_pre (gpre),
+   H_post (gpost), H_res (gres), of the aggregation (ga) and, on the linked path, the merge's
+   upstream gradient glink [T, n, C]; any may be NULL (no gradient). Per group of tokens:
+     dH_pre += <x[j], ga>                              (the aggregation's share)
+     dh~ = the gates' and Sinkhorn's backward           -> dht [T, M] (for db, dalpha)
+     dl = alpha_row dh~, coef = -<dl, l> / (r^2 K), dz = dl / r
+     dphi += x^T dz                                     (dphi [K, Mp], this thread's partial)
+     dx = coef x + dz phi^T + H_pre[j] ga + sum_i H_res[i, j] glink[i]
+   phit [M, K] is phi transposed; sk_y is scratch for Sinkhorn's iterates (see cpu_native.py).
+   --------------------------------------------------------------------------------------- */
+
+/* dx for TT tokens from t, one 16-wide chunk (width w) at channel c of stream j. */
+INLINE void maps_dx_chunk(const void* x, const float* phit, const void* ga, const void* glink,
+                          const float* coef, const float* hp, const float* hr, const float* dz,
+                          void* dx, int64_t t, const int TT, const int64_t n, int64_t C,
+                          int64_t M, int64_t Mp, int64_t j, int64_t c, const int w, int bf) {
+    const int64_t K = n * C, k = j * C + c;
+    v16 acc[MAX_TILE];
+#pragma GCC unroll 8
+    for (int u = 0; u < TT; ++u) acc[u] = coef[u] * ldw(x, (t + u) * K + k, w, bf);
+    if (ga) {
+#pragma GCC unroll 8
+        for (int u = 0; u < TT; ++u) acc[u] += hp[u * n + j] * ldw(ga, (t + u) * C + c, w, bf);
+    }
+    if (glink)
+        for (int64_t i = 0; i < n; ++i) {
+#pragma GCC unroll 8
+            for (int u = 0; u < TT; ++u)
+                acc[u] += hr[(u * n + i) * n + j] * ldw(glink, ((t + u) * n + i) * C + c, w, bf);
+        }
+    for (int64_t q = 0; q < M; ++q) {
+        const v16 p = ldw(phit, q * K + k, w, 0);
+#pragma GCC unroll 8
+        for (int u = 0; u < TT; ++u) acc[u] += dz[u * Mp + q] * p;
+    }
+#pragma GCC unroll 8
+    for (int u = 0; u < TT; ++u) stw(dx, (t + u) * K + k, acc[u], w, bf);
+}
+
+INLINE void maps_dx_tile(const void* x, const float* phit, const void* ga, const void* glink,
+                         const float* coef, const float* hp, const float* hr, const float* dz,
+                         void* dx, int64_t t, const int TT, const int64_t n, int64_t C,
+                         int64_t M, int64_t Mp, int bf) {
+    for (int64_t j = 0; j < n; ++j) {
+        int64_t c = 0;
+        for (; c + W <= C; c += W)
+            maps_dx_chunk(x, phit, ga, glink, coef, hp, hr, dz, dx, t, TT, n, C, M, Mp, j, c,
+                          W, bf);
+        if (c < C)
+            maps_dx_chunk(x, phit, ga, glink, coef, hp, hr, dz, dx, t, TT, n, C, M, Mp, j, c,
+                          (int)(C - c), bf);
+    }
+}
+
+INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, const float* lt,
+                          const float* r, const float* gpre, const float* gpost,
+                          const float* gres, const void* ga, const void* glink, void* dx,
+                          float* dht, float* dphi, v16* sk_y, int64_t t0, int64_t t1,
+                          const int64_t n, int64_t C, int64_t M, int64_t MV, int iters,
+                          float sk_eps, float pre_eps, int bf) {
+    const int64_t K = n * C, nn = n * n, Mp = MV * W;
+    const int64_t steps = 2 * (int64_t)iters - 1;
+    v16* sk_d = sk_y + steps * nn;
+    float dz[G * Mp], coef[G], hp[G * n], hr[G * nn], ht[M], dpre[n], dots[n];
+    v16 p0[nn], gl[nn], hres[nn];
+    const int with_res = gres || glink;
+    for (int64_t t = t0; t < t1; t += G) {
+        const int64_t g = t1 - t < G ? t1 - t : G;
+        for (int64_t u = 0; u < g; ++u) {  /* the gates; Sinkhorn's inputs into lanes */
+            const int64_t tu = t + u;
+            float* d = dht + tu * M;
+            gate_logits(lt + tu * M, ab, ht, M);
+            for (int64_t i = 0; i < n; ++i) dpre[i] = gpre ? gpre[tu * n + i] : 0.0f;
+            if (ga) {
+                stream_dots(x, ga, dots, tu, n, C, bf);
+                for (int64_t i = 0; i < n; ++i) dpre[i] += dots[i];
+            }
+            for (int64_t i = 0; i < n; ++i) {
+                const float sp = sigmoid(ht[i]), so = sigmoid(ht[n + i]);
+                hp[u * n + i] = sp + pre_eps;
+                d[i] = dpre[i] * sp * (1.0f - sp);
+                d[n + i] = gpost ? gpost[tu * n + i] * 2.0f * so * (1.0f - so) : 0.0f;
+            }
+            if (with_res) {
+                column_softmax_lane(ht + 2 * n, p0, (int)u, n);
+                for (int64_t q = 0; q < nn; ++q) gl[q][u] = gres ? gres[tu * nn + q] : 0.0f;
+            }
+        }
+        if (with_res) {
+            fill_lanes(p0, nn, (int)g, 1.0f / (float)n);
+            fill_lanes(gl, nn, (int)g, 0.0f);
+            sinkhorn_bwd_lanes(p0, gl, hres, sk_y, sk_d, n, iters, sk_eps);
+        }
+        for (int64_t u = 0; u < g; ++u) {  /* Sinkhorn's gradient out of lanes; dz, coef */
+            const int64_t tu = t + u;
+            const float* l = lt + tu * M;
+            float* d = dht + tu * M;
+            for (int64_t q = 0; q < nn; ++q) {
+                d[2 * n + q] = with_res ? gl[q][u] : 0.0f;
+                hr[u * nn + q] = with_res ? hres[q][u] : 0.0f;
+            }
+            const float rr = r[tu];
+            float dot = 0.0f;
+            for (int64_t q = 0; q < M; ++q) {
+                const float dl = d[q] * ab[q];
+                dot += dl * l[q];
+                dz[u * Mp + q] = dl / rr;
+            }
+            for (int64_t q = M; q < Mp; ++q) dz[u * Mp + q] = 0.0f;
+            coef[u] = -dot / (rr * rr * (float)K);
+        }
+        dphi_rows(x, dz, dphi, t, g, K, MV, bf);
+        int64_t s = 0;
+        for (; s + 8 <= g; s += 8)
+            maps_dx_tile(x, phit, ga, glink, coef + s, hp + s * n, hr + s * nn, dz + s * Mp, dx,
+                         t + s, 8, n, C, M, Mp, bf);
+        for (; s < g; ++s)
+            maps_dx_tile(x, phit, ga, glink, coef + s, hp + s * n, hr + s * nn, dz + s * Mp, dx,
+                         t + s, 1, n, C, M, Mp, bf);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------
+   Exported entry points: name_f32 / name_bf16, pointers first, then t0, t1 and the sizes.
+   --------------------------------------------------------------------------------------- */
+
+#define EXPORT_BOTH(NAME, PARAMS, ARGS)                                 \
+    void NAME##_f32 PARAMS { const int bf = 0; WITH_N(n, NAME##_body ARGS); } \
+    void NAME##_bf16 PARAMS { const int bf = 1; WITH_N(n, NAME##_body ARGS); }
+
+EXPORT_BOTH(merge_fwd,
+            (const void* x, const void* f, const float* hp, const float* hr, void* out,
+             int64_t t0, int64_t t1, int64_t n, int64_t C),
+            (x, f, hp, hr, out, t0, t1, N_, C, bf))
+
+EXPORT_BOTH(merge_bwd,
+            (const void* x, const void* f, const float* hp, const float* hr, const void* g,
+             void* dx, void* df, float* dhp, float* dhr, int64_t t0, int64_t t1, int64_t n,
+             int64_t C),
+            (x, f, hp, hr, g, dx, df, dhp, dhr, t0, t1, N_, C, bf))
+
+EXPORT_BOTH(pre_fwd,
+            (const void* x, const float* h, void* a, int64_t t0, int64_t t1, int64_t n,
+             int64_t C),
+            (x, h, a, t0, t1, N_, C, bf))
+
+EXPORT_BOTH(pre_bwd,
+            (const void* x, const float* h, const void* da, void* dx, float* dh, int64_t t0,
+             int64_t t1, int64_t n, int64_t C),
+            (x, h, da, dx, dh, t0, t1, N_, C, bf))
+
+EXPORT_BOTH(maps_fwd,
+            (const void* x, const float* phip, const float* ab, float* lt, float* r,
+             float* hpre, float* hpost, float* hres, void* a, int64_t t0, int64_t t1,
+             int64_t n, int64_t C, int64_t M, int64_t MV, int64_t iters, double norm_eps,
+             double sk_eps, double pre_eps),
+            (x, phip, ab, lt, r, hpre, hpost, hres, a, t0, t1, N_, C, M, MV, (int)iters,
+             (float)norm_eps, (float)sk_eps, (float)pre_eps, bf))
+
+EXPORT_BOTH(maps_bwd,
+            (const void* x, const float* phit, const float* ab, const float* lt,
+             const float* r, const float* gpre, const float* gpost, const float* gres,
+             const void* ga, const void* glink, void* dx, float* dht, float* dphi, float* sk_y,
+             int64_t t0, int64_t t1, int64_t n, int64_t C, int64_t M, int64_t MV,
+             int64_t iters, double sk_eps, double pre_eps),
+            (x, phit, ab, lt, r, gpre, gpost, gres, ga, glink, dx, dht, dphi,
+             (v16*)sk_y, t0, t1, N_, C, M, MV, (int)iters, (float)sk_eps, (float)pre_eps, bf))
