@@ -152,6 +152,24 @@ def test_linked_maps_and_merge_match_reference(tokens, n, c, dtype, cpu_path):
         assert_close(a, e, TOL[dtype] if exact else 1e-4)
 
 
+def test_native_maps_split_over_threads_match_reference():
+    """Tokens split over a thread pool: each thread's share of dphi and its own Sinkhorn
+    scratch (200 tokens on 3 threads; 64 tokens is the least a thread gets)."""
+    if cpu._NATIVE is None:
+        pytest.skip("native CPU library unavailable")
+    inputs = maps_inputs((200,), 4, 33, torch.float32, seed=11)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        assert cpu._NATIVE.threads_for(200) == 3
+        out_cpu, grad_cpu = run(cpu.mhc_maps_pre, clone_inputs(inputs))
+    finally:
+        torch.set_num_threads(threads)
+    out_ref, grad_ref = run(_maps_then_pre, inputs)
+    for a, e in zip([*out_cpu, *grad_cpu], [*out_ref, *grad_ref], strict=True):
+        assert_close(a, e, 2e-5)
+
+
 def test_inference_path_equals_autograd_path_and_sees_parameter_updates(cpu_path):
     """Without autograd (decode) the connection takes the native loops directly, with a
     cached copy of phi: same values as with autograd, and an in-place update is seen."""

@@ -1,20 +1,25 @@
 """The `cpu` implementation: the reference maths tuned for the CPU, same results to rounding.
 
 Measured on a 2-core x86 CPU (benchmarks/NOTES_ops.md has the numbers and commands), the
-overhead of a connection is memory traffic over [T, n, C] tensors, so everything here is
-about fewer passes and fewer saved tensors:
+overhead of a connection is memory traffic over [T, n, C] tensors and the two skinny
+matmuls with phi, so everything here is about fewer passes and fewer saved tensors:
 
-- Map computation (autograd Function): one matmul gives the logits transposed, [M, T] with
-  M = n*n + 2n, so the per-token epilogue (gates, Sinkhorn) works on rows of length T.
-  Sinkhorn on [n, n, T] ("token-last") normalises with reductions over the outer axes, about
-  ten times faster in torch than on [T, n, n]. The backward is written by hand and saves
-  only x, phi, the logits and the RMS (M + 1 numbers per token besides x); Sinkhorn
-  recomputes its iterates from the n x n logits.
-- Pre-aggregation, post-merge and the maps' input gradient dx = coef * x + dz @ phi^T run
-  as native loops (ops/cpu_native.py, C built on first import) registered as custom ops,
-  for contiguous float32 and bfloat16 CPU tensors: one pass per op, bf16 converted in
-  registers. Without a C compiler, or with TORCH_MHC_NATIVE=0, or for other dtypes, they
-  are autograd Functions over batched matmuls (no [T, n, C] temporaries in the merge).
+- Native loops (ops/cpu_native.c, built on first import) for contiguous float32 and
+  bfloat16 CPU tensors with n <= 8, registered as torch.library custom ops:
+  maps forward = x @ phi, the RMS, gates, Sinkhorn and the pre-aggregation in one pass per
+  tile of tokens; maps backward = the aggregation's dH_pre, gates' and Sinkhorn's backward,
+  dphi and dx in one pass; post-merge forward and backward.
+- One gradient write for x per connection. mhc_maps_pre(..., link=True) returns x_link, a
+  view of x made by the maps node; post_merge(x_link, ..., linked=True) hands its upstream
+  gradient g to x_link unchanged, and the maps' backward adds H_res^T g to its own dx
+  (coef x + dz phi^T + H_pre[j] da). ManifoldHyperConnection uses this pair (Ops.links).
+- The backward saves only x, phi, the logits and the RMS (M + 1 numbers per token besides
+  x); Sinkhorn recomputes its iterates from the n x n logits.
+- Without autograd (decode under no_grad / inference_mode) mhc_maps_pre and post_merge call
+  the native loops directly, skipping the autograd Function and the custom-op dispatch,
+  with phi's padded float32 copy cached while the parameters are unchanged.
+- Without a C compiler, with TORCH_MHC_NATIVE=0, for other dtypes or n > 8, the same
+  autograd Functions run on torch ops (token-last Sinkhorn on [n, n, T], batched matmuls).
 
 Dtypes follow the reference: maps are computed in float32 (float64 stays float64) and
 returned in float32; aggregation and merge run in the streams' dtype (the native loops
