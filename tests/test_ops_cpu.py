@@ -492,3 +492,84 @@ def test_lm_trains_under_cpu_bf16_autocast():
     # At initialisation HC and mHC compute the residual network's function.
     assert losses["hc"] == pytest.approx(losses["residual"], rel=1e-3)
     assert losses["mhc"] == pytest.approx(losses["residual"], rel=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# The native ops' block pool
+# ---------------------------------------------------------------------------------------------
+
+
+def test_block_pool_reuses_a_block_only_when_no_tensor_holds_it():
+    pool = cpu_native.BlockPool(cap_bytes=64 << 20)
+    shape = (512, 1024)  # 2 MiB of float32
+    a = pool.empty(shape, torch.float32)
+    a.fill_(1.0)
+    b = pool.empty(shape, torch.float32)
+    b.fill_(2.0)
+    assert b.data_ptr() != a.data_ptr() and bool((a == 1.0).all())
+    view = a[10:20]  # a view keeps the block in use
+    base_ptr = a.data_ptr()
+    del a
+    c = pool.empty(shape, torch.float32)
+    assert c.data_ptr() != base_ptr
+    del view
+    d = pool.empty(shape, torch.float32)
+    assert d.data_ptr() == base_ptr and d.shape == shape
+    assert pool.held == 3 * 2 * (1 << 20)
+    bf = pool.empty((1024, 1024), torch.bfloat16)  # same byte size, another dtype
+    assert bf.dtype == torch.bfloat16 and bf.shape == (1024, 1024)
+
+
+def test_block_pool_respects_its_cap_and_minimum():
+    pool = cpu_native.BlockPool(cap_bytes=5 << 20)
+    kept = [pool.empty((512, 1024), torch.float32) for _ in range(3)]  # 3 x 2 MiB > 5 MiB
+    assert pool.held == 4 << 20  # the third is an ordinary tensor
+    small = pool.empty((16, 16), torch.float32)
+    assert pool.held == 4 << 20 and small.shape == (16, 16)
+    off = cpu_native.BlockPool(cap_bytes=0)
+    off.empty((512, 1024), torch.float32)
+    assert off.held == 0
+    assert len(kept) == 3
+
+
+def test_block_pool_cap_from_environment(monkeypatch):
+    monkeypatch.setenv("TORCH_MHC_CPU_POOL_MB", "2.5")
+    assert cpu_native._pool_cap() == int(2.5 * (1 << 20))
+    monkeypatch.setenv("TORCH_MHC_CPU_POOL_MB", "lots")
+    with pytest.raises(ValueError, match="TORCH_MHC_CPU_POOL_MB must be a number of MiB"):
+        cpu_native._pool_cap()
+
+
+def test_training_steps_are_identical_with_and_without_the_pool(monkeypatch):
+    """Pooled outputs are reused across steps: two steps of a small mHC stack give the same
+    gradients, bit for bit, as with the pool off."""
+    if cpu._NATIVE is None:
+        pytest.skip("native CPU library unavailable")
+    c, n = 256, 4
+    torch.manual_seed(5)
+    conns = [_perturbed(ManifoldHyperConnection(c, n, i, Branch(c), impl="cpu"), seed=i)
+             for i in range(3)]
+    x0 = torch.randn(2, 512, n, c)  # [T, n, C] outputs of 4 MiB: pooled
+
+    def two_steps():
+        grads = []
+        for _ in range(2):
+            x = x0.clone().requires_grad_()
+            h = x
+            for conn in conns:
+                h = conn(h)
+            (h * h).sum().backward()
+            grads.append([x.grad, *[p.grad.clone() for conn in conns for p in conn.parameters()]])
+            for conn in conns:
+                conn.zero_grad(set_to_none=True)
+        return grads
+
+    blocks = cpu._NATIVE.blocks
+    monkeypatch.setattr(blocks, "cap_bytes", 256 << 20)
+    pooled = two_steps()
+    assert blocks.held > 0
+    monkeypatch.setattr(blocks, "cap_bytes", 0)
+    plain = two_steps()
+    for step_p, step_q in zip(pooled, plain, strict=True):
+        for a, b in zip(step_p, step_q, strict=True):
+            assert torch.equal(a, b)

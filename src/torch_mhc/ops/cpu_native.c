@@ -4,7 +4,7 @@
    headers); called through ctypes on contiguous tensors. Shapes: x [T, n, C] streams in fp32
    or bf16 (the `bf` flag; bf16 is converted to fp32 in registers and rounded once on store),
    K = n C, maps in fp32, M = n n + 2 n map logits per token (pre, post, then res row-major),
-   Mp = 16 MV >= M the padded width of phi's rows. Every entry point processes the token
+   Mp = 8 MV >= M the padded width of phi's rows. Every entry point processes the token
    range [t0, t1): cpu_native.py splits the tokens over threads.
 
    Why this shape of code: a connection is a handful of passes over [T, n, C] tensors, so
@@ -33,7 +33,7 @@ typedef uint16_t u16x16 __attribute__((vector_size(32)));
 #define INLINE static inline __attribute__((always_inline))
 #define W 16          /* floats per vector chunk */
 #define MAX_TILE 8    /* tokens per register tile */
-#define MAX_MV 5      /* phi row chunks, Mp / 16: M = n n + 2 n <= 80 for n <= MAXN */
+#define MAX_MV 10     /* 8-float vectors per phi row: M = n n + 2 n <= 80, n <= MAXN */
 #define MAXN 8        /* streams; cpu_native.supports() sends larger n to torch */
 
 /* ---- loads and stores of 16-wide chunks (w < 16 only at a row's tail, zero padded) ---- */
@@ -318,48 +318,54 @@ INLINE float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
 
 /* ---------------------------------------------------------------------------------------
    The skinny matmuls with phi: z = x @ phi per token tile, dphi += x^T dz.
-   phip [K, Mp] is phi with its M columns padded to Mp = 16 MV with zeros.
-   TT tokens x MV chunks of accumulators stay in registers; each phi row is loaded once per
+   phip [K, Mp] is phi with its M columns padded to Mp = 8 MV with zeros (8-float vectors:
+   M = 24 for n = 4 then needs no padding, which 16-float vectors would pad to 32).
+   TT tokens x MV vectors of accumulators stay in registers; each phi row is loaded once per
    tile and each x element once.
    --------------------------------------------------------------------------------------- */
 
+#define WG 8  /* floats per vector in the skinny matmuls */
+
+INLINE v8 v8load(const float* p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+INLINE void v8store(float* p, v8 v) { memcpy(p, &v, sizeof v); }
+
 INLINE void xphi_tile(const void* x, const float* phip, int64_t t, int64_t K, const int TT,
                       const int MV, float* z, int bf) {
-    v16 acc[MAX_TILE][MAX_MV];
+    v8 acc[MAX_TILE][MAX_MV];
     for (int u = 0; u < TT; ++u)
-        for (int v = 0; v < MV; ++v) acc[u][v] = vzero();
+        for (int v = 0; v < MV; ++v) acc[u][v] = (v8){0};
     for (int64_t k = 0; k < K; ++k) {
-        v16 p[MAX_MV];
-        for (int v = 0; v < MV; ++v) p[v] = vload(phip + k * MV * W + v * W);
+        v8 p[MAX_MV];
+        for (int v = 0; v < MV; ++v) p[v] = v8load(phip + (k * MV + v) * WG);
         for (int u = 0; u < TT; ++u) {
             const float s = lds(x, (t + u) * K + k, bf);
             for (int v = 0; v < MV; ++v) acc[u][v] += s * p[v];
         }
     }
     for (int u = 0; u < TT; ++u)
-        for (int v = 0; v < MV; ++v) vstore(z + (u * MV + v) * W, acc[u][v]);
+        for (int v = 0; v < MV; ++v) v8store(z + (u * MV + v) * WG, acc[u][v]);
 }
 
 /* dphi[k, :] += sum_u x[t + u, k] dz[u, :] for dz [TT, Mp] */
 INLINE void dphi_tile(const void* x, const float* dz, float* dphi, int64_t t, int64_t K,
                       const int TT, const int MV, int bf) {
-    v16 zv[MAX_TILE][MAX_MV];
+    v8 zv[MAX_TILE][MAX_MV];
     for (int u = 0; u < TT; ++u)
-        for (int v = 0; v < MV; ++v) zv[u][v] = vload(dz + (u * MV + v) * W);
+        for (int v = 0; v < MV; ++v) zv[u][v] = v8load(dz + (u * MV + v) * WG);
     for (int64_t k = 0; k < K; ++k) {
-        v16 p[MAX_MV];
-        for (int v = 0; v < MV; ++v) p[v] = vload(dphi + k * MV * W + v * W);
+        v8 p[MAX_MV];
+        for (int v = 0; v < MV; ++v) p[v] = v8load(dphi + (k * MV + v) * WG);
         for (int u = 0; u < TT; ++u) {
             const float s = lds(x, (t + u) * K + k, bf);
             for (int v = 0; v < MV; ++v) p[v] += s * zv[u][v];
         }
-        for (int v = 0; v < MV; ++v) vstore(dphi + k * MV * W + v * W, p[v]);
+        for (int v = 0; v < MV; ++v) v8store(dphi + (k * MV + v) * WG, p[v]);
     }
 }
 
 /* z [tt, Mp] = x[t .. t + tt) @ phip and dphi += x[t .. t + tt)^T dz: full tiles of TT tokens,
    then single tokens, with TT and MV literal in every call (so that the accumulators are
-   registers). TT = as many tokens as keep TT MV accumulators within 16 vector registers. */
+   registers). TT = as many tokens as keep TT MV accumulators within 24 vector registers. */
 #define TILED_CASE(MV, TT, CALL)                                              \
     case MV:                                                                  \
         for (; u + TT <= tt; u += TT) CALL(TT, MV);                           \
@@ -370,21 +376,26 @@ INLINE void dphi_tile(const void* x, const float* dz, float* dphi, int64_t t, in
     switch (MV) {                                                             \
         TILED_CASE(1, 8, CALL)                                                \
         TILED_CASE(2, 8, CALL)                                                \
-        TILED_CASE(3, 4, CALL)                                                \
+        TILED_CASE(3, 8, CALL)                                                \
         TILED_CASE(4, 4, CALL)                                                \
-        default: TILED_CASE(5, 2, CALL)                                       \
+        TILED_CASE(5, 4, CALL)                                                \
+        TILED_CASE(6, 4, CALL)                                                \
+        TILED_CASE(7, 2, CALL)                                                \
+        TILED_CASE(8, 2, CALL)                                                \
+        TILED_CASE(9, 2, CALL)                                                \
+        default: TILED_CASE(10, 2, CALL)                                      \
     }
 
 static void xphi_rows(const void* x, const float* phip, int64_t t, int64_t tt, int64_t K,
                       int64_t MV, float* z, int bf) {
-#define XPHI(TT, MV) xphi_tile(x, phip, t + u, K, TT, MV, z + u * (MV) * W, bf)
+#define XPHI(TT, MV) xphi_tile(x, phip, t + u, K, TT, MV, z + u * (MV) * WG, bf)
     TILED(MV, XPHI)
 #undef XPHI
 }
 
 static void dphi_rows(const void* x, const float* dz, float* dphi, int64_t t, int64_t tt,
                       int64_t K, int64_t MV, int bf) {
-#define DPHI(TT, MV) dphi_tile(x, dz + u * (MV) * W, dphi, t + u, K, TT, MV, bf)
+#define DPHI(TT, MV) dphi_tile(x, dz + u * (MV) * WG, dphi, t + u, K, TT, MV, bf)
     TILED(MV, DPHI)
 #undef DPHI
 }
@@ -416,7 +427,7 @@ INLINE void maps_fwd_body(const void* x, const float* phip, const float* ab, flo
                           int64_t t0, int64_t t1, const int64_t n, int64_t C, int64_t M,
                           int64_t MV, int iters, float norm_eps, float sk_eps, float pre_eps,
                           int bf) {
-    const int64_t K = n * C, Mp = MV * W, nn = n * n;
+    const int64_t K = n * C, Mp = MV * WG, nn = n * n;
     float z[G * Mp], ht[M];
     v16 m[nn];
     for (int64_t t = t0; t < t1; t += G) {
@@ -504,7 +515,7 @@ INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, con
                           float* dht, float* dphi, v16* sk_y, int64_t t0, int64_t t1,
                           const int64_t n, int64_t C, int64_t M, int64_t MV, int iters,
                           float sk_eps, float pre_eps, int bf) {
-    const int64_t K = n * C, nn = n * n, Mp = MV * W;
+    const int64_t K = n * C, nn = n * n, Mp = MV * WG;
     const int64_t steps = 2 * (int64_t)iters - 1;
     v16* sk_d = sk_y + steps * nn;
     float dz[G * Mp], coef[G], hp[G * n], hr[G * nn], ht[M], dpre[n], dots[n];

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
+import mmap
 import os
 import platform
 import shutil
@@ -86,6 +88,55 @@ def _build(compiler: str) -> Path:
     return lib
 
 
+class BlockPool:
+    """Reusable page-aligned memory for the kernels' large outputs ([T, n, C] and [T, C]).
+
+    Why: glibc hands large blocks back to the system when they are freed, so every fresh
+    output of a training step is faulted in and zeroed by the kernel again, which cost about
+    as much as the merge itself (benchmarks/NOTES_ops.md). The pool keeps the anonymous
+    mappings it made and hands a block out again once no tensor uses it: a tensor made by
+    torch.frombuffer holds a reference to its block, so a block whose reference count is
+    back to the pool's own is free. Blocks are kept up to `cap_bytes` in all (in use or
+    not); beyond that, and below `min_bytes`, outputs are ordinary torch.empty tensors.
+    TORCH_MHC_CPU_POOL_MB sets the cap (default 1024; 0 turns the pool off).
+    """
+
+    def __init__(self, cap_bytes: int, min_bytes: int = 1 << 20):
+        self.cap_bytes, self.min_bytes = cap_bytes, min_bytes
+        self.held = 0  # bytes of all blocks made, in use or not
+        self._blocks: dict[int, list[mmap.mmap]] = {}
+        # A free block's reference count as `empty`'s scan sees it (list, loop variable,
+        # getrefcount's argument), measured on a probe in a loop of the same shape.
+        probe = [mmap.mmap(-1, mmap.PAGESIZE)]
+        for block in probe:
+            self._free_refs = sys.getrefcount(block)
+        probe[0].close()
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor: a free pooled block, a new one, or torch.empty."""
+        numel = math.prod(shape)
+        nbytes = numel * dtype.itemsize
+        if nbytes < self.min_bytes or self.cap_bytes <= 0:
+            return torch.empty(shape, dtype=dtype)
+        blocks = self._blocks.setdefault(nbytes, [])
+        for block in blocks:
+            if sys.getrefcount(block) <= self._free_refs:  # no tensor holds it
+                return torch.frombuffer(block, dtype=dtype, count=numel).view(shape)
+        if self.held + nbytes > self.cap_bytes:
+            return torch.empty(shape, dtype=dtype)
+        blocks.append(mmap.mmap(-1, nbytes))
+        self.held += nbytes
+        return torch.frombuffer(blocks[-1], dtype=dtype, count=numel).view(shape)
+
+
+def _pool_cap() -> int:
+    text = os.environ.get("TORCH_MHC_CPU_POOL_MB", "1024").strip()
+    try:
+        return int(float(text) * (1 << 20))
+    except ValueError:
+        raise ValueError(f"TORCH_MHC_CPU_POOL_MB must be a number of MiB, got {text!r}") from None
+
+
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 # Argument types after the pointers, t0 and t1 (cpu_native.c's entry points).
 _SIGNATURES = {
@@ -106,8 +157,8 @@ class PerThread:
 
 
 def padded_width(m: int) -> int:
-    """Columns of phi padded to whole 16-float vectors (the kernels' register tiles)."""
-    return -(-m // 16) * 16
+    """Columns of phi padded to whole 8-float vectors (the skinny matmuls' register tiles)."""
+    return -(-m // 8) * 8
 
 
 class NativeOps:
@@ -123,6 +174,7 @@ class NativeOps:
                 fn.restype = None
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
+        self.blocks = BlockPool(_pool_cap())
 
     def threads_for(self, tokens: int) -> int:
         """How many threads a call over `tokens` tokens uses."""
@@ -159,15 +211,15 @@ class NativeOps:
     def merge_fwd(self, x, f, h_post, h_res):
         """H_res x + H_post^T f for x [T, n, C], f [T, C], h_post [T, n], h_res [T, n, n]."""
         t, n, c = x.shape
-        out = torch.empty_like(x)
+        out = self.blocks.empty(x.shape, x.dtype)
         self._run("merge_fwd", x.dtype, [x, f, h_post, h_res, out], t, n, c)
         return out
 
     def merge_bwd(self, x, f, h_post, h_res, g, with_dx=True):
         """(dx or None, df, dh_post, dh_res) for the merge's upstream gradient g."""
         t, n, c = x.shape
-        dx = torch.empty_like(x) if with_dx else None
-        df = torch.empty_like(f)
+        dx = self.blocks.empty(x.shape, x.dtype) if with_dx else None
+        df = self.blocks.empty(f.shape, f.dtype)
         dh_post, dh_res = torch.empty_like(h_post), torch.empty_like(h_res)
         self._run("merge_bwd", x.dtype, [x, f, h_post, h_res, g, dx, df, dh_post, dh_res],
                   t, n, c)
@@ -199,9 +251,9 @@ class NativeOps:
         lt, r = torch.empty((t, m), **f32), torch.empty((t,), **f32)
         h_pre, h_post = torch.empty((t, n), **f32), torch.empty((t, n), **f32)
         h_res = torch.empty((t, n, n), **f32)
-        a = x.new_empty((t, c)) if with_pre else None
+        a = self.blocks.empty((t, c), x.dtype) if with_pre else None
         self._run("maps_fwd", x.dtype, [x, phip, ab, lt, r, h_pre, h_post, h_res, a], t,
-                  n, c, m, phip.shape[1] // 16, iters, norm_eps, sk_eps, pre_eps)
+                  n, c, m, phip.shape[1] // 8, iters, norm_eps, sk_eps, pre_eps)
         return lt, r, h_pre, h_post, h_res, a
 
     def maps_bwd(self, x, phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_link, iters, sk_eps,
@@ -215,7 +267,7 @@ class NativeOps:
         t, n, c = x.shape
         m = ab.shape[1]
         mp = padded_width(m)
-        dx = torch.empty_like(x)
+        dx = self.blocks.empty(x.shape, x.dtype)
         dht = torch.empty((t, m), dtype=torch.float32, device=x.device)
         threads = self.threads_for(t)
         dphi = torch.zeros((threads, n * c, mp), dtype=torch.float32, device=x.device)
@@ -225,7 +277,7 @@ class NativeOps:
         sk_y = torch.empty((threads, steps * (n * n + n) * 16), dtype=torch.float32)
         self._run("maps_bwd", x.dtype,
                   [x, phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_link, dx, dht,
-                   PerThread(dphi), PerThread(sk_y)], t, n, c, m, mp // 16, iters, sk_eps,
+                   PerThread(dphi), PerThread(sk_y)], t, n, c, m, mp // 8, iters, sk_eps,
                   pre_eps)
         dphi = dphi[0] if dphi.shape[0] == 1 else dphi.sum(dim=0)
         return dx, dht, dphi[:, :m].contiguous()
