@@ -16,7 +16,8 @@ ops.cpu uses its pure-torch path. TORCH_MHC_NATIVE=0 disables the native path.
 
 Calls split the tokens into torch.get_num_threads() contiguous ranges run on a thread pool
 (ctypes releases the GIL during each call). Every function takes [t0, t1), the token range
-to process, and contiguous tensors.
+to process, and contiguous tensors. Large outputs come from a BlockPool (reused memory,
+capped by TORCH_MHC_CPU_POOL_MB, default 1024 MiB; 0 turns it off).
 """
 
 from __future__ import annotations
