@@ -466,25 +466,33 @@ INLINE void maps_fwd_body(const void* x, const float* phip, const float* ab, flo
    phit [M, K] is phi transposed; sk_y is scratch for Sinkhorn's iterates (see cpu_native.py).
    --------------------------------------------------------------------------------------- */
 
-/* dx for TT tokens from t, one 16-wide chunk (width w) at channel c of stream j. */
-INLINE void maps_dx_chunk(const void* x, const float* phit, const void* ga, const void* glink,
-                          const float* coef, const float* hp, const float* hr, const float* dz,
-                          void* dx, int64_t t, const int TT, const int64_t n, int64_t C,
-                          int64_t M, int64_t Mp, int64_t j, int64_t c, const int w, int bf) {
-    const int64_t K = n * C, k = j * C + c;
+/* base[u] = coef x + H_pre[j] ga + sum_i H_res[i, j] glink[i] for token t + u, in float
+   (the part of dx that is per token): each chunk of x, ga and glink is loaded once. */
+INLINE void maps_dx_base(const void* x, const void* ga, const void* glink, float coef,
+                         const float* hp, const float* hr, float* base, int64_t t,
+                         const int64_t n, int64_t C, int bf) {
+    FOR_CHUNKS(c, w, C,
+        const v16 av = ga ? ldw(ga, t * C + c, w, bf) : vzero();
+        v16 gv[MAXN];
+        for (int64_t i = 0; i < n; ++i)
+            gv[i] = glink ? ldw(glink, (t * n + i) * C + c, w, bf) : vzero();
+        for (int64_t j = 0; j < n; ++j) {
+            v16 acc = coef * ldw(x, (t * n + j) * C + c, w, bf);
+            if (ga) acc += hp[j] * av;
+            if (glink)
+                for (int64_t i = 0; i < n; ++i) acc += hr[i * n + j] * gv[i];
+            stw(base, j * C + c, acc, w, 0);
+        }
+    )
+}
+
+/* dx = base + dz phi^T for TT tokens from t, one 16-wide chunk (width w) at k. */
+INLINE void maps_dx_chunk(const float* phit, const float* base, const float* dz, void* dx,
+                          int64_t t, const int TT, int64_t K, int64_t M, int64_t Mp, int64_t k,
+                          const int w, int bf) {
     v16 acc[MAX_TILE];
 #pragma GCC unroll 8
-    for (int u = 0; u < TT; ++u) acc[u] = coef[u] * ldw(x, (t + u) * K + k, w, bf);
-    if (ga) {
-#pragma GCC unroll 8
-        for (int u = 0; u < TT; ++u) acc[u] += hp[u * n + j] * ldw(ga, (t + u) * C + c, w, bf);
-    }
-    if (glink)
-        for (int64_t i = 0; i < n; ++i) {
-#pragma GCC unroll 8
-            for (int u = 0; u < TT; ++u)
-                acc[u] += hr[(u * n + i) * n + j] * ldw(glink, ((t + u) * n + i) * C + c, w, bf);
-        }
+    for (int u = 0; u < TT; ++u) acc[u] = ldw(base, u * K + k, w, 0);
     for (int64_t q = 0; q < M; ++q) {
         const v16 p = ldw(phit, q * K + k, w, 0);
 #pragma GCC unroll 8
@@ -494,25 +502,25 @@ INLINE void maps_dx_chunk(const void* x, const float* phit, const void* ga, cons
     for (int u = 0; u < TT; ++u) stw(dx, (t + u) * K + k, acc[u], w, bf);
 }
 
+/* dx for TT tokens from t; base: scratch of TT n C floats. */
 INLINE void maps_dx_tile(const void* x, const float* phit, const void* ga, const void* glink,
                          const float* coef, const float* hp, const float* hr, const float* dz,
-                         void* dx, int64_t t, const int TT, const int64_t n, int64_t C,
-                         int64_t M, int64_t Mp, int bf) {
-    for (int64_t j = 0; j < n; ++j) {
-        int64_t c = 0;
-        for (; c + W <= C; c += W)
-            maps_dx_chunk(x, phit, ga, glink, coef, hp, hr, dz, dx, t, TT, n, C, M, Mp, j, c,
-                          W, bf);
-        if (c < C)
-            maps_dx_chunk(x, phit, ga, glink, coef, hp, hr, dz, dx, t, TT, n, C, M, Mp, j, c,
-                          (int)(C - c), bf);
-    }
+                         void* dx, float* base, int64_t t, const int TT, const int64_t n,
+                         int64_t C, int64_t M, int64_t Mp, int bf) {
+    const int64_t K = n * C;
+    for (int u = 0; u < TT; ++u)
+        maps_dx_base(x, ga, glink, coef[u], hp + u * n, hr + u * n * n, base + u * K, t + u,
+                     n, C, bf);
+    int64_t k = 0;
+    for (; k + W <= K; k += W) maps_dx_chunk(phit, base, dz, dx, t, TT, K, M, Mp, k, W, bf);
+    if (k < K) maps_dx_chunk(phit, base, dz, dx, t, TT, K, M, Mp, k, (int)(K - k), bf);
 }
 
 INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, const float* lt,
                           const float* r, const float* gpre, const float* gpost,
                           const float* gres, const void* ga, const void* glink, void* dx,
-                          float* dht, float* dphi, v16* sk_y, int64_t t0, int64_t t1,
+                          float* dht, float* dphi, v16* sk_y, float* base, int64_t t0,
+                          int64_t t1,
                           const int64_t n, int64_t C, int64_t M, int64_t MV, int iters,
                           float sk_eps, float pre_eps, int bf) {
     const int64_t K = n * C, nn = n * n, Mp = MV * WG;
@@ -570,10 +578,10 @@ INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, con
         int64_t s = 0;
         for (; s + 8 <= g; s += 8)
             maps_dx_tile(x, phit, ga, glink, coef + s, hp + s * n, hr + s * nn, dz + s * Mp, dx,
-                         t + s, 8, n, C, M, Mp, bf);
+                         base, t + s, 8, n, C, M, Mp, bf);
         for (; s < g; ++s)
             maps_dx_tile(x, phit, ga, glink, coef + s, hp + s * n, hr + s * nn, dz + s * Mp, dx,
-                         t + s, 1, n, C, M, Mp, bf);
+                         base, t + s, 1, n, C, M, Mp, bf);
     }
 }
 
@@ -618,7 +626,8 @@ EXPORT_BOTH(maps_bwd,
             (const void* x, const float* phit, const float* ab, const float* lt,
              const float* r, const float* gpre, const float* gpost, const float* gres,
              const void* ga, const void* glink, void* dx, float* dht, float* dphi, float* sk_y,
-             int64_t t0, int64_t t1, int64_t n, int64_t C, int64_t M, int64_t MV,
+             float* base, int64_t t0, int64_t t1, int64_t n, int64_t C, int64_t M, int64_t MV,
              int64_t iters, double sk_eps, double pre_eps),
             (x, phit, ab, lt, r, gpre, gpost, gres, ga, glink, dx, dht, dphi,
-             (v16*)sk_y, t0, t1, N_, C, M, MV, (int)iters, (float)sk_eps, (float)pre_eps, bf))
+             (v16*)sk_y, base, t0, t1, N_, C, M, MV, (int)iters, (float)sk_eps,
+             (float)pre_eps, bf))

@@ -146,7 +146,7 @@ _SIGNATURES = {
     "pre_fwd": (3, [_I, _I]),
     "pre_bwd": (5, [_I, _I]),
     "maps_fwd": (9, [_I, _I, _I, _I, _I, _D, _D, _D]),  # n, C, M, MV, iters, 3 epsilons
-    "maps_bwd": (14, [_I, _I, _I, _I, _I, _D, _D]),  # n, C, M, MV, iters, sk_eps, pre_eps
+    "maps_bwd": (15, [_I, _I, _I, _I, _I, _D, _D]),  # n, C, M, MV, iters, sk_eps, pre_eps
 }
 
 
@@ -276,10 +276,12 @@ class NativeOps:
         # CPU allocations are 64-byte aligned, and so is each row: a multiple of 16 floats).
         steps = 2 * iters - 1
         sk_y = torch.empty((threads, steps * (n * n + n) * 16), dtype=torch.float32)
+        # The per-token part of dx for a tile of 8 tokens, in float32, per thread.
+        base = torch.empty((threads, 8 * n * c), dtype=torch.float32)
         self._run("maps_bwd", x.dtype,
                   [x, phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_link, dx, dht,
-                   PerThread(dphi), PerThread(sk_y)], t, n, c, m, mp // 8, iters, sk_eps,
-                  pre_eps)
+                   PerThread(dphi), PerThread(sk_y), PerThread(base)], t, n, c, m, mp // 8,
+                  iters, sk_eps, pre_eps)
         dphi = dphi[0] if dphi.shape[0] == 1 else dphi.sum(dim=0)
         return dx, dht, dphi[:, :m].contiguous()
 
