@@ -228,13 +228,13 @@ class NativeOps:
 
     def pre_fwd(self, x, h):
         t, n, c = x.shape
-        out = x.new_empty((t, c))
+        out = self.blocks.empty((t, c), x.dtype)
         self._run("pre_fwd", x.dtype, [x, h, out], t, n, c)
         return out
 
     def pre_bwd(self, x, h, da):
         t, n, c = x.shape
-        dx, dh = torch.empty_like(x), torch.empty_like(h)
+        dx, dh = self.blocks.empty(x.shape, x.dtype), torch.empty_like(h)
         self._run("pre_bwd", x.dtype, [x, h, da, dx, dh], t, n, c)
         return dx, dh
 
