@@ -150,7 +150,7 @@ class _Connection(nn.Module):
 
     def _maps_and_input(self, ops, x: torch.Tensor):
         """(H_pre, H_post, H_res, branch input, x_link or None) under implementation ops."""
-        return (*self.maps(x, with_pre=True), None)
+        raise NotImplementedError
 
     def no_weight_decay(self) -> set[str]:
         """Names (relative to this module) of the static maps and gates."""
@@ -214,11 +214,18 @@ class HyperConnection(_Connection):
     def maps(self, x: torch.Tensor, with_pre: bool = False):
         """H_pre, H_post, H_res; with_pre=True appends the branch input sum_j H_pre[j] x[j]."""
         ops = _ops.get_impl(self.impl, x.device, x.dtype)
-        maps = ops.hc_maps(
+        maps = self._maps_under(ops, x)
+        return (*maps, ops.pre_aggregate(x, maps[0])) if with_pre else maps
+
+    def _maps_under(self, ops, x: torch.Tensor):
+        return ops.hc_maps(
             x, self.w, self.s_alpha, self.s_beta,
             self.static_pre, self.static_post, self.static_res, self.norm_eps,
         )
-        return (*maps, ops.pre_aggregate(x, maps[0])) if with_pre else maps
+
+    def _maps_and_input(self, ops, x: torch.Tensor):
+        maps = self._maps_under(ops, x)
+        return (*maps, ops.pre_aggregate(x, maps[0]), None)
 
     def no_weight_decay(self) -> set[str]:
         names = {"static_pre", "static_post", "static_res"}

@@ -360,7 +360,7 @@ def mhc_maps_pre(
     """
     lead, (n, c) = x.shape[:-2], x.shape[-2:]
     params = (phi, alpha, b_pre, b_post, b_res)
-    if _inference(x, *params):
+    if _use_native(x) and _no_autograd(x, *params):
         outs = _maps_inference(x.reshape(-1, n, c), params, int(sinkhorn_iters),
                                float(norm_eps), float(sinkhorn_eps), float(pre_eps))
     else:
@@ -385,12 +385,12 @@ def mhc_maps_pre(
 # time at one token), and phi's padded copy is reused while the parameters are unchanged.
 
 
-def _inference(x: torch.Tensor, *params: torch.Tensor) -> bool:
-    """No gradient can be needed (no_grad / inference mode, or nothing requires grad), the
-    native loops handle x, and no torch.compile trace is running (it needs the custom ops)."""
-    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+def _no_autograd(*tensors: torch.Tensor) -> bool:
+    """No gradient can be needed (no_grad / inference mode, or nothing requires grad) and no
+    torch.compile trace is running (it needs the custom ops)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
-    return _use_native(x) and not torch.compiler.is_compiling()
+    return not torch.compiler.is_compiling()
 
 
 # id(phi) -> (weak reference to phi, key, padded phi, ab); an entry leaves with its phi.
@@ -451,46 +451,19 @@ class _PreAggregate(torch.autograd.Function):
 
 
 class _PostMerge(torch.autograd.Function):
-    """out = H_res x + H_post^T f on x [T, n, C], f [T, C], h_post [T, n], h_res [T, n, n]."""
+    """out = H_res x + H_post^T f on x [T, n, C], f [T, C], h_post [T, n], h_res [T, n, n]
+    (maps in float32 on the native path, in x's dtype on the torch path).
+
+    linked=True (x is the x_link of mhc_maps_pre(..., link=True)): the backward passes its
+    upstream gradient g through to x unchanged and the maps node that made x_link adds
+    H_res^T g to x's gradient, so the merge's backward writes no dx.
+    """
 
     @staticmethod
     @_no_autocast
-    def forward(ctx, x, f, h_post, h_res):
-        n = x.shape[1]
-        hh = torch.cat([h_res, h_post.unsqueeze(-1)], dim=-1)  # [T, n, n + 1]: [H_res | H_post]
-        ctx.save_for_backward(x, f, hh)
-        out = torch.bmm(hh[..., :n], x)  # [T, n, C]
-        return out.addcmul_(hh[..., n:], f.unsqueeze(-2))  # + H_post f, in place
-
-    @staticmethod
-    @_no_autocast
-    def backward(ctx, grad):
-        x, f, hh = ctx.saved_tensors
-        n = x.shape[1]
-        dx = df = dh_post = dh_res = None
-        # dx as its own contiguous tensor (not a slice of a [T, n + 1, C] product): autograd
-        # then sums the three gradients of x in place instead of copying.
-        if ctx.needs_input_grad[0]:
-            dx = torch.bmm(hh[..., :n].transpose(-1, -2), grad)  # [T, n, C] H_res^T g
-        if ctx.needs_input_grad[1]:
-            df = torch.bmm(hh[..., n:].transpose(-1, -2), grad).squeeze(-2)  # [T, C] H_post^T g
-        if ctx.needs_input_grad[2]:
-            dh_post = _rowdot(grad, f)  # [T, n]
-        if ctx.needs_input_grad[3]:
-            dh_res = torch.bmm(grad, x.transpose(-1, -2))  # [T, n, n]
-        return dx, df, dh_post, dh_res
-
-
-class _LinkedMerge(torch.autograd.Function):
-    """post_merge on x_link: the same forward; the backward passes the upstream gradient g
-    through to x_link unchanged and computes only df, dH_post, dH_res. The maps node that
-    made x_link (_MhcMaps with link=True) adds H_res^T g to x's gradient."""
-
-    @staticmethod
-    @_no_autocast
-    def forward(ctx, x, f, h_post, h_res, native):
+    def forward(ctx, x, f, h_post, h_res, native, linked):
         ctx.set_materialize_grads(False)
-        ctx.native = native
+        ctx.native, ctx.linked = native, linked
         ctx.save_for_backward(x, f, h_post, h_res)
         if native:
             return torch.ops.torch_mhc.cpu_post_merge_fwd(x, f, h_post, h_res)
@@ -500,18 +473,20 @@ class _LinkedMerge(torch.autograd.Function):
     @_no_autocast
     def backward(ctx, g):
         if g is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         x, f, h_post, h_res = ctx.saved_tensors
         g = g.to(x.dtype).contiguous()
         if ctx.native:
-            _, df, dh_post, dh_res = torch.ops.torch_mhc.cpu_post_merge_bwd(
-                x, f, h_post, h_res, g, False
+            dx, df, dh_post, dh_res = torch.ops.torch_mhc.cpu_post_merge_bwd(
+                x, f, h_post, h_res, g, not ctx.linked
             )
         else:
-            df = torch.bmm(h_post.unsqueeze(-2), g).squeeze(-2)  # [T, C] H_post^T g
-            dh_post = _rowdot(g, f)  # [T, n]
-            dh_res = torch.bmm(g, x.transpose(-1, -2))  # [T, n, n]
-        return g, df, dh_post, dh_res, None
+            need = ctx.needs_input_grad
+            dx = torch.bmm(h_res.transpose(-1, -2), g) if need[0] else None  # H_res^T g
+            df = torch.bmm(h_post.unsqueeze(-2), g).squeeze(-2) if need[1] else None
+            dh_post = _rowdot(g, f) if need[2] else None  # [T, n]
+            dh_res = torch.bmm(g, x.transpose(-1, -2)) if need[3] else None  # [T, n, n]
+        return (g if ctx.linked else dx), df, dh_post, dh_res, None, None
 
 
 def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -594,18 +569,6 @@ def _(x, f, h_post, h_res, g, with_dx):
     )
 
 
-def _native_merge_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def _native_merge_backward(ctx, g):
-    x, f, h_post, h_res = ctx.saved_tensors
-    return torch.ops.torch_mhc.cpu_post_merge_bwd(
-        x, f, h_post, h_res, g.to(x.dtype).contiguous(), True
-    )
-
-
-_native_merge_fwd.register_autograd(_native_merge_backward, setup_context=_native_merge_setup)
 
 
 @torch.library.custom_op("torch_mhc::cpu_mhc_maps_fwd", mutates_args=())
@@ -699,12 +662,8 @@ def post_merge(
         h_post.reshape(-1, n).to(maps_dtype).contiguous(),
         h_res.reshape(-1, n, n).to(maps_dtype).contiguous(),
     )
-    if native and _inference(x, f, h_post, h_res):
+    if native and _no_autograd(x, f, h_post, h_res):
         out = _NATIVE.merge_fwd(*args)
-    elif linked:
-        out = _LinkedMerge.apply(*args, native)
-    elif native:
-        out = _native_merge_fwd(*args)
     else:
-        out = _PostMerge.apply(*args)
+        out = _PostMerge.apply(*args, native, linked)
     return out.reshape(x.shape)
