@@ -102,6 +102,19 @@ INLINE void stw(void* p, int64_t i, v16 v, int w, int bf) {
     }
 }
 
+/* Ask for rows[row0 .. row0 + rows) at column c of the [*, C] storage p: called with the
+   next token's rows while this token's are processed. The passes that read a tensor for the
+   first time are bound by memory latency otherwise (the hardware prefetcher alone keeps too
+   few of the n interleaved row streams in flight): prefetching one token ahead took 1.7 ms
+   off the maps backward and 0.5 ms off the merge backward (2048 x 4 x 512, fp32, out of
+   cache; benchmarks/NOTES_ops.md). Prefetches never fault; callers stay inside the tensor. */
+INLINE void prefetch_rows(const void* p, int64_t row0, int64_t rows, int64_t C, int64_t c,
+                          int bf) {
+    const char* b = (const char*)p;
+    const int64_t size = bf ? 2 : 4;
+    for (int64_t j = 0; j < rows; ++j) __builtin_prefetch(b + ((row0 + j) * C + c) * size);
+}
+
 /* for (c = 0; c < C; c += 16) { BODY } with w the chunk's width; BODY is compiled twice, for
    full chunks (w the constant 16: plain vector loads, accumulators stay in registers) and
    for the tail chunk. */
@@ -159,7 +172,13 @@ INLINE void merge_bwd_body(const void* x, const void* f, const float* hp, const 
         v16 sp[MAXN], sr[MAXN * MAXN];
         for (int64_t i = 0; i < n; ++i) sp[i] = vzero();
         for (int64_t q = 0; q < n * n; ++q) sr[q] = vzero();
+        const int ahead = t + 1 < t1;
         FOR_CHUNKS(c, w, C,
+            if (ahead) {
+                prefetch_rows(f, t + 1, 1, C, c, bf);
+                prefetch_rows(x, (t + 1) * n, n, C, c, bf);
+                prefetch_rows(g, (t + 1) * n, n, C, c, bf);
+            }
             const v16 fv = ldw(f, t * C + c, w, bf);
             v16 gv[MAXN], xv[MAXN];
             for (int64_t i = 0; i < n; ++i) {
@@ -201,13 +220,19 @@ INLINE void aggregate_row(const void* x, const float* h, void* a, int64_t t, con
     )
 }
 
-/* dots[j] = <x[t, j], da[t]> for one token */
-INLINE void stream_dots(const void* x, const void* da, float* dots, int64_t t,
+/* dots[j] = <x[t, j], da[t]> for one token; with `ahead`, prefetches token t + 1. */
+INLINE void stream_dots(const void* x, const void* da, float* dots, int64_t t, int ahead,
                         const int64_t n, int64_t C, int bf) {
     v16 s[MAXN];
+#pragma GCC unroll 8
     for (int64_t j = 0; j < n; ++j) s[j] = vzero();
     FOR_CHUNKS(c, w, C,
+        if (ahead) {
+            prefetch_rows(da, t + 1, 1, C, c, bf);
+            prefetch_rows(x, (t + 1) * n, n, C, c, bf);
+        }
         const v16 av = ldw(da, t * C + c, w, bf);
+#pragma GCC unroll 8
         for (int64_t j = 0; j < n; ++j) s[j] += av * ldw(x, (t * n + j) * C + c, w, bf);
     )
     for (int64_t j = 0; j < n; ++j) dots[j] = hsum(s[j]);
@@ -228,7 +253,7 @@ INLINE void pre_bwd_body(const void* x, const float* h, const void* da, void* dx
                 for (int64_t j = 0; j < n; ++j)
                     stw(dx, (t * n + j) * C + c, h[t * n + j] * av, w, bf);
             )
-        stream_dots(x, da, dh + t * n, t, n, C, bf);
+        stream_dots(x, da, dh + t * n, t, t + 1 < t1, n, C, bf);
     }
 }
 
@@ -400,14 +425,22 @@ static void dphi_rows(const void* x, const float* dz, float* dphi, int64_t t, in
 #undef DPHI
 }
 
-/* sum_k x[t, k]^2 */
+/* sum_k x[t, k]^2, in four independent sums: with one, each addition waited for the last
+   and this loop cost 1.1 ms of the maps forward's 4.3 (2048 x 4 x 512, fp32). */
 INLINE float sum_squares(const void* x, int64_t t, int64_t K, int bf) {
-    v16 s = vzero();
-    FOR_CHUNKS(k, w, K, {
-        const v16 v = ldw(x, t * K + k, w, bf);
-        s += v * v;
-    })
-    return hsum(s);
+    v16 s[4] = {vzero(), vzero(), vzero(), vzero()};
+    int64_t k = 0;
+    for (; k + 4 * W <= K; k += 4 * W)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) {
+            const v16 v = ldw(x, t * K + k + i * W, W, bf);
+            s[i] += v * v;
+        }
+    for (; k < K; k += W) {
+        const v16 v = ldw(x, t * K + k, K - k < W ? (int)(K - k) : W, bf);
+        s[0] += v * v;
+    }
+    return hsum((s[0] + s[1]) + (s[2] + s[3]));
 }
 
 /* ---------------------------------------------------------------------------------------
@@ -469,9 +502,10 @@ INLINE void maps_fwd_body(const void* x, const float* phip, const float* ab, flo
 /* base[u] = coef x + H_pre[j] ga + sum_i H_res[i, j] glink[i] for token t + u, in float
    (the part of dx that is per token): each chunk of x, ga and glink is loaded once. */
 INLINE void maps_dx_base(const void* x, const void* ga, const void* glink, float coef,
-                         const float* hp, const float* hr, float* base, int64_t t,
+                         const float* hp, const float* hr, float* base, int64_t t, int ahead,
                          const int64_t n, int64_t C, int bf) {
     FOR_CHUNKS(c, w, C,
+        if (glink && ahead) prefetch_rows(glink, (t + 1) * n, n, C, c, bf);
         const v16 av = ga ? ldw(ga, t * C + c, w, bf) : vzero();
         v16 gv[MAXN];
         for (int64_t i = 0; i < n; ++i)
@@ -502,15 +536,15 @@ INLINE void maps_dx_chunk(const float* phit, const float* base, const float* dz,
     for (int u = 0; u < TT; ++u) stw(dx, (t + u) * K + k, acc[u], w, bf);
 }
 
-/* dx for TT tokens from t; base: scratch of TT n C floats. */
+/* dx for TT tokens from t (of the range ending at t1); base: scratch of TT n C floats. */
 INLINE void maps_dx_tile(const void* x, const float* phit, const void* ga, const void* glink,
                          const float* coef, const float* hp, const float* hr, const float* dz,
-                         void* dx, float* base, int64_t t, const int TT, const int64_t n,
-                         int64_t C, int64_t M, int64_t Mp, int bf) {
+                         void* dx, float* base, int64_t t, int64_t t1, const int TT,
+                         const int64_t n, int64_t C, int64_t M, int64_t Mp, int bf) {
     const int64_t K = n * C;
     for (int u = 0; u < TT; ++u)
         maps_dx_base(x, ga, glink, coef[u], hp + u * n, hr + u * n * n, base + u * K, t + u,
-                     n, C, bf);
+                     t + u + 1 < t1, n, C, bf);
     int64_t k = 0;
     for (; k + W <= K; k += W) maps_dx_chunk(phit, base, dz, dx, t, TT, K, M, Mp, k, W, bf);
     if (k < K) maps_dx_chunk(phit, base, dz, dx, t, TT, K, M, Mp, k, (int)(K - k), bf);
@@ -537,7 +571,7 @@ INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, con
             gate_logits(lt + tu * M, ab, ht, M);
             for (int64_t i = 0; i < n; ++i) dpre[i] = gpre ? gpre[tu * n + i] : 0.0f;
             if (ga) {
-                stream_dots(x, ga, dots, tu, n, C, bf);
+                stream_dots(x, ga, dots, tu, tu + 1 < t1, n, C, bf);
                 for (int64_t i = 0; i < n; ++i) dpre[i] += dots[i];
             }
             for (int64_t i = 0; i < n; ++i) {
@@ -578,10 +612,10 @@ INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, con
         int64_t s = 0;
         for (; s + 8 <= g; s += 8)
             maps_dx_tile(x, phit, ga, glink, coef + s, hp + s * n, hr + s * nn, dz + s * Mp, dx,
-                         base, t + s, 8, n, C, M, Mp, bf);
+                         base, t + s, t1, 8, n, C, M, Mp, bf);
         for (; s < g; ++s)
             maps_dx_tile(x, phit, ga, glink, coef + s, hp + s * n, hr + s * nn, dz + s * Mp, dx,
-                         base, t + s, 1, n, C, M, Mp, bf);
+                         base, t + s, t1, 1, n, C, M, Mp, bf);
     }
 }
 
