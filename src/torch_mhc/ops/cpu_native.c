@@ -266,6 +266,9 @@ INLINE void pre_bwd_body(const void* x, const float* h, const void* da, void* dx
    --------------------------------------------------------------------------------------- */
 
 #define G 16  /* tokens per lane group */
+#ifndef AHEAD_LINK
+#define AHEAD_LINK 1
+#endif
 
 /* One normalisation of m [n n] along rows (axis 1) or columns (axis 0), in place; d[n]
    receives the denominators. */
@@ -371,13 +374,35 @@ INLINE void xphi_tile(const void* x, const float* phip, int64_t t, int64_t K, co
         for (int v = 0; v < MV; ++v) v8store(z + (u * MV + v) * WG, acc[u][v]);
 }
 
-/* dphi[k, :] += sum_u x[t + u, k] dz[u, :] for dz [TT, Mp] */
+/* Memory to bring into cache while a compute-bound loop runs: up to three byte ranges,
+   walked one 64-byte line per touch (the next group of tokens' inputs of the maps backward,
+   fetched during this group's dphi, so that the next group's first passes find them in L2
+   instead of waiting on memory). */
+typedef struct {
+    const char* p[3];
+    int64_t lines[3];
+} ahead_t;
+
+INLINE void ahead_touch(const ahead_t* a, int64_t i) {
+    for (int r = 0; r < 3; ++r) {
+        if (i < a->lines[r]) {
+            __builtin_prefetch(a->p[r] + i * 64);
+            return;
+        }
+        i -= a->lines[r];
+    }
+}
+
+/* dphi[k, :] += sum_u x[t + u, k] dz[u, :] for dz [TT, Mp]; touches lines 2 (i0 + k) and
+   2 (i0 + k) + 1 of `ahead` on the way. */
 INLINE void dphi_tile(const void* x, const float* dz, float* dphi, int64_t t, int64_t K,
-                      const int TT, const int MV, int bf) {
+                      const int TT, const int MV, const ahead_t* ahead, int64_t i0, int bf) {
     v8 zv[MAX_TILE][MAX_MV];
     for (int u = 0; u < TT; ++u)
         for (int v = 0; v < MV; ++v) zv[u][v] = v8load(dz + (u * MV + v) * WG);
     for (int64_t k = 0; k < K; ++k) {
+        ahead_touch(ahead, 2 * (i0 + k));
+        ahead_touch(ahead, 2 * (i0 + k) + 1);
         v8 p[MAX_MV];
         for (int v = 0; v < MV; ++v) p[v] = v8load(dphi + (k * MV + v) * WG);
         for (int u = 0; u < TT; ++u) {
@@ -419,8 +444,8 @@ static void xphi_rows(const void* x, const float* phip, int64_t t, int64_t tt, i
 }
 
 static void dphi_rows(const void* x, const float* dz, float* dphi, int64_t t, int64_t tt,
-                      int64_t K, int64_t MV, int bf) {
-#define DPHI(TT, MV) dphi_tile(x, dz + u * (MV) * WG, dphi, t + u, K, TT, MV, bf)
+                      int64_t K, int64_t MV, const ahead_t* ahead, int bf) {
+#define DPHI(TT, MV) dphi_tile(x, dz + u * (MV) * WG, dphi, t + u, K, TT, MV, ahead, u * K, bf)
     TILED(MV, DPHI)
 #undef DPHI
 }
@@ -608,7 +633,15 @@ INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, con
             for (int64_t q = M; q < Mp; ++q) dz[u * Mp + q] = 0.0f;
             coef[u] = -dot / (rr * rr * (float)K);
         }
-        dphi_rows(x, dz, dphi, t, g, K, MV, bf);
+        /* The next group's x, ga and glink rows, fetched during dphi. */
+        const int64_t t2 = t + G < t1 ? t + G : t1, t3 = t + 2 * G < t1 ? t + 2 * G : t1;
+        const int64_t size = bf ? 2 : 4;
+        const ahead_t ahead = {
+            {(const char*)x + t2 * K * size, ga ? (const char*)ga + t2 * C * size : NULL,
+             glink ? (const char*)glink + t2 * K * size : NULL},
+            {(t3 - t2) * K * size / 64, ga ? (t3 - t2) * C * size / 64 : 0,
+             glink && AHEAD_LINK ? (t3 - t2) * K * size / 64 : 0}};
+        dphi_rows(x, dz, dphi, t, g, K, MV, &ahead, bf);
         int64_t s = 0;
         for (; s + 8 <= g; s += 8)
             maps_dx_tile(x, phit, ga, glink, coef + s, hp + s * n, hr + s * nn, dz + s * Mp, dx,
