@@ -150,6 +150,30 @@ def test_linked_maps_and_merge_match_reference(tokens, n, c, dtype, cpu_path):
         assert_close(a, e, TOL[dtype])
 
 
+@pytest.mark.parametrize("tokens, n, c", [((7,), 4, 100), ((9,), 3, 16), ((5,), 9, 16)])
+def test_linked_merge_with_h_res_used_elsewhere_matches_reference(tokens, n, c, cpu_path):
+    """On the linked path the maps' backward adds the merge's dH_res = <g_i, x_j> to what
+    H_res receives from elsewhere: here H_res is also an output of the loss."""
+    inputs = maps_inputs(tokens, n, c, torch.float32, seed=9)
+
+    def ref(x, *params):
+        h_pre, h_post, h_res = reference.mhc_maps(x, *params, sinkhorn_iters=7)
+        a = reference.pre_aggregate(x, h_pre)
+        return reference.post_merge(x, torch.tanh(a), h_post, h_res), h_res
+
+    def linked(x, *params):
+        _, h_post, h_res, a, x_link = cpu.mhc_maps_pre(x, *params, sinkhorn_iters=7, link=True)
+        return cpu.post_merge(x_link, torch.tanh(a), h_post, h_res, linked=True), h_res
+
+    out_ref, grad_ref = run(ref, inputs)
+    out_cpu, grad_cpu = run(linked, clone_inputs(inputs))
+    for a, e in zip(out_cpu, out_ref, strict=True):
+        assert_close(a, e, TOL[torch.float32])
+    assert len(grad_cpu) == 6  # x, phi, alpha, b_pre, b_post, b_res
+    for a, e in zip(grad_cpu, grad_ref, strict=True):
+        assert_close(a, e, TOL[torch.float32])
+
+
 def test_native_maps_split_over_threads_match_reference():
     """Tokens split over a thread pool: each thread's share of dphi and its own Sinkhorn
     scratch (200 tokens on 3 threads; 64 tokens is the least a thread gets)."""

@@ -144,9 +144,10 @@ class _MhcMaps(torch.autograd.Function):
     With the aggregation inside, the backward writes dx once: coef * x + dz @ phi^T (the
     maps' share) + H_pre[j] da (the aggregation's share), instead of autograd adding two
     [T, n, C] gradients. The link extends this to the merge: its backward hands the raw
-    upstream gradient g of the merge to x_link instead of computing H_res^T g, and this
-    backward adds H_res^T g to the same dx (so x's gradient from the whole connection is
-    one [T, n, C] write, and the merge's backward reads x and g without writing dx).
+    upstream gradient g of the merge to x_link instead of computing H_res^T g and
+    <g_i, x_j>, and this backward adds H_res^T g to the same dx and <g_i, x_j> to H_res's
+    gradient (so x's gradient from the whole connection is one [T, n, C] write, and the
+    merge's backward reads g and f, not x).
     """
 
     @staticmethod
@@ -276,6 +277,9 @@ def _maps_backward_torch(ctx, g_pre, g_post, g_res, g_a, g_link):
     if g_post is not None:
         d_ht[n : 2 * n] = g_post.t() * ds[n:] * 2.0
     h = ht[2 * n :].reshape(n, n, t)
+    if g_link is not None:  # the merge's dH_res = <g_i, x_j>, [T, n, n]
+        dh = torch.bmm(g_link.to(x.dtype), x.transpose(-1, -2)).to(cdt)
+        g_res = dh if g_res is None else g_res + dh
     if g_res is not None:
         g = _to_token_last(g_res.to(cdt))
         d_ht[2 * n :] = _sinkhorn_bwd_tl(h, g, ctx.iters, ctx.sk_eps).reshape(n * n, t)
@@ -454,9 +458,10 @@ class _PostMerge(torch.autograd.Function):
     """out = H_res x + H_post^T f on x [T, n, C], f [T, C], h_post [T, n], h_res [T, n, n]
     (maps in float32 on the native path, in x's dtype on the torch path).
 
-    linked=True (x is the x_link of mhc_maps_pre(..., link=True)): the backward passes its
-    upstream gradient g through to x unchanged and the maps node that made x_link adds
-    H_res^T g to x's gradient, so the merge's backward writes no dx.
+    linked=True (x and h_res are the x_link and H_res of one mhc_maps_pre(..., link=True)):
+    the backward passes its upstream gradient g through to x unchanged and returns no
+    gradient for h_res; the maps node that made x_link adds H_res^T g to x's gradient and
+    <g_i, x_j> to H_res's, so the merge's backward neither writes dx nor reads x.
     """
 
     @staticmethod
@@ -476,9 +481,18 @@ class _PostMerge(torch.autograd.Function):
             return None, None, None, None, None, None
         x, f, h_post, h_res = ctx.saved_tensors
         g = g.to(x.dtype).contiguous()
+        if ctx.linked:
+            if ctx.native:
+                _, df, dh_post, _ = torch.ops.torch_mhc.cpu_post_merge_bwd(
+                    x, f, h_post, h_res, g, True
+                )
+            else:
+                df = torch.bmm(h_post.unsqueeze(-2), g).squeeze(-2)
+                dh_post = _rowdot(g, f)
+            return g, df, dh_post, None, None, None
         if ctx.native:
             dx, df, dh_post, dh_res = torch.ops.torch_mhc.cpu_post_merge_bwd(
-                x, f, h_post, h_res, g, not ctx.linked
+                x, f, h_post, h_res, g, False
             )
         else:
             need = ctx.needs_input_grad
@@ -486,7 +500,7 @@ class _PostMerge(torch.autograd.Function):
             df = torch.bmm(h_post.unsqueeze(-2), g).squeeze(-2) if need[1] else None
             dh_post = _rowdot(g, f) if need[2] else None  # [T, n]
             dh_res = torch.bmm(g, x.transpose(-1, -2)) if need[3] else None  # [T, n, n]
-        return (g if ctx.linked else dx), df, dh_post, dh_res, None, None
+        return dx, df, dh_post, dh_res, None, None
 
 
 def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -554,19 +568,21 @@ def _(x, f, h_post, h_res):
 @torch.library.custom_op("torch_mhc::cpu_post_merge_bwd", mutates_args=())
 def _native_merge_bwd(
     x: torch.Tensor, f: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor,
-    g: torch.Tensor, with_dx: bool,
+    g: torch.Tensor, linked: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, df, dh_post, dh_res); with_dx=False leaves dx out (an empty tensor)."""
-    dx, df, dh_post, dh_res = _NATIVE.merge_bwd(x, f, h_post, h_res, g, with_dx)
-    return (x.new_empty(0) if dx is None else dx), df, dh_post, dh_res
+    """(dx, df, dh_post, dh_res); linked=True leaves dx and dh_res out (empty tensors)."""
+    dx, df, dh_post, dh_res = _NATIVE.merge_bwd(x, f, h_post, h_res, g, linked)
+    if linked:
+        return x.new_empty(0), df, dh_post, h_res.new_empty(0)
+    return dx, df, dh_post, dh_res
 
 
 @_native_merge_bwd.register_fake
-def _(x, f, h_post, h_res, g, with_dx):
-    return (
-        torch.empty_like(x) if with_dx else x.new_empty(0), torch.empty_like(f),
-        torch.empty_like(h_post), torch.empty_like(h_res),
-    )
+def _(x, f, h_post, h_res, g, linked):
+    if linked:
+        return x.new_empty(0), torch.empty_like(f), torch.empty_like(h_post), h_res.new_empty(0)
+    return (torch.empty_like(x), torch.empty_like(f), torch.empty_like(h_post),
+            torch.empty_like(h_res))
 
 
 

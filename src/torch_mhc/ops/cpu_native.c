@@ -16,8 +16,10 @@
                 the pre-aggregation, per tile of tokens while the tile is in cache;
      maps_bwd   the aggregation's dH_pre, the gates' and Sinkhorn's backward, dphi += x^T dz
                 and dx = coef x + dz phi^T + H_pre da + H_res^T g_merge in one pass;
-     merge_fwd  H_res x + H_post f;  merge_bwd  df, dH_post, dH_res (and dx unless the maps'
-                backward takes the merge's gradient, the "linked" path of ops/cpu.py). */
+     merge_fwd  H_res x + H_post f;  merge_bwd  df, dH_post, and dH_res and dx unless the
+                maps' backward takes the merge's gradient (the "linked" path of ops/cpu.py:
+                the maps' backward then computes the merge's dH_res and H_res^T g from the x
+                and g it reads anyway, and the merge's backward does not read x). */
 
 #include <math.h>
 #include <stdint.h>
@@ -160,12 +162,14 @@ INLINE void merge_fwd_body(const void* x, const void* f, const float* hp, const 
     }
 }
 
-/* df[t] = sum_i h_post[t, i] g[t, i]; dh_post[t, i] = <g[t, i], f[t]>;
-   dh_res[t, i, j] = <g[t, i], x[t, j]>; dx[t, j] = sum_i h_res[t, i, j] g[t, i] unless dx
-   is NULL (the linked path: the maps' backward adds H_res^T g to its own dx). */
-INLINE void merge_bwd_body(const void* x, const void* f, const float* hp, const float* hr,
+/* df[t] = sum_i h_post[t, i] g[t, i]; dh_post[t, i] = <g[t, i], f[t]>; and, unless dx
+   and dhr are NULL, dh_res[t, i, j] = <g[t, i], x[t, j]> and dx[t, j] = sum_i h_res[t, i, j]
+   g[t, i]. Both NULL is the linked path: the maps' backward, which reads x and g anyway,
+   computes H_res^T g and <g_i, x_j> itself, so this pass does not read x. */
+INLINE void merge_bwd_pass(const void* x, const void* f, const float* hp, const float* hr,
                            const void* g, void* dx, void* df, float* dhp, float* dhr,
-                           int64_t t0, int64_t t1, const int64_t n, int64_t C, int bf) {
+                           int64_t t0, int64_t t1, const int64_t n, int64_t C, const int with_x,
+                           int bf) {
     for (int64_t t = t0; t < t1; ++t) {
         const float* hpt = hp + t * n;
         const float* hrt = hr + t * n * n;
@@ -176,16 +180,16 @@ INLINE void merge_bwd_body(const void* x, const void* f, const float* hp, const 
         FOR_CHUNKS(c, w, C,
             if (ahead) {
                 prefetch_rows(f, t + 1, 1, C, c, bf);
-                prefetch_rows(x, (t + 1) * n, n, C, c, bf);
+                if (with_x) prefetch_rows(x, (t + 1) * n, n, C, c, bf);
                 prefetch_rows(g, (t + 1) * n, n, C, c, bf);
             }
             const v16 fv = ldw(f, t * C + c, w, bf);
             v16 gv[MAXN], xv[MAXN];
             for (int64_t i = 0; i < n; ++i) {
                 gv[i] = ldw(g, (t * n + i) * C + c, w, bf);
-                xv[i] = ldw(x, (t * n + i) * C + c, w, bf);
+                if (with_x) xv[i] = ldw(x, (t * n + i) * C + c, w, bf);
             }
-            if (dx)
+            if (with_x && dx)
                 for (int64_t j = 0; j < n; ++j) {
                     v16 acc = vzero();
                     for (int64_t i = 0; i < n; ++i) acc += hrt[i * n + j] * gv[i];
@@ -195,15 +199,26 @@ INLINE void merge_bwd_body(const void* x, const void* f, const float* hp, const 
             for (int64_t i = 0; i < n; ++i) {
                 acc += hpt[i] * gv[i];
                 sp[i] += gv[i] * fv;
-                for (int64_t j = 0; j < n; ++j) sr[i * n + j] += gv[i] * xv[j];
+                if (with_x)
+                    for (int64_t j = 0; j < n; ++j) sr[i * n + j] += gv[i] * xv[j];
             }
             stw(df, t * C + c, acc, w, bf);
         )
         for (int64_t i = 0; i < n; ++i) {
             dhp[t * n + i] = hsum(sp[i]);
-            for (int64_t j = 0; j < n; ++j) dhr[(t * n + i) * n + j] = hsum(sr[i * n + j]);
+            if (with_x)
+                for (int64_t j = 0; j < n; ++j) dhr[(t * n + i) * n + j] = hsum(sr[i * n + j]);
         }
     }
+}
+
+INLINE void merge_bwd_body(const void* x, const void* f, const float* hp, const float* hr,
+                           const void* g, void* dx, void* df, float* dhp, float* dhr,
+                           int64_t t0, int64_t t1, const int64_t n, int64_t C, int bf) {
+    if (dhr)
+        merge_bwd_pass(x, f, hp, hr, g, dx, df, dhp, dhr, t0, t1, n, C, 1, bf);
+    else
+        merge_bwd_pass(x, f, hp, hr, g, NULL, df, dhp, NULL, t0, t1, n, C, 0, bf);
 }
 
 /* ---------------------------------------------------------------------------------------
@@ -220,22 +235,46 @@ INLINE void aggregate_row(const void* x, const float* h, void* a, int64_t t, con
     )
 }
 
-/* dots[j] = <x[t, j], da[t]> for one token; with `ahead`, prefetches token t + 1. */
-INLINE void stream_dots(const void* x, const void* da, float* dots, int64_t t, int ahead,
-                        const int64_t n, int64_t C, int bf) {
-    v16 s[MAXN];
-#pragma GCC unroll 8
-    for (int64_t j = 0; j < n; ++j) s[j] = vzero();
+/* For one token, in one pass over its rows: dots[j] = <x[t, j], da[t]> (unless da is NULL)
+   and dres[i n + j] = <g[t, i], x[t, j]> (unless g is NULL; the merge's dH_res on the
+   linked path). With `ahead`, prefetches token t + 1's rows. */
+INLINE void token_dots_pass(const void* x, const void* da, const void* g, float* dots,
+                            float* dres, int64_t t, int ahead, const int64_t n, int64_t C,
+                            const int with_a, const int with_g, int bf) {
+    v16 sa[MAXN], sg[MAXN * MAXN];
+    for (int64_t j = 0; j < n; ++j) sa[j] = vzero();
+    for (int64_t q = 0; q < n * n; ++q) sg[q] = vzero();
     FOR_CHUNKS(c, w, C,
         if (ahead) {
-            prefetch_rows(da, t + 1, 1, C, c, bf);
+            if (with_a) prefetch_rows(da, t + 1, 1, C, c, bf);
+            if (with_g) prefetch_rows(g, (t + 1) * n, n, C, c, bf);
             prefetch_rows(x, (t + 1) * n, n, C, c, bf);
         }
-        const v16 av = ldw(da, t * C + c, w, bf);
-#pragma GCC unroll 8
-        for (int64_t j = 0; j < n; ++j) s[j] += av * ldw(x, (t * n + j) * C + c, w, bf);
+        const v16 av = with_a ? ldw(da, t * C + c, w, bf) : vzero();
+        v16 gv[MAXN];
+        if (with_g)
+            for (int64_t i = 0; i < n; ++i) gv[i] = ldw(g, (t * n + i) * C + c, w, bf);
+        for (int64_t j = 0; j < n; ++j) {
+            const v16 xv = ldw(x, (t * n + j) * C + c, w, bf);
+            if (with_a) sa[j] += av * xv;
+            if (with_g)
+                for (int64_t i = 0; i < n; ++i) sg[i * n + j] += gv[i] * xv;
+        }
     )
-    for (int64_t j = 0; j < n; ++j) dots[j] = hsum(s[j]);
+    if (with_a)
+        for (int64_t j = 0; j < n; ++j) dots[j] = hsum(sa[j]);
+    if (with_g)
+        for (int64_t q = 0; q < n * n; ++q) dres[q] = hsum(sg[q]);
+}
+
+INLINE void token_dots(const void* x, const void* da, const void* g, float* dots, float* dres,
+                       int64_t t, int ahead, const int64_t n, int64_t C, int bf) {
+    if (da && g)
+        token_dots_pass(x, da, g, dots, dres, t, ahead, n, C, 1, 1, bf);
+    else if (da)
+        token_dots_pass(x, da, NULL, dots, NULL, t, ahead, n, C, 1, 0, bf);
+    else if (g)
+        token_dots_pass(x, NULL, g, NULL, dres, t, ahead, n, C, 0, 1, bf);
 }
 
 INLINE void pre_fwd_body(const void* x, const float* h, void* a, int64_t t0, int64_t t1,
@@ -253,7 +292,7 @@ INLINE void pre_bwd_body(const void* x, const float* h, const void* da, void* dx
                 for (int64_t j = 0; j < n; ++j)
                     stw(dx, (t * n + j) * C + c, h[t * n + j] * av, w, bf);
             )
-        stream_dots(x, da, dh + t * n, t, t + 1 < t1, n, C, bf);
+        token_dots(x, da, NULL, dh + t * n, NULL, t, t + 1 < t1, n, C, bf);
     }
 }
 
@@ -517,6 +556,7 @@ INLINE void maps_fwd_body(const void* x, const float* phip, const float* ab, flo
    H_post (gpost), H_res (gres), of the aggregation (ga) and, on the linked path, the merge's
    upstream gradient glink [T, n, C]; any may be NULL (no gradient). Per group of tokens:
      dH_pre += <x[j], ga>                              (the aggregation's share)
+     dH_res += <glink[i], x[j]>                         (the merge's share, linked path)
      dh~ = the gates' and Sinkhorn's backward           -> dht [T, M] (for db, dalpha)
      dl = alpha_row dh~, coef = -<dl, l> / (r^2 K), dz = dl / r
      dphi += x^T dz                                     (dphi [K, Mp], this thread's partial)
@@ -527,10 +567,9 @@ INLINE void maps_fwd_body(const void* x, const float* phip, const float* ab, flo
 /* base[u] = coef x + H_pre[j] ga + sum_i H_res[i, j] glink[i] for token t + u, in float
    (the part of dx that is per token): each chunk of x, ga and glink is loaded once. */
 INLINE void maps_dx_base(const void* x, const void* ga, const void* glink, float coef,
-                         const float* hp, const float* hr, float* base, int64_t t, int ahead,
+                         const float* hp, const float* hr, float* base, int64_t t,
                          const int64_t n, int64_t C, int bf) {
     FOR_CHUNKS(c, w, C,
-        if (glink && ahead) prefetch_rows(glink, (t + 1) * n, n, C, c, bf);
         const v16 av = ga ? ldw(ga, t * C + c, w, bf) : vzero();
         v16 gv[MAXN];
         for (int64_t i = 0; i < n; ++i)
@@ -561,15 +600,15 @@ INLINE void maps_dx_chunk(const float* phit, const float* base, const float* dz,
     for (int u = 0; u < TT; ++u) stw(dx, (t + u) * K + k, acc[u], w, bf);
 }
 
-/* dx for TT tokens from t (of the range ending at t1); base: scratch of TT n C floats. */
+/* dx for TT tokens from t; base: scratch of TT n C floats. */
 INLINE void maps_dx_tile(const void* x, const float* phit, const void* ga, const void* glink,
                          const float* coef, const float* hp, const float* hr, const float* dz,
-                         void* dx, float* base, int64_t t, int64_t t1, const int TT,
-                         const int64_t n, int64_t C, int64_t M, int64_t Mp, int bf) {
+                         void* dx, float* base, int64_t t, const int TT, const int64_t n,
+                         int64_t C, int64_t M, int64_t Mp, int bf) {
     const int64_t K = n * C;
     for (int u = 0; u < TT; ++u)
         maps_dx_base(x, ga, glink, coef[u], hp + u * n, hr + u * n * n, base + u * K, t + u,
-                     t + u + 1 < t1, n, C, bf);
+                     n, C, bf);
     int64_t k = 0;
     for (; k + W <= K; k += W) maps_dx_chunk(phit, base, dz, dx, t, TT, K, M, Mp, k, W, bf);
     if (k < K) maps_dx_chunk(phit, base, dz, dx, t, TT, K, M, Mp, k, (int)(K - k), bf);
@@ -585,7 +624,7 @@ INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, con
     const int64_t K = n * C, nn = n * n, Mp = MV * WG;
     const int64_t steps = 2 * (int64_t)iters - 1;
     v16* sk_d = sk_y + steps * nn;
-    float dz[G * Mp], coef[G], hp[G * n], hr[G * nn], ht[M], dpre[n], dots[n];
+    float dz[G * Mp], coef[G], hp[G * n], hr[G * nn], ht[M], dpre[n], dots[n], dres[nn];
     v16 p0[nn], gl[nn], hres[nn];
     const int with_res = gres || glink;
     for (int64_t t = t0; t < t1; t += G) {
@@ -595,10 +634,9 @@ INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, con
             float* d = dht + tu * M;
             gate_logits(lt + tu * M, ab, ht, M);
             for (int64_t i = 0; i < n; ++i) dpre[i] = gpre ? gpre[tu * n + i] : 0.0f;
-            if (ga) {
-                stream_dots(x, ga, dots, tu, tu + 1 < t1, n, C, bf);
+            token_dots(x, ga, glink, dots, dres, tu, tu + 1 < t1, n, C, bf);
+            if (ga)
                 for (int64_t i = 0; i < n; ++i) dpre[i] += dots[i];
-            }
             for (int64_t i = 0; i < n; ++i) {
                 const float sp = sigmoid(ht[i]), so = sigmoid(ht[n + i]);
                 hp[u * n + i] = sp + pre_eps;
@@ -607,7 +645,8 @@ INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, con
             }
             if (with_res) {
                 column_softmax_lane(ht + 2 * n, p0, (int)u, n);
-                for (int64_t q = 0; q < nn; ++q) gl[q][u] = gres ? gres[tu * nn + q] : 0.0f;
+                for (int64_t q = 0; q < nn; ++q)
+                    gl[q][u] = (gres ? gres[tu * nn + q] : 0.0f) + (glink ? dres[q] : 0.0f);
             }
         }
         if (with_res) {
@@ -645,10 +684,10 @@ INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, con
         int64_t s = 0;
         for (; s + 8 <= g; s += 8)
             maps_dx_tile(x, phit, ga, glink, coef + s, hp + s * n, hr + s * nn, dz + s * Mp, dx,
-                         base, t + s, t1, 8, n, C, M, Mp, bf);
+                         base, t + s, 8, n, C, M, Mp, bf);
         for (; s < g; ++s)
             maps_dx_tile(x, phit, ga, glink, coef + s, hp + s * n, hr + s * nn, dz + s * Mp, dx,
-                         base, t + s, t1, 1, n, C, M, Mp, bf);
+                         base, t + s, 1, n, C, M, Mp, bf);
     }
 }
 

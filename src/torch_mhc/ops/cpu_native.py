@@ -216,12 +216,14 @@ class NativeOps:
         self._run("merge_fwd", x.dtype, [x, f, h_post, h_res, out], t, n, c)
         return out
 
-    def merge_bwd(self, x, f, h_post, h_res, g, with_dx=True):
-        """(dx or None, df, dh_post, dh_res) for the merge's upstream gradient g."""
+    def merge_bwd(self, x, f, h_post, h_res, g, linked=False):
+        """(dx, df, dh_post, dh_res) for the merge's upstream gradient g; linked=True leaves
+        dx and dh_res to the maps' backward (None here) and does not read x."""
         t, n, c = x.shape
-        dx = self.blocks.empty(x.shape, x.dtype) if with_dx else None
+        dx = None if linked else self.blocks.empty(x.shape, x.dtype)
         df = self.blocks.empty(f.shape, f.dtype)
-        dh_post, dh_res = torch.empty_like(h_post), torch.empty_like(h_res)
+        dh_post = torch.empty_like(h_post)
+        dh_res = None if linked else torch.empty_like(h_res)
         self._run("merge_bwd", x.dtype, [x, f, h_post, h_res, g, dx, df, dh_post, dh_res],
                   t, n, c)
         return dx, df, dh_post, dh_res
