@@ -24,6 +24,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 typedef uint16_t bf16_t;
 typedef float v16 __attribute__((vector_size(64)));
@@ -104,6 +107,46 @@ INLINE void stw(void* p, int64_t i, v16 v, int w, int bf) {
     }
 }
 
+/* Store a full chunk (w = 16) without reading its cache line first (a streaming store):
+   for outputs that are not read again while they would still be in cache. The merge's
+   output [T, n, C] is written once and read by the next layer's maps after 16 MB of other
+   traffic; with streaming stores, merge forward + the next maps forward took 0.4-0.7 ms
+   less (2048 x 4 x 512, fp32; benchmarks/NOTES_ops.md). Falls back to a plain store where
+   the ISA has no such store or p is not aligned; callers end with stream_fence(). */
+INLINE void stw_stream(void* p, int64_t i, v16 v, int bf) {
+#if defined(__AVX512F__)
+    if (!bf) {
+        float* q = (float*)p + i;
+        if (((uintptr_t)q & 63) == 0) {
+            __m512 m;
+            memcpy(&m, &v, sizeof m);
+            _mm512_stream_ps(q, m);
+            return;
+        }
+    }
+#endif
+#if defined(__AVX__)
+    if (bf) {
+        bf16_t* q = (bf16_t*)p + i;
+        if (((uintptr_t)q & 31) == 0) {
+            const u16x16 h = f32_to_bf16(v);
+            __m256i m;
+            memcpy(&m, &h, sizeof m);
+            _mm256_stream_si256((__m256i*)q, m);
+            return;
+        }
+    }
+#endif
+    stw(p, i, v, W, bf);
+}
+
+/* Order the streaming stores before whatever the caller does next. */
+INLINE void stream_fence(void) {
+#if defined(__SSE__)
+    _mm_sfence();
+#endif
+}
+
 /* Ask for rows[row0 .. row0 + rows) at column c of the [*, C] storage p: called with the
    next token's rows while this token's are processed. The passes that read a tensor for the
    first time are bound by memory latency otherwise (the hardware prefetcher alone keeps too
@@ -156,10 +199,14 @@ INLINE void merge_fwd_body(const void* x, const void* f, const float* hp, const 
                 v16 acc = hrt[i * n] * xv[0];
                 for (int64_t j = 1; j < n; ++j) acc += hrt[i * n + j] * xv[j];
                 acc += hpt[i] * fv;
-                stw(out, (t * n + i) * C + c, acc, w, bf);
+                if (w == W)
+                    stw_stream(out, (t * n + i) * C + c, acc, bf);
+                else
+                    stw(out, (t * n + i) * C + c, acc, w, bf);
             }
         )
     }
+    stream_fence();
 }
 
 /* df[t] = sum_i h_post[t, i] g[t, i]; dh_post[t, i] = <g[t, i], f[t]>; and, unless dx
