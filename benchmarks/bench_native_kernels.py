@@ -1,11 +1,15 @@
 """Each native CPU kernel of ops/cpu_native.c alone, against a plain copy-like torch op.
 
     python benchmarks/bench_native_kernels.py --tokens 2048 --streams 4 --dim 512 --threads 1
+    python benchmarks/bench_native_kernels.py --evict 64      # inputs out of cache
 
 Times NativeOps' calls (ctypes, fresh outputs each call) on one set of inputs reused across
 rounds: the inputs stay in the last-level cache when they fit, so this shows a kernel's
-compute cost, not its cost inside a training step (benchmarks/NOTES_ops.md has both).
-Process CPU time, median of interleaved rounds; prints JSON, then a markdown table.
+compute cost. Inside a training step a kernel's inputs were last touched many megabytes
+ago; --evict MB writes that many MB of other memory before every call, times the writing
+alone as its own entry, and reports each kernel's median minus it (benchmarks/NOTES_ops.md
+has both kinds of figures). Process CPU time, median of interleaved rounds; prints JSON,
+then a markdown table.
 """
 
 from __future__ import annotations
@@ -65,19 +69,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=21)
+    p.add_argument("--evict", type=float, default=0.0,
+                   help="MB of other memory written before every call (0: none)")
     args = p.parse_args(argv)
+    if args.evict < 0:
+        p.error(f"--evict expects a size in MB >= 0, got {args.evict}")
     torch.set_num_threads(args.threads)
     steps = kernels(args.tokens, args.streams, args.dim, getattr(torch, args.dtype))
+    evict = "writing the eviction buffer alone"
+    if args.evict:
+        junk = torch.empty(int(args.evict * (1 << 20)) // 4)
+        steps = {k: (lambda fn=fn: (junk.fill_(1.0), fn())) for k, fn in steps.items()}
+        steps[evict] = lambda: junk.fill_(1.0)
     times = time_interleaved(steps, args.repeats, 2, "process", "cpu")
+    median = {k: statistics.median(v) for k, v in times.items()}
+    offset = median[evict] if args.evict else 0.0
     result = {
         "config": vars(args),
-        "median_ms": {k: statistics.median(v) for k, v in times.items()},
+        "median_ms": median,
         "min_ms": {k: min(v) for k, v in times.items()},
+        "median_minus_eviction_ms": {k: ms - offset for k, ms in median.items() if k != evict},
     }
     print(json.dumps(result, indent=2))
-    print("| kernel | median ms | min ms |\n|---|---:|---:|")
+    print("| kernel | median ms | min ms | median minus eviction ms |\n|---|---:|---:|---:|")
     for k in steps:
-        print(f"| {k} | {result['median_ms'][k]:.2f} | {result['min_ms'][k]:.2f} |")
+        own = "" if k == evict else f"{result['median_minus_eviction_ms'][k]:.2f}"
+        print(f"| {k} | {median[k]:.2f} | {result['min_ms'][k]:.2f} | {own} |")
     return 0
 
 

@@ -208,3 +208,29 @@ def test_hyper_connections_skipped_when_missing(monkeypatch, capsys):
     skipped = report["benchmarks"]["hyper_connections"]["skipped"]
     assert "pip install 'torch-mhc[bench]'" in skipped
     assert "Skipped:" in out[end:]
+
+
+def test_native_kernels_script_subtracts_the_eviction_time(capsys):
+    """benchmarks/bench_native_kernels.py --evict: each kernel's figure minus the timed
+    eviction alone, and every kernel of the table present."""
+    import importlib.util
+    from pathlib import Path
+
+    from torch_mhc.ops import cpu_native
+
+    if cpu_native.load() is None:
+        pytest.skip("native CPU library unavailable")
+    path = Path(__file__).parents[1] / "benchmarks" / "bench_native_kernels.py"
+    spec = importlib.util.spec_from_file_location("bench_native_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--tokens", "32", "--dim", "16", "--repeats", "1", "--evict", "1"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out[: out.index("\n| kernel")])
+    evict = result["median_ms"].pop("writing the eviction buffer alone")
+    minus = result["median_minus_eviction_ms"]
+    assert set(minus) == set(result["median_ms"]) and "maps_bwd (+ aggregation, linked)" in minus
+    for name, ms in result["median_ms"].items():
+        assert minus[name] == pytest.approx(ms - evict)
+    with pytest.raises(SystemExit):
+        module.main(["--evict", "-1"])

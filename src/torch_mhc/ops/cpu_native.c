@@ -352,9 +352,6 @@ INLINE void pre_bwd_body(const void* x, const float* h, const void* da, void* dx
    --------------------------------------------------------------------------------------- */
 
 #define G 16  /* tokens per lane group */
-#ifndef AHEAD_LINK
-#define AHEAD_LINK 1
-#endif
 
 /* One normalisation of m [n n] along rows (axis 1) or columns (axis 0), in place; d[n]
    receives the denominators. */
@@ -726,7 +723,7 @@ INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, con
             {(const char*)x + t2 * K * size, ga ? (const char*)ga + t2 * C * size : NULL,
              glink ? (const char*)glink + t2 * K * size : NULL},
             {(t3 - t2) * K * size / 64, ga ? (t3 - t2) * C * size / 64 : 0,
-             glink && AHEAD_LINK ? (t3 - t2) * K * size / 64 : 0}};
+             glink ? (t3 - t2) * K * size / 64 : 0}};
         dphi_rows(x, dz, dphi, t, g, K, MV, &ahead, bf);
         int64_t s = 0;
         for (; s + 8 <= g; s += 8)
