@@ -174,6 +174,54 @@ def test_linked_merge_with_h_res_used_elsewhere_matches_reference(tokens, n, c, 
         assert_close(a, e, TOL[torch.float32])
 
 
+def hc_inputs(tokens, n, c, dtype, seed=0):
+    """Streams x [*tokens, n, C] and dynamic-HC parameters with O(1) tanh inputs."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*tokens, n, c, generator=g).to(dtype)
+    w = torch.randn(c, n + 2, generator=g) / c**0.5
+    s_alpha, s_beta = torch.tensor(0.7), torch.tensor(0.4)
+    static_pre, static_post = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    static_res = torch.randn(n, n, generator=g)
+    return [t.requires_grad_() for t in (x, w, s_alpha, s_beta, static_pre, static_post,
+                                           static_res)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("tokens, n, c", [((7,), 4, 100), ((3, 21), 3, 100), ((63,), 8, 16),
+                                          ((5,), 1, 33)])
+def test_hc_maps_match_reference(tokens, n, c, dtype, cpu_path):
+    """HC's dynamic maps on the native rows kernels (RMS divided after the matmul, one dx
+    write), values and all seven gradients."""
+    inputs = hc_inputs(tokens, n, c, dtype, seed=4)
+    out_ref, grad_ref = run(reference.hc_maps, inputs)
+    out_cpu, grad_cpu = run(cpu.hc_maps, clone_inputs(inputs))
+    maps_tol = 1e-12 if dtype == torch.float64 else 2e-5
+    for a, e in zip(out_cpu, out_ref, strict=True):
+        assert a.dtype == e.dtype
+        assert_close(a, e, maps_tol)
+    assert len(grad_cpu) == 7  # x, w, s_alpha, s_beta, static_pre, static_post, static_res
+    for a, e in zip(grad_cpu, grad_ref, strict=True):
+        assert a.dtype == e.dtype
+        assert_close(a, e, maps_tol if a.dtype != torch.bfloat16 else TOL[dtype])
+
+
+def test_hc_maps_split_over_threads_match_reference():
+    """Stream rows split over a thread pool: each thread's partial dW is summed."""
+    if cpu._NATIVE is None:
+        pytest.skip("native CPU library unavailable")
+    inputs = hc_inputs((50,), 4, 40, torch.float32, seed=12)  # 200 rows
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        assert cpu._NATIVE.threads_for(200) == 3
+        out_cpu, grad_cpu = run(cpu.hc_maps, clone_inputs(inputs))
+    finally:
+        torch.set_num_threads(threads)
+    out_ref, grad_ref = run(reference.hc_maps, inputs)
+    for a, e in zip([*out_cpu, *grad_cpu], [*out_ref, *grad_ref], strict=True):
+        assert_close(a, e, 2e-5)
+
+
 def test_native_maps_split_over_threads_match_reference():
     """Tokens split over a thread pool: each thread's share of dphi and its own Sinkhorn
     scratch (200 tokens on 3 threads; 64 tokens is the least a thread gets)."""
@@ -335,6 +383,7 @@ def _native_op_samples():
     lt, r, *_ = torch.ops.torch_mhc.cpu_mhc_maps_fwd(x, cpu._padded(phi), ab, 4, 1e-6, 0.0, 0.0,
                                                     False)
     g = torch.randn_like(x)
+    w = torch.randn(20, 3 + 2)  # HC's W [C, n + 2]
     return {
         "cpu_pre_aggregate_fwd": (x, h_pre),
         "cpu_pre_aggregate_bwd": (x, h_pre, f),
@@ -343,6 +392,9 @@ def _native_op_samples():
         "cpu_mhc_maps_fwd": (x, cpu._padded(phi), ab, 4, 1e-6, 0.0, 0.0, True),
         "cpu_mhc_maps_bwd": (x, phi.t().contiguous(), ab, lt, r, h_pre, h_post, h_res, f, g,
                              4, 0.0, 0.0),
+        "cpu_rows_fwd": (x.view(15, 20), cpu._padded(w)),
+        "cpu_rows_bwd": (x.view(15, 20), w.t().contiguous(), cpu._padded(torch.randn(15, 5)),
+                         torch.randn(15)),
     }
 
 

@@ -15,6 +15,10 @@ matmuls with phi, so everything here is about fewer passes and fewer saved tenso
   (coef x + dz phi^T + H_pre[j] da). ManifoldHyperConnection uses this pair (Ops.links).
 - The backward saves only x, phi, the logits and the RMS (M + 1 numbers per token besides
   x); Sinkhorn recomputes its iterates from the n x n logits.
+- HC's dynamic maps (hc_maps) use the native rows kernels: every stream row's logits
+  x_j @ W in one pass over x, divided by the row's RMS afterwards (the reordering mHC uses),
+  and a backward that writes dx = dz W^T + coef x once; torch's per-stream RMSNorm and its
+  skinny matmuls took five times as long (benchmarks/NOTES_ops.md).
 - Without autograd (decode under no_grad / inference_mode) mhc_maps_pre and post_merge call
   the native loops directly, skipping the autograd Function and the custom-op dispatch,
   with phi's padded float32 copy cached while the parameters are unchanged.
@@ -38,7 +42,6 @@ from . import reference as _ref
 
 __all__ = ["mhc_maps", "mhc_maps_pre", "hc_maps", "pre_aggregate", "post_merge", "sinkhorn"]
 
-hc_maps = _ref.hc_maps  # HC's maps are a few small ops; nothing to fuse on the CPU
 LINKS = True  # mhc_maps_pre(..., link=True) and post_merge(..., linked=True); see ops/__init__
 
 
@@ -428,6 +431,97 @@ def _maps_inference(x, params, iters, norm_eps, sk_eps, pre_eps):
 
 
 # ---------------------------------------------------------------------------------------------
+# (a') HC maps
+# ---------------------------------------------------------------------------------------------
+
+
+class _HcMaps(torch.autograd.Function):
+    """ops.reference.hc_maps for x [T, n, C] with a dynamic W [C, n + 2], on the native rows
+    kernels: u = (x_j @ W) / rms(x_j) per stream row (= norm(x_j) @ W), d = tanh(u), then the
+    maps from d as in the reference. Saves x, the RMS [T n] and u, d [T n, n + 2]."""
+
+    @staticmethod
+    @_no_autocast
+    def forward(ctx, x, w, s_alpha, s_beta, static_pre, static_post, static_res, norm_eps):
+        ctx.set_materialize_grads(False)
+        t, n, c = x.shape
+        m, f32 = n + 2, torch.float32
+        z, ss = torch.ops.torch_mhc.cpu_rows_fwd(x.view(t * n, c), _padded(w))
+        r = ss.div_(c).add_(norm_eps).sqrt_()  # [T n] the rows' RMS
+        u = z[:, :m] / r.unsqueeze(-1)  # [T n, M]
+        d = torch.tanh(u)
+        d3 = d.view(t, n, m)
+        sa, sb = s_alpha.to(f32), s_beta.to(f32)
+        h_post = static_post.to(f32) + sb * d3[..., 0]
+        h_pre = static_pre.to(f32) + sa * d3[..., 1]
+        h_res = static_res.to(f32) + sa * d3[..., 2:].transpose(-1, -2)
+        ctx.save_for_backward(x, w, s_alpha, s_beta, r, u, d)
+        ctx.static_dtypes = (static_pre.dtype, static_post.dtype, static_res.dtype)
+        return h_pre, h_post, h_res
+
+    @staticmethod
+    @_no_autocast
+    def backward(ctx, g_pre, g_post, g_res):
+        x, w, s_alpha, s_beta, r, u, d = ctx.saved_tensors
+        t, n, c = x.shape
+        m, f32 = n + 2, torch.float32
+        sa, sb = s_alpha.to(f32), s_beta.to(f32)
+        d3 = d.view(t, n, m)
+        dd = torch.zeros_like(d3)  # dL/dd [T, n, M]
+        d_sa = torch.zeros((), dtype=f32)
+        d_sb = torch.zeros((), dtype=f32)
+        d_static = [None, None, None]
+        if g_post is not None:
+            g_post = g_post.to(f32)
+            dd[..., 0] = sb * g_post
+            d_sb = (g_post * d3[..., 0]).sum()
+            d_static[1] = g_post.sum(dim=0).to(ctx.static_dtypes[1])
+        if g_pre is not None:
+            g_pre = g_pre.to(f32)
+            dd[..., 1] = sa * g_pre
+            d_sa = d_sa + (g_pre * d3[..., 1]).sum()
+            d_static[0] = g_pre.sum(dim=0).to(ctx.static_dtypes[0])
+        if g_res is not None:
+            g_t = g_res.to(f32).transpose(-1, -2)  # [T, j, i]: stream j's row of d
+            dd[..., 2:] = sa * g_t
+            d_sa = d_sa + (g_t * d3[..., 2:]).sum()
+            d_static[2] = g_res.to(f32).sum(dim=0).to(ctx.static_dtypes[2])
+        du = dd.view(t * n, m).mul_(1.0 - d * d)  # dL/du, tanh's derivative
+        # u = z / r with r = sqrt(mean(x_j^2) + eps): dL/dx_j = dz W^T + coef x_j.
+        coef = (du * u).sum(dim=-1).div_(r.square()).div_(-c)  # [T n]
+        dz = torch.nn.functional.pad(du / r.unsqueeze(-1), (0, _native.padded_width(m) - m))
+        dx, dw = torch.ops.torch_mhc.cpu_rows_bwd(
+            x.view(t * n, c), w.to(f32).t().contiguous(), dz, coef
+        )
+        return (dx.view(t, n, c), dw.to(w.dtype), d_sa.to(s_alpha.dtype),
+                d_sb.to(s_beta.dtype), *d_static, None)
+
+
+def hc_maps(
+    x: torch.Tensor,
+    w: torch.Tensor | None,
+    s_alpha: torch.Tensor,
+    s_beta: torch.Tensor,
+    static_pre: torch.Tensor,
+    static_post: torch.Tensor,
+    static_res: torch.Tensor,
+    norm_eps: float = 1e-6,
+):
+    """Same contract as ops.reference.hc_maps; dynamic maps of fp32/bf16 streams run on the
+    native rows kernels, everything else on the reference."""
+    if w is None or not _use_native(x) or x.shape[-1] != w.shape[0] \
+            or w.shape[1] != x.shape[-2] + 2:
+        return _ref.hc_maps(x, w, s_alpha, s_beta, static_pre, static_post, static_res,
+                            norm_eps)
+    lead, (n, c) = x.shape[:-2], x.shape[-2:]
+    h_pre, h_post, h_res = _HcMaps.apply(
+        x.reshape(-1, n, c).contiguous(), w, s_alpha, s_beta, static_pre, static_post,
+        static_res, float(norm_eps),
+    )
+    return h_pre.view(*lead, n), h_post.view(*lead, n), h_res.view(*lead, n, n)
+
+
+# ---------------------------------------------------------------------------------------------
 # (b) pre-aggregation and (c) post-and-merge
 # ---------------------------------------------------------------------------------------------
 
@@ -625,6 +719,32 @@ def _native_maps_bwd(
 @_native_maps_bwd.register_fake
 def _(x, phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_link, iters, sk_eps, pre_eps):
     return torch.empty_like(x), torch.empty_like(lt), phit.new_empty(phit.t().shape)
+
+
+@torch.library.custom_op("torch_mhc::cpu_rows_fwd", mutates_args=())
+def _native_rows_fwd(x: torch.Tensor, wp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x @ wp [R, Mp], sums of squares of x's rows [R]): see NativeOps.rows_fwd."""
+    return _NATIVE.rows_fwd(x.contiguous(), wp.contiguous())
+
+
+@_native_rows_fwd.register_fake
+def _(x, wp):
+    f32 = dict(dtype=torch.float32, device=x.device)
+    return x.new_empty((x.shape[0], wp.shape[1]), **f32), x.new_empty((x.shape[0],), **f32)
+
+
+@torch.library.custom_op("torch_mhc::cpu_rows_bwd", mutates_args=())
+def _native_rows_bwd(
+    x: torch.Tensor, wt: torch.Tensor, dz: torch.Tensor, coef: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [R, K], dw [K, M]): see NativeOps.rows_bwd."""
+    return _NATIVE.rows_bwd(x.contiguous(), wt.contiguous(), dz.contiguous(),
+                            coef.contiguous())
+
+
+@_native_rows_bwd.register_fake
+def _(x, wt, dz, coef):
+    return torch.empty_like(x), wt.new_empty(wt.t().shape)
 
 
 def _use_native(x: torch.Tensor) -> bool:

@@ -736,6 +736,63 @@ INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, con
 }
 
 /* ---------------------------------------------------------------------------------------
+   Rows times a skinny matrix (HC's maps: every stream row of length C times W [C, n + 2]).
+   rows_fwd: z [R, Mp] = x @ wp and ss [R] = sum_k x[r, k]^2 for rows [r0, r1) of x [R, K].
+   rows_bwd: dw += x^T dz (this thread's partial, [K, Mp]) and dx = coef[r] x[r] + dz[r] W^T,
+   with wt [M, K] = W^T and dz [R, Mp] (zero past column M).
+   --------------------------------------------------------------------------------------- */
+
+INLINE void rows_fwd_body(const void* x, const float* wp, float* z, float* ss, int64_t r0,
+                          int64_t r1, int64_t K, int64_t MV, int bf) {
+    const int64_t Mp = MV * WG;
+    for (int64_t t = r0; t < r1; t += G) {
+        const int64_t g = r1 - t < G ? r1 - t : G;
+        xphi_rows(x, wp, t, g, K, MV, z + t * Mp, bf);
+        for (int64_t u = 0; u < g; ++u) ss[t + u] = sum_squares(x, t + u, K, bf);
+    }
+}
+
+/* dx for TT rows from t, one 16-wide chunk (width w) at k. */
+INLINE void rows_dx_chunk(const void* x, const float* wt, const float* dz, const float* coef,
+                          void* dx, int64_t t, const int TT, int64_t K, int64_t M, int64_t Mp,
+                          int64_t k, const int w, int bf) {
+    v16 acc[MAX_TILE];
+#pragma GCC unroll 8
+    for (int u = 0; u < TT; ++u) acc[u] = coef[u] * ldw(x, (t + u) * K + k, w, bf);
+    for (int64_t q = 0; q < M; ++q) {
+        const v16 p = ldw(wt, q * K + k, w, 0);
+#pragma GCC unroll 8
+        for (int u = 0; u < TT; ++u) acc[u] += dz[u * Mp + q] * p;
+    }
+#pragma GCC unroll 8
+    for (int u = 0; u < TT; ++u) stw(dx, (t + u) * K + k, acc[u], w, bf);
+}
+
+INLINE void rows_dx_tile(const void* x, const float* wt, const float* dz, const float* coef,
+                         void* dx, int64_t t, const int TT, int64_t K, int64_t M, int64_t Mp,
+                         int bf) {
+    int64_t k = 0;
+    for (; k + W <= K; k += W) rows_dx_chunk(x, wt, dz, coef, dx, t, TT, K, M, Mp, k, W, bf);
+    if (k < K) rows_dx_chunk(x, wt, dz, coef, dx, t, TT, K, M, Mp, k, (int)(K - k), bf);
+}
+
+INLINE void rows_bwd_body(const void* x, const float* wt, const float* dz, const float* coef,
+                          void* dx, float* dw, int64_t r0, int64_t r1, int64_t K, int64_t M,
+                          int64_t MV, int bf) {
+    const int64_t Mp = MV * WG;
+    const ahead_t none = {{NULL, NULL, NULL}, {0, 0, 0}};
+    for (int64_t t = r0; t < r1; t += G) {
+        const int64_t g = r1 - t < G ? r1 - t : G;
+        dphi_rows(x, dz + t * Mp, dw, t, g, K, MV, &none, bf);
+        int64_t s = 0;
+        for (; s + 8 <= g; s += 8)
+            rows_dx_tile(x, wt, dz + (t + s) * Mp, coef + t + s, dx, t + s, 8, K, M, Mp, bf);
+        for (; s < g; ++s)
+            rows_dx_tile(x, wt, dz + (t + s) * Mp, coef + t + s, dx, t + s, 1, K, M, Mp, bf);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------
    Exported entry points: name_f32 / name_bf16, pointers first, then t0, t1 and the sizes.
    --------------------------------------------------------------------------------------- */
 
@@ -781,3 +838,18 @@ EXPORT_BOTH(maps_bwd,
             (x, phit, ab, lt, r, gpre, gpost, gres, ga, glink, dx, dht, dphi,
              (v16*)sk_y, base, t0, t1, N_, C, M, MV, (int)iters, (float)sk_eps,
              (float)pre_eps, bf))
+
+void rows_fwd_f32(const void* x, const float* wp, float* z, float* ss, int64_t r0, int64_t r1,
+                  int64_t K, int64_t MV) { rows_fwd_body(x, wp, z, ss, r0, r1, K, MV, 0); }
+void rows_fwd_bf16(const void* x, const float* wp, float* z, float* ss, int64_t r0,
+                   int64_t r1, int64_t K, int64_t MV) {
+    rows_fwd_body(x, wp, z, ss, r0, r1, K, MV, 1);
+}
+void rows_bwd_f32(const void* x, const float* wt, const float* dz, const float* coef, void* dx,
+                  float* dw, int64_t r0, int64_t r1, int64_t K, int64_t M, int64_t MV) {
+    rows_bwd_body(x, wt, dz, coef, dx, dw, r0, r1, K, M, MV, 0);
+}
+void rows_bwd_bf16(const void* x, const float* wt, const float* dz, const float* coef, void* dx,
+                   float* dw, int64_t r0, int64_t r1, int64_t K, int64_t M, int64_t MV) {
+    rows_bwd_body(x, wt, dz, coef, dx, dw, r0, r1, K, M, MV, 1);
+}

@@ -147,6 +147,8 @@ _SIGNATURES = {
     "pre_bwd": (5, [_I, _I]),
     "maps_fwd": (9, [_I, _I, _I, _I, _I, _D, _D, _D]),  # n, C, M, MV, iters, 3 epsilons
     "maps_bwd": (15, [_I, _I, _I, _I, _I, _D, _D]),  # n, C, M, MV, iters, sk_eps, pre_eps
+    "rows_fwd": (4, [_I, _I]),  # K, MV
+    "rows_bwd": (6, [_I, _I, _I]),  # K, M, MV
 }
 
 
@@ -286,6 +288,28 @@ class NativeOps:
                   iters, sk_eps, pre_eps)
         dphi = dphi[0] if dphi.shape[0] == 1 else dphi.sum(dim=0)
         return dx, dht, dphi[:, :m].contiguous()
+
+    def rows_fwd(self, x, wp):
+        """z [R, Mp] = x @ wp and the sums of squares ss [R] of x's rows, for x [R, K]
+        (fp32 or bf16) and wp [K, Mp] float32 (columns padded to padded_width)."""
+        rows, k = x.shape
+        z = torch.empty((rows, wp.shape[1]), dtype=torch.float32)
+        ss = torch.empty((rows,), dtype=torch.float32)
+        self._run("rows_fwd", x.dtype, [x, wp, z, ss], rows, k, wp.shape[1] // 8)
+        return z, ss
+
+    def rows_bwd(self, x, wt, dz, coef):
+        """dx = coef[:, None] x + dz[:, :M] @ wt (x's dtype) and dw = x^T dz [K, M] float32,
+        for x [R, K], wt [M, K] = W^T, dz [R, Mp] float32 zero past column M, coef [R]."""
+        rows, k = x.shape
+        m, mp = wt.shape[0], dz.shape[1]
+        dx = self.blocks.empty(x.shape, x.dtype)
+        threads = self.threads_for(rows)
+        dw = torch.zeros((threads, k, mp), dtype=torch.float32)
+        self._run("rows_bwd", x.dtype, [x, wt, dz, coef, dx, PerThread(dw)], rows, k, m,
+                  mp // 8)
+        dw = dw[0] if threads == 1 else dw.sum(dim=0)
+        return dx, dw[:, :m].contiguous()
 
 
 MAX_STREAMS = 8  # cpu_native.c's MAXN: per-token arrays of n (n x n) vectors
