@@ -17,8 +17,9 @@ matmuls with phi, so everything here is about fewer passes and fewer saved tenso
   x); Sinkhorn recomputes its iterates from the n x n logits.
 - HC's dynamic maps (hc_maps) use the native rows kernels: every stream row's logits
   x_j @ W in one pass over x, divided by the row's RMS afterwards (the reordering mHC uses),
-  and a backward that writes dx = dz W^T + coef x once; torch's per-stream RMSNorm and its
-  skinny matmuls took five times as long (benchmarks/NOTES_ops.md).
+  and a backward that writes dx = dz W^T + coef x once (a HyperConnection's forward +
+  backward on [2048, 4, 512] streams: 97.9 ms with torch's per-stream RMSNorm and skinny
+  matmuls, 22.6 ms with these; benchmarks/NOTES_ops.md).
 - Without autograd (decode under no_grad / inference_mode) mhc_maps_pre and post_merge call
   the native loops directly, skipping the autograd Function and the custom-op dispatch,
   with phi's padded float32 copy cached while the parameters are unchanged.
@@ -444,20 +445,13 @@ class _HcMaps(torch.autograd.Function):
     @_no_autocast
     def forward(ctx, x, w, s_alpha, s_beta, static_pre, static_post, static_res, norm_eps):
         ctx.set_materialize_grads(False)
-        t, n, c = x.shape
-        m, f32 = n + 2, torch.float32
-        z, ss = torch.ops.torch_mhc.cpu_rows_fwd(x.view(t * n, c), _padded(w))
-        r = ss.div_(c).add_(norm_eps).sqrt_()  # [T n] the rows' RMS
-        u = z[:, :m] / r.unsqueeze(-1)  # [T n, M]
-        d = torch.tanh(u)
-        d3 = d.view(t, n, m)
-        sa, sb = s_alpha.to(f32), s_beta.to(f32)
-        h_post = static_post.to(f32) + sb * d3[..., 0]
-        h_pre = static_pre.to(f32) + sa * d3[..., 1]
-        h_res = static_res.to(f32) + sa * d3[..., 2:].transpose(-1, -2)
+        maps, (r, u, d) = _hc_maps_values(
+            torch.ops.torch_mhc.cpu_rows_fwd, x, _padded(w), s_alpha, s_beta, static_pre,
+            static_post, static_res, norm_eps,
+        )
         ctx.save_for_backward(x, w, s_alpha, s_beta, r, u, d)
         ctx.static_dtypes = (static_pre.dtype, static_post.dtype, static_res.dtype)
-        return h_pre, h_post, h_res
+        return maps
 
     @staticmethod
     @_no_autocast
@@ -497,6 +491,27 @@ class _HcMaps(torch.autograd.Function):
                 d_sb.to(s_beta.dtype), *d_static, None)
 
 
+_HC_NATIVE_MIN_TOKENS = 16
+
+
+def _hc_maps_values(rows_fwd, x, wp, s_alpha, s_beta, static_pre, static_post, static_res,
+                    norm_eps):
+    """((H_pre, H_post, H_res), (r, u, d)) for x [T, n, C] and W padded [C, Mp], with
+    rows_fwd the rows kernel (its custom op, or the library's method without autograd)."""
+    t, n, c = x.shape
+    m, f32 = n + 2, torch.float32
+    z, ss = rows_fwd(x.view(t * n, c), wp)
+    r = ss.div_(c).add_(norm_eps).sqrt_()  # [T n] the rows' RMS
+    u = z[:, :m] / r.unsqueeze(-1)  # [T n, M]
+    d = torch.tanh(u)
+    d3 = d.view(t, n, m)
+    sa, sb = s_alpha.to(f32), s_beta.to(f32)
+    h_post = static_post.to(f32) + sb * d3[..., 0]
+    h_pre = static_pre.to(f32) + sa * d3[..., 1]
+    h_res = static_res.to(f32) + sa * d3[..., 2:].transpose(-1, -2)
+    return (h_pre, h_post, h_res), (r, u, d)
+
+
 def hc_maps(
     x: torch.Tensor,
     w: torch.Tensor | None,
@@ -508,16 +523,21 @@ def hc_maps(
     norm_eps: float = 1e-6,
 ):
     """Same contract as ops.reference.hc_maps; dynamic maps of fp32/bf16 streams run on the
-    native rows kernels, everything else on the reference."""
+    native rows kernels, everything else on the reference. So do calls on fewer than
+    _HC_NATIVE_MIN_TOKENS tokens (decoding): one token's maps took 78 us this way and 49 us
+    on the reference's few torch ops, 16 tokens 87 and 97 us (n = 4, C = 512, no grad)."""
     if w is None or not _use_native(x) or x.shape[-1] != w.shape[0] \
-            or w.shape[1] != x.shape[-2] + 2:
+            or w.shape[1] != x.shape[-2] + 2 or x[..., 0, 0].numel() < _HC_NATIVE_MIN_TOKENS:
         return _ref.hc_maps(x, w, s_alpha, s_beta, static_pre, static_post, static_res,
                             norm_eps)
     lead, (n, c) = x.shape[:-2], x.shape[-2:]
-    h_pre, h_post, h_res = _HcMaps.apply(
-        x.reshape(-1, n, c).contiguous(), w, s_alpha, s_beta, static_pre, static_post,
-        static_res, float(norm_eps),
-    )
+    args = (x.reshape(-1, n, c).contiguous(), w, s_alpha, s_beta, static_pre, static_post,
+            static_res)
+    if _no_autograd(*args):  # decoding: no autograd Function, no custom-op dispatch
+        (h_pre, h_post, h_res), _ = _hc_maps_values(_NATIVE.rows_fwd, args[0], _padded(w),
+                                                    *args[2:], float(norm_eps))
+    else:
+        h_pre, h_post, h_res = _HcMaps.apply(*args, float(norm_eps))
     return h_pre.view(*lead, n), h_post.view(*lead, n), h_res.view(*lead, n, n)
 
 
