@@ -231,37 +231,27 @@ def test_hc_maps_on_few_tokens_are_the_reference():
         assert torch.equal(a, e)
 
 
-def test_hc_maps_split_over_threads_match_reference():
-    """Stream rows split over a thread pool: each thread's partial dW is summed."""
+@pytest.mark.parametrize("kind", ["mhc", "hc"])
+def test_native_maps_split_over_threads_match_reference(kind):
+    """Tokens (or HC's stream rows) split over a thread pool: each thread's partial dphi
+    (dW) is summed, and mHC's threads each have their own Sinkhorn scratch (200 tokens or
+    rows on 3 threads; 64 is the least a thread gets)."""
     if cpu._NATIVE is None:
         pytest.skip("native CPU library unavailable")
-    inputs = hc_inputs((50,), 4, 40, torch.float32, seed=12)  # 200 rows
+    if kind == "mhc":
+        inputs = maps_inputs((200,), 4, 33, torch.float32, seed=11)
+        fn, ref = cpu.mhc_maps_pre, _maps_then_pre
+    else:
+        inputs = hc_inputs((50,), 4, 40, torch.float32, seed=12)  # 200 stream rows
+        fn, ref = cpu.hc_maps, reference.hc_maps
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(3)
         assert cpu._NATIVE.threads_for(200) == 3
-        out_cpu, grad_cpu = run(cpu.hc_maps, clone_inputs(inputs))
+        out_cpu, grad_cpu = run(fn, clone_inputs(inputs))
     finally:
         torch.set_num_threads(threads)
-    out_ref, grad_ref = run(reference.hc_maps, inputs)
-    for a, e in zip([*out_cpu, *grad_cpu], [*out_ref, *grad_ref], strict=True):
-        assert_close(a, e, 2e-5)
-
-
-def test_native_maps_split_over_threads_match_reference():
-    """Tokens split over a thread pool: each thread's share of dphi and its own Sinkhorn
-    scratch (200 tokens on 3 threads; 64 tokens is the least a thread gets)."""
-    if cpu._NATIVE is None:
-        pytest.skip("native CPU library unavailable")
-    inputs = maps_inputs((200,), 4, 33, torch.float32, seed=11)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(3)
-        assert cpu._NATIVE.threads_for(200) == 3
-        out_cpu, grad_cpu = run(cpu.mhc_maps_pre, clone_inputs(inputs))
-    finally:
-        torch.set_num_threads(threads)
-    out_ref, grad_ref = run(_maps_then_pre, inputs)
+    out_ref, grad_ref = run(ref, inputs)
     for a, e in zip([*out_cpu, *grad_cpu], [*out_ref, *grad_ref], strict=True):
         assert_close(a, e, 2e-5)
 

@@ -628,13 +628,18 @@ INLINE void maps_dx_base(const void* x, const void* ga, const void* glink, float
     )
 }
 
-/* dx = base + dz phi^T for TT tokens from t, one 16-wide chunk (width w) at k. */
-INLINE void maps_dx_chunk(const float* phit, const float* base, const float* dz, void* dx,
-                          int64_t t, const int TT, int64_t K, int64_t M, int64_t Mp, int64_t k,
-                          const int w, int bf) {
+/* dx[t + u] = s[u] a[a0 + u] + dz[u] phi^T for TT rows from t, one 16-wide chunk (width w)
+   at k: a [*, K] in storage a_bf, s NULL for s[u] = 1, dz [TT, Mp], phit [M, K] = phi^T. The
+   maps backward passes its float scratch rows (a = base), the rows backward x and coef. */
+INLINE void dx_chunk(const void* a, int64_t a0, const float* s, int a_bf, const float* phit,
+                     const float* dz, void* dx, int64_t t, const int TT, int64_t K, int64_t M,
+                     int64_t Mp, int64_t k, const int w, int bf) {
     v16 acc[MAX_TILE];
 #pragma GCC unroll 8
-    for (int u = 0; u < TT; ++u) acc[u] = ldw(base, u * K + k, w, 0);
+    for (int u = 0; u < TT; ++u) {
+        acc[u] = ldw(a, (a0 + u) * K + k, w, a_bf);
+        if (s) acc[u] *= s[u];
+    }
     for (int64_t q = 0; q < M; ++q) {
         const v16 p = ldw(phit, q * K + k, w, 0);
 #pragma GCC unroll 8
@@ -654,8 +659,9 @@ INLINE void maps_dx_tile(const void* x, const float* phit, const void* ga, const
         maps_dx_base(x, ga, glink, coef[u], hp + u * n, hr + u * n * n, base + u * K, t + u,
                      n, C, bf);
     int64_t k = 0;
-    for (; k + W <= K; k += W) maps_dx_chunk(phit, base, dz, dx, t, TT, K, M, Mp, k, W, bf);
-    if (k < K) maps_dx_chunk(phit, base, dz, dx, t, TT, K, M, Mp, k, (int)(K - k), bf);
+    for (; k + W <= K; k += W)
+        dx_chunk(base, 0, NULL, 0, phit, dz, dx, t, TT, K, M, Mp, k, W, bf);
+    if (k < K) dx_chunk(base, 0, NULL, 0, phit, dz, dx, t, TT, K, M, Mp, k, (int)(K - k), bf);
 }
 
 INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, const float* lt,
@@ -752,28 +758,12 @@ INLINE void rows_fwd_body(const void* x, const float* wp, float* z, float* ss, i
     }
 }
 
-/* dx for TT rows from t, one 16-wide chunk (width w) at k. */
-INLINE void rows_dx_chunk(const void* x, const float* wt, const float* dz, const float* coef,
-                          void* dx, int64_t t, const int TT, int64_t K, int64_t M, int64_t Mp,
-                          int64_t k, const int w, int bf) {
-    v16 acc[MAX_TILE];
-#pragma GCC unroll 8
-    for (int u = 0; u < TT; ++u) acc[u] = coef[u] * ldw(x, (t + u) * K + k, w, bf);
-    for (int64_t q = 0; q < M; ++q) {
-        const v16 p = ldw(wt, q * K + k, w, 0);
-#pragma GCC unroll 8
-        for (int u = 0; u < TT; ++u) acc[u] += dz[u * Mp + q] * p;
-    }
-#pragma GCC unroll 8
-    for (int u = 0; u < TT; ++u) stw(dx, (t + u) * K + k, acc[u], w, bf);
-}
-
 INLINE void rows_dx_tile(const void* x, const float* wt, const float* dz, const float* coef,
                          void* dx, int64_t t, const int TT, int64_t K, int64_t M, int64_t Mp,
                          int bf) {
     int64_t k = 0;
-    for (; k + W <= K; k += W) rows_dx_chunk(x, wt, dz, coef, dx, t, TT, K, M, Mp, k, W, bf);
-    if (k < K) rows_dx_chunk(x, wt, dz, coef, dx, t, TT, K, M, Mp, k, (int)(K - k), bf);
+    for (; k + W <= K; k += W) dx_chunk(x, t, coef, bf, wt, dz, dx, t, TT, K, M, Mp, k, W, bf);
+    if (k < K) dx_chunk(x, t, coef, bf, wt, dz, dx, t, TT, K, M, Mp, k, (int)(K - k), bf);
 }
 
 INLINE void rows_bwd_body(const void* x, const float* wt, const float* dz, const float* coef,
