@@ -12,7 +12,8 @@ matmuls with phi, so everything here is about fewer passes and fewer saved tenso
 - One gradient write for x per connection. mhc_maps_pre(..., link=True) returns x_link, a
   view of x made by the maps node; post_merge(x_link, ..., linked=True) hands its upstream
   gradient g to x_link unchanged, and the maps' backward adds H_res^T g to its own dx
-  (coef x + dz phi^T + H_pre[j] da). ManifoldHyperConnection uses this pair (Ops.links).
+  (coef x + dz phi^T + H_pre[j] da) and <g_i, x_j> to H_res's gradient, so the merge's
+  backward does not read x. ManifoldHyperConnection uses this pair (Ops.links).
 - The backward saves only x, phi, the logits and the RMS (M + 1 numbers per token besides
   x); Sinkhorn recomputes its iterates from the n x n logits.
 - HC's dynamic maps (hc_maps) use the native rows kernels: every stream row's logits
@@ -34,6 +35,7 @@ accumulate in float32 and round once).
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 
 import torch
@@ -191,7 +193,8 @@ class _MhcMaps(torch.autograd.Function):
 
 
 def _padded(phi: torch.Tensor) -> torch.Tensor:
-    """phi [K, M] as float32 with its columns zero-padded to whole 16-float vectors."""
+    """phi [K, M] (or HC's W [C, M]) as float32 with its columns zero-padded to whole 8-float
+    vectors (cpu_native.padded_width)."""
     m = phi.shape[1]
     return torch.nn.functional.pad(phi.to(torch.float32), (0, _native.padded_width(m) - m))
 
@@ -499,17 +502,14 @@ def _hc_maps_values(rows_fwd, x, wp, s_alpha, s_beta, static_pre, static_post, s
     """((H_pre, H_post, H_res), (r, u, d)) for x [T, n, C] and W padded [C, Mp], with
     rows_fwd the rows kernel (its custom op, or the library's method without autograd)."""
     t, n, c = x.shape
-    m, f32 = n + 2, torch.float32
+    m = n + 2
     z, ss = rows_fwd(x.view(t * n, c), wp)
     r = ss.div_(c).add_(norm_eps).sqrt_()  # [T n] the rows' RMS
     u = z[:, :m] / r.unsqueeze(-1)  # [T n, M]
     d = torch.tanh(u)
-    d3 = d.view(t, n, m)
-    sa, sb = s_alpha.to(f32), s_beta.to(f32)
-    h_post = static_post.to(f32) + sb * d3[..., 0]
-    h_pre = static_pre.to(f32) + sa * d3[..., 1]
-    h_res = static_res.to(f32) + sa * d3[..., 2:].transpose(-1, -2)
-    return (h_pre, h_post, h_res), (r, u, d)
+    maps = _ref.hc_maps_from_tanh(d.view(t, n, m), s_alpha, s_beta, static_pre, static_post,
+                                  static_res)
+    return maps, (r, u, d)
 
 
 def hc_maps(
@@ -527,7 +527,7 @@ def hc_maps(
     _HC_NATIVE_MIN_TOKENS tokens (decoding): one token's maps took 78 us this way and 49 us
     on the reference's few torch ops, 16 tokens 87 and 97 us (n = 4, C = 512, no grad)."""
     if w is None or not _use_native(x) or x.shape[-1] != w.shape[0] \
-            or w.shape[1] != x.shape[-2] + 2 or x[..., 0, 0].numel() < _HC_NATIVE_MIN_TOKENS:
+            or w.shape[1] != x.shape[-2] + 2 or math.prod(x.shape[:-2]) < _HC_NATIVE_MIN_TOKENS:
         return _ref.hc_maps(x, w, s_alpha, s_beta, static_pre, static_post, static_res,
                             norm_eps)
     lead, (n, c) = x.shape[:-2], x.shape[-2:]
@@ -798,8 +798,9 @@ def post_merge(
 ) -> torch.Tensor:
     """H_res x + H_post^T f: [..., n, C], [..., C], [..., n], [..., n, n] -> [..., n, C].
 
-    linked=True: x is the x_link of mhc_maps_pre(..., link=True), and x's gradient through
-    the merge is left to that node's backward (the same values; one dx write in all).
+    linked=True: x and h_res are the x_link and H_res of one mhc_maps_pre(..., link=True),
+    and x's and H_res's gradients through the merge are left to that node's backward (the
+    same values; one dx write in all).
     """
     _check_streams(x, "post_merge")
     lead, (n, c) = x.shape[:-2], x.shape[-2:]

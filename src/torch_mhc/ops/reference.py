@@ -76,9 +76,17 @@ def hc_maps(
     xd = x.to(dt)
     xn = xd * torch.rsqrt(xd.square().mean(dim=-1, keepdim=True) + norm_eps)  # per stream
     d = torch.tanh(xn @ w.to(dt))  # [..., n, 2 + n]
-    h_post = h_post + s_beta.to(dt) * d[..., 0]
-    h_pre = h_pre + s_alpha.to(dt) * d[..., 1]
-    h_res = h_res + s_alpha.to(dt) * d[..., 2:].transpose(-1, -2)
+    return hc_maps_from_tanh(d, s_alpha, s_beta, h_pre, h_post, h_res)
+
+
+def hc_maps_from_tanh(d, s_alpha, s_beta, static_pre, static_post, static_res):
+    """HC's maps from d = tanh(norm(x_j) W) [..., n, 2 + n] (columns beta, m, r...), in d's
+    dtype: H_post = static + s_beta d_beta, H_pre = static + s_alpha d_m, H_res = static +
+    s_alpha d_r^T (stream j's row is column j)."""
+    dt = d.dtype
+    h_post = static_post.to(dt) + s_beta.to(dt) * d[..., 0]
+    h_pre = static_pre.to(dt) + s_alpha.to(dt) * d[..., 1]
+    h_res = static_res.to(dt) + s_alpha.to(dt) * d[..., 2:].transpose(-1, -2)
     return h_pre, h_post, h_res
 
 
