@@ -49,7 +49,8 @@ __all__ = [
     "CONNECTION_KINDS",
 ]
 
-CONNECTION_KINDS = ("residual", "hc", "mhc")
+# the core kinds, then mHC's successors (torch_mhc.variants)
+CONNECTION_KINDS = ("residual", "hc", "mhc", "mhc-lite", "kromhc", "mhc-static-res")
 
 
 def expand_streams(h: torch.Tensor, n: int) -> torch.Tensor:
@@ -138,7 +139,7 @@ class _Connection(nn.Module):
         if self.check_finite:
             self._check_maps(h_pre, h_post, h_res)
         if _diag.ACTIVE is not None:
-            _diag.ACTIVE.record(self, h_res)
+            _diag.ACTIVE.record(self, h_res, x=x, h_pre=h_pre, h_post=h_post)
         return h_in, (ops, h_post, h_res, x_link)
 
     def mix_out(self, x: torch.Tensor, f: torch.Tensor, state) -> torch.Tensor:
@@ -321,7 +322,7 @@ def _res_bias(n: int, diag: float) -> torch.Tensor:
 def make_connection(
     kind: str, dim: int, streams: int, layer_index: int, branch: Callable, **kwargs
 ) -> nn.Module:
-    """Build a connection from a string: "residual" | "hc" | "mhc".
+    """Build a connection from a string: one of CONNECTION_KINDS.
 
     `streams` is ignored for "residual" (always one stream); kwargs go to the class.
     """
@@ -331,6 +332,10 @@ def make_connection(
         return HyperConnection(dim, streams, layer_index, branch, **kwargs)
     if kind == "mhc":
         return ManifoldHyperConnection(dim, streams, layer_index, branch, **kwargs)
+    if kind in CONNECTION_KINDS:  # mhc-lite, kromhc, mhc-static-res
+        from .variants import make_variant
+
+        return make_variant(kind, dim, streams, layer_index, branch, **kwargs)
     raise ValueError(f"unknown connection kind {kind!r}; expected one of {CONNECTION_KINDS}")
 
 
