@@ -54,7 +54,7 @@ class ModelConfig:
     n_heads: int = 4
     max_seq_len: int = 256
     mlp_ratio: float = 4.0
-    residual: str = "mhc"  # "residual" | "hc" | "mhc"
+    residual: str = "mhc"  # one of CONNECTION_KINDS: "residual" | "hc" | "mhc" | variants
     streams: int = 4  # ignored for "residual", which has one stream
     sinkhorn_iters: int = 20
     norm_eps: float = 1e-6
@@ -313,6 +313,8 @@ def _connection_kwargs(cfg: ModelConfig) -> dict:
             "norm_eps": cfg.norm_eps,
             "check_finite": cfg.check_finite,
         }
+    if cfg.residual != "residual":  # mhc-lite, kromhc, mhc-static-res (torch_mhc.variants)
+        return {"norm_eps": cfg.norm_eps, "check_finite": cfg.check_finite}
     return {}
 
 
