@@ -13,6 +13,7 @@ from .connections import (
 )
 from .diagnostics import collect_gains
 from .sinkhorn import sinkhorn, sinkhorn_unrolled
+from .stream_head import StreamHead
 
 __version__ = "0.1.0"
 
@@ -21,6 +22,7 @@ __all__ = [
     "HyperConnection",
     "ManifoldHyperConnection",
     "Residual",
+    "StreamHead",
     "collect_gains",
     "diagnostics",
     "expand_streams",

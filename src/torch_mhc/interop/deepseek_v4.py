@@ -56,10 +56,14 @@ import torch
 from torch import nn
 
 from ..connections import ManifoldHyperConnection
+from ..stream_head import StreamHead
 
 __all__ = [
     "from_deepseek_v4",
+    "from_deepseek_v4_head",
+    "load_deepseek_v4_head_state_dict",
     "load_deepseek_v4_state_dict",
+    "to_deepseek_v4_head_state_dict",
     "to_deepseek_v4_state_dict",
 ]
 
@@ -251,3 +255,101 @@ def from_deepseek_v4(
     return load_deepseek_v4_state_dict(
         mhc, state_dict, found["hc_eps"], found["rms_norm_eps"], prefix=prefix
     )
+
+
+# ------------------------------------------------------------------------------------------
+# DeepSeek-V4's HyperHead (the final stream collapse) <-> torch_mhc.StreamHead
+#
+#   hc_fn [n, n*C], hc_base [n], hc_scale [1]:  pre = sigmoid(hc_scale * (v_normed @ hc_fn^T)
+#   + hc_base) + hc_eps, out = sum_j pre[j] x[j]. StreamHead computes the same with
+#   phi = hc_fn^T, alpha = hc_scale, b = hc_base, eps = hc_eps, norm_eps = rms_norm_eps
+#   (no permutation: the head has no n x n block).
+
+_HEAD_KEYS = ("hc_fn", "hc_base", "hc_scale")
+
+
+def from_deepseek_v4_head(
+    head_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
+    *,
+    hc_eps: float | None = None,
+    rms_norm_eps: float | None = None,
+    prefix: str = "",
+) -> StreamHead:
+    """A StreamHead computing what a DeepseekV4HyperHead computes (new parameters, copied).
+
+    Given the module, hc_eps and rms_norm_eps are read from it; given a state dict
+    (keys prefix + hc_fn, hc_base, hc_scale) they must be passed (the config's hc_eps,
+    rms_norm_eps), and n, C are inferred from hc_fn's shape [n, n*C].
+    """
+    if isinstance(head_or_state_dict, nn.Module):
+        module = head_or_state_dict
+        lacking = [a for a in (*_HEAD_KEYS, "eps", "input_norm") if not hasattr(module, a)]
+        if lacking:
+            raise TypeError(
+                f"expected a DeepseekV4HyperHead (attributes {[*_HEAD_KEYS, 'eps', 'input_norm']})"
+                f", got {type(module).__name__} lacking {lacking}"
+            )
+        tensors = {k: getattr(module, k) for k in _HEAD_KEYS}
+        hc_eps = float(module.eps) if hc_eps is None else hc_eps
+        rms_norm_eps = float(module.input_norm.eps) if rms_norm_eps is None else rms_norm_eps
+    elif isinstance(head_or_state_dict, Mapping):
+        missing = [prefix + k for k in _HEAD_KEYS if prefix + k not in head_or_state_dict]
+        if missing:
+            raise KeyError(
+                f"DeepSeek-V4 HyperHead state dict: expected keys "
+                f"{[prefix + k for k in _HEAD_KEYS]}, missing {missing}"
+            )
+        tensors = {k: head_or_state_dict[prefix + k] for k in _HEAD_KEYS}
+        if hc_eps is None or rms_norm_eps is None:
+            raise ValueError(
+                "from_deepseek_v4_head from a state dict needs hc_eps and rms_norm_eps (the "
+                "model config's); they are not stored in the weights"
+            )
+    else:
+        raise TypeError(
+            "from_deepseek_v4_head expects a DeepseekV4HyperHead or a state dict with keys "
+            f"{list(_HEAD_KEYS)}, got {type(head_or_state_dict).__name__}"
+        )
+    fn = tensors["hc_fn"]
+    n = fn.shape[0] if fn.dim() == 2 else 0
+    if n < 1 or fn.shape[1] % n:
+        raise ValueError(
+            f"DeepSeek-V4 HyperHead parameter {prefix + 'hc_fn'!r}: expected shape [n, n * C], "
+            f"got {tuple(fn.shape)}"
+        )
+    head = StreamHead(fn.shape[1] // n, n, norm_eps=float(rms_norm_eps), eps=float(hc_eps))
+    head = head.to(device=fn.device, dtype=fn.dtype)
+    return load_deepseek_v4_head_state_dict(head, tensors)
+
+
+def load_deepseek_v4_head_state_dict(
+    head: StreamHead, state_dict: Mapping[str, torch.Tensor], *, prefix: str = ""
+) -> StreamHead:
+    """Copy hc_fn, hc_base, hc_scale into `head` in place (shapes checked); returns head."""
+    n, dim = head.streams, head.dim
+    expected = {"hc_fn": (n, n * dim), "hc_base": (n,), "hc_scale": (1,)}
+    for k, shape in expected.items():
+        if prefix + k not in state_dict:
+            raise KeyError(f"DeepSeek-V4 HyperHead state dict: missing {prefix + k!r}")
+        got = tuple(state_dict[prefix + k].shape)
+        if got != shape:
+            raise ValueError(
+                f"DeepSeek-V4 HyperHead parameter {prefix + k!r}: expected shape {shape} for "
+                f"hc_mult={n}, hidden_size={dim}, got {got}"
+            )
+    with torch.no_grad():
+        head.phi.copy_(state_dict[prefix + "hc_fn"].T)  # [n*C, n]
+        head.alpha.copy_(state_dict[prefix + "hc_scale"])
+        head.b.copy_(state_dict[prefix + "hc_base"])
+    return head
+
+
+def to_deepseek_v4_head_state_dict(head: StreamHead, *, prefix: str = "") -> dict:
+    """The inverse: {"hc_fn" [n, n*C], "hc_base" [n], "hc_scale" [1]} as new tensors. The
+    receiving config needs hc_eps = head.eps and rms_norm_eps = head.norm_eps to match."""
+    if not isinstance(head, StreamHead):
+        raise TypeError(f"expected a StreamHead, got {type(head).__name__}")
+    phi, alpha, b = head.parameters_as_phi_alpha_b()
+    with torch.no_grad():
+        return {prefix + "hc_fn": phi.T.clone(), prefix + "hc_base": b.detach().clone(),
+                prefix + "hc_scale": alpha.detach().clone()}
