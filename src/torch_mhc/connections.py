@@ -157,6 +157,11 @@ class _Connection(nn.Module):
         """Names (relative to this module) of the static maps and gates."""
         return set()
 
+    def reset_parameters(self) -> None:
+        """Give this connection's own parameters their documented initial values (the branch
+        is left alone: it has its own). For a model built on the meta device and then moved
+        with `to_empty`, and for parameters sharded by FSDP2 or TP (DTensors)."""
+
     def extra_repr(self) -> str:
         return f"dim={self.dim}, streams={self.streams}"
 
@@ -198,19 +203,40 @@ class HyperConnection(_Connection):
         super().__init__(dim, streams, branch, check_finite, impl)
         n = streams
         self.layer_index, self.dynamic, self.norm_eps = layer_index, dynamic, norm_eps
-        self.static_pre = nn.Parameter(torch.zeros(n))
-        self.static_post = nn.Parameter(torch.ones(n))
-        self.static_res = nn.Parameter(torch.eye(n))
-        with torch.no_grad():
-            self.static_pre[layer_index % n] = 1.0  # Eq. 14: layer k reads stream k mod n
+        self.static_pre = nn.Parameter(torch.empty(n))
+        self.static_post = nn.Parameter(torch.empty(n))
+        self.static_res = nn.Parameter(torch.empty(n, n))
+        # The scales are one-element vectors, not scalars: FSDP2 shards no 0-dim parameter.
         if dynamic:
-            self.w = nn.Parameter(torch.zeros(dim, 2 + n))
-            self.s_alpha = nn.Parameter(torch.tensor(0.01))
-            self.s_beta = nn.Parameter(torch.tensor(0.01))
+            self.w = nn.Parameter(torch.empty(dim, 2 + n))
+            self.s_alpha = nn.Parameter(torch.empty(1))
+            self.s_beta = nn.Parameter(torch.empty(1))
         else:
             self.register_parameter("w", None)
-            self.register_buffer("s_alpha", torch.tensor(0.0))
-            self.register_buffer("s_beta", torch.tensor(0.0))
+            self.register_buffer("s_alpha", torch.empty(1))
+            self.register_buffer("s_beta", torch.empty(1))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """HC paper Eq. 14: static_pre = e_{k mod n} (layer k reads stream k mod n),
+        static_post = 1, static_res = I, W = 0, s_alpha = s_beta = 0.01 (0 when static)."""
+        n, k = self.streams, self.layer_index % self.streams
+        _assign(self.static_pre, torch.eye(n)[k])
+        _assign(self.static_post, torch.ones(n))
+        _assign(self.static_res, torch.eye(n))
+        scale = 0.01 if self.dynamic else 0.0
+        if self.w is not None:
+            _assign(self.w, torch.zeros(self.dim, 2 + n))
+        _assign(self.s_alpha, torch.full((1,), scale))
+        _assign(self.s_beta, torch.full((1,), scale))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Checkpoints written before the scales became [1] hold them as 0-dim tensors.
+        for name in ("s_alpha", "s_beta"):
+            value = state_dict.get(prefix + name)
+            if isinstance(value, torch.Tensor) and value.dim() == 0:
+                state_dict[prefix + name] = value.reshape(1)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def maps(self, x: torch.Tensor, with_pre: bool = False):
         """H_pre, H_post, H_res; with_pre=True appends the branch input sum_j H_pre[j] x[j]."""
@@ -220,7 +246,7 @@ class HyperConnection(_Connection):
 
     def _maps_under(self, ops, x: torch.Tensor):
         return ops.hc_maps(
-            x, self.w, self.s_alpha, self.s_beta,
+            x, self.w, self.s_alpha.view(()), self.s_beta.view(()),
             self.static_pre, self.static_post, self.static_res, self.norm_eps,
         )
 
@@ -272,11 +298,23 @@ class ManifoldHyperConnection(_Connection):
             raise ValueError(f"res_init_diag must lie in (0, 1), got {res_init_diag!r}")
         self.layer_index, self.sinkhorn_iters = layer_index, sinkhorn_iters
         self.norm_eps, self.pre_eps, self.sinkhorn_eps = norm_eps, pre_eps, sinkhorn_eps
-        self.phi = nn.Parameter(torch.zeros(n * dim, n * n + 2 * n))
-        self.alpha = nn.Parameter(torch.full((3,), float(gate_init)))
-        self.b_pre = nn.Parameter(_pre_bias(n, layer_index))
-        self.b_post = nn.Parameter(torch.zeros(n))  # 2 sigmoid(0) = 1
-        self.b_res = nn.Parameter(_res_bias(n, res_init_diag))
+        self.gate_init, self.res_init_diag = float(gate_init), res_init_diag
+        self.phi = nn.Parameter(torch.empty(n * dim, n * n + 2 * n))
+        self.alpha = nn.Parameter(torch.empty(3))
+        self.b_pre = nn.Parameter(torch.empty(n))
+        self.b_post = nn.Parameter(torch.empty(n))
+        self.b_res = nn.Parameter(torch.empty(n, n))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """phi = 0, alpha = gate_init, and the biases of the module docstring: H_pre =
+        e_{k mod n} / 2 + 1 / (2n), H_post = 2 sigmoid(0) = 1, H_res = sinkhorn(b_res)."""
+        n = self.streams
+        _assign(self.phi, torch.zeros(self.phi.shape))
+        _assign(self.alpha, torch.full((3,), self.gate_init))
+        _assign(self.b_pre, _pre_bias(n, self.layer_index))
+        _assign(self.b_post, torch.zeros(n))
+        _assign(self.b_res, _res_bias(n, self.res_init_diag))
 
     def maps(self, x: torch.Tensor, with_pre: bool = False):
         """H_pre, H_post, H_res; with_pre=True appends the branch input sum_j H_pre[j] x[j]
@@ -303,6 +341,35 @@ class ManifoldHyperConnection(_Connection):
             f"{super().extra_repr()}, layer_index={self.layer_index}, "
             f"sinkhorn_iters={self.sinkhorn_iters}"
         )
+
+
+def _assign(param: torch.Tensor, value: torch.Tensor) -> None:
+    """param <- value (the full tensor, built on the CPU), in param's dtype and device.
+
+    A DTensor parameter (FSDP2, TP) takes its own shard of value: every rank builds the same
+    full value, so no rank needs to send anything (src_data_rank=None). A meta parameter stays
+    meta (copying into it does nothing).
+    """
+    with torch.no_grad():
+        if param.is_meta:
+            return
+        value = value.to(device=param.device, dtype=param.dtype)
+        if _is_dtensor(param):
+            from torch.distributed.tensor import distribute_tensor
+
+            value = distribute_tensor(
+                value, param.device_mesh, param.placements, src_data_rank=None
+            )
+        param.copy_(value)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    # Checked by name first: importing torch.distributed.tensor for a plain tensor costs time.
+    if type(t).__name__ != "DTensor":
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def _pre_bias(n: int, layer_index: int) -> torch.Tensor:

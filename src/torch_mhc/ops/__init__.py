@@ -31,7 +31,6 @@ importable; "cpu" for CPU tensors and for float64 anywhere; "reference" otherwis
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import os
 from collections.abc import Callable
@@ -57,11 +56,21 @@ __all__ = [
 IMPLS = ("reference", "cpu", "triton")
 ENV_VAR = "TORCH_MHC_IMPL"
 
-# Module holding each implementation, imported on first use (triton only when asked for).
+
+
+def _triton_ops_module():
+    # A plain import statement, not importlib: Dynamo runs it while tracing (fullgraph=True).
+    from . import triton_ops
+
+    return triton_ops
+
+
+# The module holding each implementation, returned by a loader called on first use: triton's
+# is imported only when asked for; reference and cpu are imported above.
 _MODULES = {
-    "reference": "torch_mhc.ops.reference",
-    "cpu": "torch_mhc.ops.cpu",
-    "triton": "torch_mhc.ops.triton_ops",
+    "reference": lambda: reference,
+    "cpu": lambda: cpu,
+    "triton": _triton_ops_module,
 }
 
 
@@ -98,6 +107,9 @@ def set_default_impl(name: str | None) -> None:
     _default = None if name is None or check_impl_name(name) == "auto" else name
 
 
+# Dynamo cannot trace importlib.util.find_spec: under torch.compile the answer is taken at
+# trace time and kept as a constant (as it is anyway: the installed packages do not change).
+@torch.compiler.assume_constant_result
 def _triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
@@ -146,22 +158,26 @@ def get_impl(
     """The ops of implementation `name`, or of the one "auto" picks for device and dtype."""
     resolved = resolve_impl_name(name, device, dtype)
     ops = _loaded.get(resolved)
-    if ops is None:
-        if resolved == "triton" and not _triton_available():
-            raise ImportError(
-                "the 'triton' op implementation needs the triton package "
-                "(pip install 'torch-mhc[triton]'); use impl='cpu' or 'reference' without it"
-            )
-        module = importlib.import_module(_MODULES[resolved])
-        ops = Ops(
-            name=resolved,
-            mhc_maps=module.mhc_maps,
-            mhc_maps_pre=getattr(module, "mhc_maps_pre", None) or _composed_maps_pre(module),
-            hc_maps=module.hc_maps,
-            pre_aggregate=module.pre_aggregate,
-            post_merge=module.post_merge,
-            sinkhorn=module.sinkhorn,
-            links=getattr(module, "LINKS", False),
+    return ops if ops is not None else _load(resolved)
+
+
+def _load(resolved: str) -> Ops:
+    """Import implementation `resolved` and keep its Ops (traceable by Dynamo: no importlib)."""
+    if resolved == "triton" and not _triton_available():
+        raise ImportError(
+            "the 'triton' op implementation needs the triton package "
+            "(pip install 'torch-mhc[triton]'); use impl='cpu' or 'reference' without it"
         )
-        _loaded[resolved] = ops
+    module = _MODULES[resolved]()
+    ops = Ops(
+        name=resolved,
+        mhc_maps=module.mhc_maps,
+        mhc_maps_pre=getattr(module, "mhc_maps_pre", None) or _composed_maps_pre(module),
+        hc_maps=module.hc_maps,
+        pre_aggregate=module.pre_aggregate,
+        post_merge=module.post_merge,
+        sinkhorn=module.sinkhorn,
+        links=getattr(module, "LINKS", False),
+    )
+    _loaded[resolved] = ops
     return ops
