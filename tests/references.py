@@ -53,3 +53,17 @@ def hc_layer_naive(x, w, s_alpha, s_beta, a_m, b, a_r, branch, norm_eps=1e-6):
         h0 = am_dyn.T @ hmat  # [1, C]
         outs.append(b_dyn.T @ branch(h0) + ar_dyn.T @ hmat)
     return torch.stack(outs)
+
+
+def sinkhorn_log_naive(logits: torch.Tensor, iters: int) -> torch.Tensor:
+    """mHC paper Eq. 9 evaluated in the log domain in float64, one matrix at a time, with
+    autograd: the same unrolled function (columns, then rows, iters times) without underflow.
+    """
+    out = []
+    for h in logits.reshape(-1, *logits.shape[-2:]).double():
+        z = h
+        for _ in range(iters):
+            z = z - torch.logsumexp(z, dim=0, keepdim=True)  # columns
+            z = z - torch.logsumexp(z, dim=1, keepdim=True)  # rows
+        out.append(z.exp())
+    return torch.stack(out).reshape(logits.shape)

@@ -3,8 +3,10 @@
 import pytest
 import torch
 
-from references import sinkhorn_naive
+from references import sinkhorn_log_naive, sinkhorn_naive
 from torch_mhc import sinkhorn, sinkhorn_unrolled
+from torch_mhc.ops import reference
+from torch_mhc.sinkhorn import LINEAR_RANGE, sinkhorn_backward, sinkhorn_forward
 
 
 def _logits(shape, scale=10.0, dtype=torch.float64, seed=0):
@@ -134,3 +136,105 @@ def test_bad_input():
         sinkhorn(torch.zeros(4, 4), iters=0)
     with pytest.raises(TypeError, match="floating-point tensor, got dtype torch.int64"):
         sinkhorn(torch.zeros(4, 4, dtype=torch.long))
+
+
+# ---------------------------------------------------------------------------------------------
+# Finite wherever the exact answer is: far-apart logits take the log domain per matrix
+# ---------------------------------------------------------------------------------------------
+
+
+def _far_cases():
+    """Logits whose float32 linear-domain iteration underflows to 0 / 0, with the exact
+    answers where they are known in closed form (None: compare with the float64 reference)."""
+    half = torch.full((2, 2), 0.5)
+    small = _logits((4, 4), scale=1.0, dtype=torch.float32, seed=11)
+    return {
+        "rows +-100": (torch.tensor([[100.0, 100.0], [-100.0, -100.0]]), half),
+        "columns +-100": (torch.tensor([[100.0, -100.0], [100.0, -100.0]]), half),
+        "row shifts of hundreds": (small + torch.tensor([[300.0], [0.0], [-250.0], [120.0]]), None),
+        "column shifts of hundreds": (small + torch.tensor([[-400.0, 0.0, 200.0, 30.0]]), None),
+    }
+
+
+@pytest.mark.parametrize("case", list(_far_cases()))
+@pytest.mark.parametrize("impl", ["sinkhorn", "reference"])
+def test_far_apart_logits_give_the_exact_matrix(case, impl):
+    x, exact = _far_cases()[case]
+    fn = sinkhorn if impl == "sinkhorn" else reference.sinkhorn
+    want = sinkhorn_log_naive(x, 20)
+    if exact is not None:
+        torch.testing.assert_close(want, exact.double(), rtol=0, atol=1e-12)
+    xg = x.clone().requires_grad_()
+    got = fn(xg, 20)
+    assert torch.isfinite(got).all()
+    # float32 log-domain iterates hold log-entries as large as the logits' span, so each
+    # carries about one rounding of the span (2^-24 span; measured errors are 0.1 of this).
+    span = (x.max() - x.min()).item()
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2**-24 * span)
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
+    (grad,) = torch.autograd.grad(got, xg, g)
+    xd = x.double().requires_grad_()
+    (want_grad,) = torch.autograd.grad(sinkhorn_log_naive(xd, 20), xd, g.double())
+    assert torch.isfinite(grad).all()
+    torch.testing.assert_close(grad.double(), want_grad, rtol=0,
+                               atol=2**-24 * span * want_grad.abs().max().item())
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_random_logits_of_scale_100_match_the_float64_log_domain(n):
+    # Uniform in [-100, 100]: nearly every matrix spans more than LINEAR_RANGE.
+    x = _logits((64, n, n), scale=100.0, seed=n)
+    g = torch.randn(64, n, n, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+    xd = x.clone().requires_grad_()
+    want = sinkhorn_log_naive(xd, 20)
+    (want_grad,) = torch.autograd.grad(want, xd, g)
+    # float64: the same function evaluated in the same domain, to rounding.
+    got = sinkhorn(xd, 20)
+    (grad,) = torch.autograd.grad(got, xd, g)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+    torch.testing.assert_close(grad, want_grad, rtol=0, atol=1e-12 * want_grad.abs().max().item())
+    # float32 (measured: forward <= 1e-6, gradient <= 4e-6 of its largest entry).
+    x32 = x.float().requires_grad_()
+    got32 = sinkhorn(x32, 20)
+    (grad32,) = torch.autograd.grad(got32, x32, g.float())
+    torch.testing.assert_close(got32.double(), want.detach(), rtol=0, atol=5e-6)
+    assert (grad32.double() - want_grad).abs().max() <= 2e-5 * want_grad.abs().max()
+
+
+def test_each_matrix_takes_its_own_domain():
+    """A batch mixing near and far matrices: each result equals that matrix run alone, and
+    the near ones are bit-identical to the linear-domain definition."""
+    near = _logits((5, 4, 4), scale=3.0, dtype=torch.float32, seed=5)
+    far = _logits((3, 4, 4), scale=150.0, dtype=torch.float32, seed=6)
+    x = torch.cat([near[:2], far[:1], near[2:], far[1:]])  # [8, 4, 4]
+    got = sinkhorn(x, 20)
+    torch.testing.assert_close(got[[0, 1, 3, 4, 5]], sinkhorn_unrolled(near, 20), rtol=0, atol=0)
+    for k, i in enumerate([2, 6, 7]):
+        torch.testing.assert_close(got[i], sinkhorn(far[k], 20), rtol=0, atol=0)
+    assert torch.isfinite(got).all()
+
+
+def test_linear_range_boundary():
+    """At exactly LINEAR_RANGE the linear domain runs and stays finite and accurate (the
+    bound of the module docstring); just above, the log domain runs and agrees."""
+    g = torch.Generator().manual_seed(8)
+    base = (torch.rand(256, 4, 4, generator=g, dtype=torch.float64) > 0.5).double()
+    for spread in (LINEAR_RANGE, LINEAR_RANGE + 0.5):
+        x = (base * spread).float()
+        want = sinkhorn_log_naive(x.double(), 20)
+        got = sinkhorn(x, 20)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
+
+
+def test_forward_and_backward_along_other_axes():
+    """sinkhorn_forward / sinkhorn_backward on token-last [n, n, T] (dims (0, 1)) equal the
+    batch-first evaluation, including far matrices."""
+    x = torch.cat([_logits((6, 3, 3), scale=2.0), _logits((2, 3, 3), scale=200.0, seed=1)])
+    g = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    tl = (0, 1)
+    out = sinkhorn_forward(x.permute(1, 2, 0), 20, dims=tl).permute(2, 0, 1)
+    torch.testing.assert_close(out, sinkhorn_forward(x, 20), rtol=0, atol=1e-15)
+    grad = sinkhorn_backward(x.permute(1, 2, 0), g.permute(1, 2, 0), 20, dims=tl)
+    torch.testing.assert_close(grad.permute(2, 0, 1), sinkhorn_backward(x, g, 20), rtol=0,
+                               atol=1e-15)

@@ -40,6 +40,8 @@ import weakref
 
 import torch
 
+from ..sinkhorn import compute_dtype as _maps_dtype
+from ..sinkhorn import sinkhorn_backward, sinkhorn_forward
 from . import cpu_native as _native
 from . import reference as _ref
 
@@ -48,50 +50,16 @@ __all__ = ["mhc_maps", "mhc_maps_pre", "hc_maps", "pre_aggregate", "post_merge",
 LINKS = True  # mhc_maps_pre(..., link=True) and post_merge(..., linked=True); see ops/__init__
 
 
-def _maps_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 # ---------------------------------------------------------------------------------------------
-# Sinkhorn on token-last matrices m[i, j, t]
+# Sinkhorn on token-last matrices m[i, j, t]: torch_mhc.sinkhorn's iterations along dims TL
 # ---------------------------------------------------------------------------------------------
 
-
-def _sinkhorn_fwd_tl(h: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Paper Eq. 9 on h [n, n, T]: column softmax (+ eps), rows, then (columns, rows)
-    iters - 1 times, in place on the softmax's output (h is not modified)."""
-    m = torch.softmax(h, dim=0)  # the first column step
-    if eps:
-        m.add_(eps)
-    for k in range(iters):
-        if k:
-            m.div_(m.sum(dim=0, keepdim=True).add_(eps) if eps else m.sum(dim=0, keepdim=True))
-        m.div_(m.sum(dim=1, keepdim=True).add_(eps) if eps else m.sum(dim=1, keepdim=True))
-    return m
-
-
-def _sinkhorn_bwd_tl(h: torch.Tensor, g: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Exact reverse of the unrolled loop on token-last h, g [n, n, T]; recomputes iterates."""
-    p0 = torch.softmax(h, dim=0)
-    m = p0 + eps if eps else p0
-    steps = []  # (axis, output of the step, its denominator)
-    for k in range(iters):
-        for axis in ((0, 1) if k else (1,)):
-            d = m.sum(dim=axis, keepdim=True)
-            if eps:
-                d = d + eps
-            m = m / d
-            steps.append((axis, m, d))
-    # Each step is y = m / d with d the sum of m along `axis`: dL/dm = (g - sum(g * y)) / d.
-    for axis, y, d in reversed(steps):
-        g = (g - (g * y).sum(dim=axis, keepdim=True)) / d
-    return p0 * (g - (g * p0).sum(dim=0, keepdim=True))  # column softmax
+TL = (0, 1)  # the matrix axes of a token-last [n, n, T] tensor
 
 
 def _to_token_last(m: torch.Tensor) -> torch.Tensor:
     """[T, n, n] -> contiguous [n, n, T]."""
     return m.permute(1, 2, 0).contiguous()
-
 
 
 def _no_autocast(fn):
@@ -115,7 +83,7 @@ class _Sinkhorn(torch.autograd.Function):
         h = _to_token_last(logits.reshape(-1, n, n).to(cdt))  # [n, n, T]
         ctx.save_for_backward(h)
         ctx.iters, ctx.eps = iters, eps
-        out = _sinkhorn_fwd_tl(h, iters, eps).permute(2, 0, 1)  # [T, n, n]
+        out = sinkhorn_forward(h, iters, eps, TL).permute(2, 0, 1)  # [T, n, n]
         return out.reshape(logits.shape).to(logits.dtype)
 
     @staticmethod
@@ -124,7 +92,7 @@ class _Sinkhorn(torch.autograd.Function):
         (h,) = ctx.saved_tensors
         n = h.shape[0]
         g = _to_token_last(grad.reshape(-1, n, n).to(h.dtype))
-        dh = _sinkhorn_bwd_tl(h, g, ctx.iters, ctx.eps).permute(2, 0, 1)
+        dh = sinkhorn_backward(h, g, ctx.iters, ctx.eps, TL).permute(2, 0, 1)
         return dh.reshape(grad.shape).to(grad.dtype), None, None
 
 
@@ -259,7 +227,7 @@ def _maps_forward_torch(ctx, x, phi, alpha, a_rows, b_rows, iters, norm_eps, sk_
     if pre_eps:
         h_pre.add_(pre_eps)
     h_post = torch.sigmoid(ht[n : 2 * n]).mul_(2.0)  # [n, T]
-    h_res = _sinkhorn_fwd_tl(ht[2 * n :].reshape(n, n, t), iters, sk_eps)  # [n, n, T]
+    h_res = sinkhorn_forward(ht[2 * n :].reshape(n, n, t), iters, sk_eps, TL)  # [n, n, T]
     # Saved: the logits and the RMS, M + 1 numbers per token besides x and the parameters.
     ctx.save_for_backward(x, phi, alpha, lt, r, ht, a_rows)
     # Token-last results seen as [T, ...]; consumers that need contiguity copy (tiny).
@@ -289,7 +257,7 @@ def _maps_backward_torch(ctx, g_pre, g_post, g_res, g_a, g_link):
         g_res = dh if g_res is None else g_res + dh
     if g_res is not None:
         g = _to_token_last(g_res.to(cdt))
-        d_ht[2 * n :] = _sinkhorn_bwd_tl(h, g, ctx.iters, ctx.sk_eps).reshape(n * n, t)
+        d_ht[2 * n :] = sinkhorn_backward(h, g, ctx.iters, ctx.sk_eps, TL).reshape(n * n, t)
     params = _parameter_grads(ctx, d_ht.t(), lt.t(), n, alpha.dtype)
     d_lt = d_ht.mul_(a_rows)  # [M, T] dL/dlogits
     # logits = z / r with r = sqrt(mean(v^2) + eps): dL/dv = dz @ phi^T + coef * v.
@@ -302,7 +270,7 @@ def _maps_backward_torch(ctx, g_pre, g_post, g_res, g_a, g_link):
     if g_a is not None:
         dv3.addcmul_(h_pre.unsqueeze(-1), g_a.to(cdt).unsqueeze(-2))
     if g_link is not None:  # the merge's H_res^T g
-        h_res = _sinkhorn_fwd_tl(h, ctx.iters, ctx.sk_eps).permute(2, 1, 0)  # [T, j, i]
+        h_res = sinkhorn_forward(h, ctx.iters, ctx.sk_eps, TL).permute(2, 1, 0)  # [T, j, i]
         dv3.baddbmm_(h_res, g_link.to(cdt))
     d_phi = torch.mm(d_zt, v).t()  # [K, M]
     return (dv3.to(x.dtype), d_phi.to(phi.dtype), *params,

@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from ..sinkhorn import compute_dtype as _maps_dtype
 from ..sinkhorn import sinkhorn
-
-
-def _maps_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def mhc_maps(
