@@ -6,20 +6,35 @@ M = n*n + 2n):
     h_pre, h_post [T, n], h_res [T, n, n]   (float32)
     phi [K, M], columns: pre (n), post (n), res (n*n, row-major)
     logits [T, M] = (x @ phi) / r, r [T] the RMS of each token's x   (float32)
+    scratch [T, 2*ITERS, NP] (float32): Sinkhorn's normalisers, written and read by one
+    backward program (see below)
 
 Every kernel loads its inputs, computes in float32 and casts on store, so fp16/bf16 streams
-get fp32 arithmetic. Streams are padded to NP = a power of two >= max(n, 4) inside the
-kernels; padded lanes are masked.
+get fp32 arithmetic. Streams are padded to NP = a power of two >= max(n, 4) inside the map
+kernels (tl.dot needs 16 columns); padded lanes are masked.
 
-The map kernels keep the M logit columns in two [BLOCK_T, NP*NP] tiles: the "res" tile holds
-H_res's logits at q = i*NP + j, the "pp" tile holds pre at q = j (row 0) and post at
-q = NP + j (row 1). Each tile is one tl.dot against the matching gather of phi's columns,
-and reshaping a tile to [BLOCK_T, NP, NP] gives Sinkhorn its matrices, so no register
-shuffles are needed.
+The map kernels keep the M logit columns in two tiles: the "res" tile [BLOCK_T, NP*NP]
+holds H_res's logits at q = i*NP + j, so that reshaping it to [BLOCK_T, NP, NP] gives
+Sinkhorn its matrices without register shuffles; the "pp" tile [BLOCK_T, PW] holds logits
+columns 0 .. 2n-1 (pre, then post) as they are, PW = max(16, next power of two >= 2n).
+Each tile is one tl.dot against the matching columns of phi.
 
-Sinkhorn runs per token on the [NP, NP] matrix in registers. Its backward recomputes the
-iterates: for each step, from the last to the first, it reruns the forward up to that step
-(O(iters^2) small steps, no memory traffic) and applies the exact reverse of that step.
+Sinkhorn runs per token on the [NP, NP] matrix in registers (paper Eq. 9, eps as DeepSeek-V4).
+Its backward is the exact reverse of the unrolled loop in time linear in the iterations: it
+reruns the forward once, writing each step's normaliser vector (NP floats) to scratch, then
+walks the steps backwards. Every step multiplies rows or columns by a vector, so the step's
+input is its output times the stored normaliser, and with w = g * y (the upstream gradient
+times the step's output) the reverse of y = m / d along one axis is
+    w <- w - sum_axis(w) * y,   y <- y * d.
+Counted in O(n^2) passes over a matrix: forward 2*ITERS - 1 normalisations; backward
+2*ITERS - 1 recomputed plus 2*ITERS - 1 reversed (ratio 2; per entry, forward 2 operations
+per step (add, divide), backward 2 + 3 (add, multiply-add, multiply), ratio 2.5).
+
+Large logits (sinkhorn.py): a matrix whose logit range max - min exceeds LOG_DOMAIN_RANGE,
+when eps = 0, is iterated in the log domain (z <- z - logsumexp(z) along columns, then rows),
+the same function without exp underflowing whole rows to 0 (which would make 0/0). The
+decision is per token; a block of tokens runs the log path only if one of its tokens needs
+it. Its backward is the same reverse with y = exp(z) and z <- z + lse per step.
 """
 
 from __future__ import annotations
@@ -33,16 +48,18 @@ import triton.language as tl
 
 
 @triton.jit
-def _tile_columns(N: tl.constexpr, NP: tl.constexpr):
-    """Column of phi / logits at each position of the res and pp tiles, and their masks."""
+def _res_columns(N: tl.constexpr, NP: tl.constexpr):
+    """Column of phi / logits at each position of the res tile, its mask."""
     q = tl.arange(0, NP * NP)
     i = q // NP
     j = q % NP
-    res_ok = (i < N) & (j < N)
-    res_col = 2 * N + i * N + j
-    pp_ok = (i < 2) & (j < N)
-    pp_col = i * N + j  # row 0: pre (columns 0..n-1), row 1: post (columns n..2n-1)
-    return res_col, res_ok, pp_col, pp_ok, i
+    return 2 * N + i * N + j, (i < N) & (j < N)
+
+
+@triton.jit
+def _expand(v, AXIS: tl.constexpr):
+    """A reduction over AXIS of a [BT, NP, NP] tensor, broadcastable back."""
+    return tl.expand_dims(v, AXIS)
 
 
 @triton.jit
@@ -56,60 +73,142 @@ def _col_softmax(h, ok):
 
 
 @triton.jit
-def _norm_rows(m, eps):
-    d = tl.sum(m, axis=2) + eps
-    return m / tl.where(d != 0.0, d, 1.0)[:, :, None]
+def _scratch(scratch_ptr, t, s, NS: tl.constexpr, NP: tl.constexpr):
+    """Addresses of normaliser vector s of each token: scratch [T, NS, NP]."""
+    return scratch_ptr + (t[:, None] * NS + s) * NP + tl.arange(0, NP)[None, :]
 
 
 @triton.jit
-def _norm_cols(m, eps):
-    d = tl.sum(m, axis=1) + eps
-    return m / tl.where(d != 0.0, d, 1.0)[:, None, :]
+def _normalise(m, ok, eps, s, scratch_ptr, t, keep, AXIS: tl.constexpr,
+               ITERS: tl.constexpr, NP: tl.constexpr, STORE: tl.constexpr):
+    """m / (sum over AXIS + eps), a zero denominator left at 1; stores it as step s if STORE."""
+    d = tl.sum(m, axis=AXIS) + eps
+    d = tl.where(d != 0.0, d, 1.0)  # [BT, NP]
+    if STORE:
+        tl.store(_scratch(scratch_ptr, t, s, 2 * ITERS, NP), d, mask=keep[:, None])
+    return tl.where(ok, m / _expand(d, AXIS), 0.0)
 
 
 @triton.jit
-def _sinkhorn_fwd(h, ok, ITERS: tl.constexpr, eps):
-    """Paper Eq. 9 on h [BT, NP, NP] (matrices in axes 1, 2): softmax + eps, rows, then
-    (columns, rows) ITERS - 1 times. Padded entries stay 0 and padded sums are never 0 used."""
+def _sinkhorn_exp(h, ok, eps, scratch_ptr, t, keep, ITERS: tl.constexpr, NP: tl.constexpr,
+                  STORE: tl.constexpr):
+    """Paper Eq. 9 on h [BT, NP, NP]: softmax + eps, rows, then (columns, rows) ITERS - 1
+    times; step s (1 .. 2*ITERS - 1) normalises rows for odd s, columns for even s."""
     m = tl.where(ok, _col_softmax(h, ok) + eps, 0.0)
-    m = tl.where(ok, _norm_rows(m, eps), 0.0)
-    for _ in range(ITERS - 1):
-        m = tl.where(ok, _norm_cols(m, eps), 0.0)
-        m = tl.where(ok, _norm_rows(m, eps), 0.0)
+    m = _normalise(m, ok, eps, 1, scratch_ptr, t, keep, 2, ITERS, NP, STORE)
+    for k in range(1, ITERS):
+        m = _normalise(m, ok, eps, 2 * k, scratch_ptr, t, keep, 1, ITERS, NP, STORE)
+        m = _normalise(m, ok, eps, 2 * k + 1, scratch_ptr, t, keep, 2, ITERS, NP, STORE)
     return m
 
 
 @triton.jit
-def _sinkhorn_bwd(h, g, ok, ITERS: tl.constexpr, eps):
-    """dL/dh for the forward above, given dL/dout g; exact reverse of the unrolled loop.
+def _lse_step(z, ok, s, scratch_ptr, t, keep, AXIS: tl.constexpr, ITERS: tl.constexpr,
+              NP: tl.constexpr, STORE: tl.constexpr):
+    """z - logsumexp(z) over AXIS (masked entries -1e30); stores the lse as step s if STORE."""
+    mx = tl.max(z, axis=AXIS)
+    e = tl.where(ok, tl.exp(z - _expand(mx, AXIS)), 0.0)
+    s_ = tl.sum(e, axis=AXIS)
+    lse = mx + tl.log(tl.where(s_ > 0.0, s_, 1.0))  # [BT, NP]
+    if STORE:
+        tl.store(_scratch(scratch_ptr, t, s, 2 * ITERS, NP), lse, mask=keep[:, None])
+    return tl.where(ok, z - _expand(lse, AXIS), -1e30)
 
-    Normalisation steps s = 0 .. 2*ITERS - 2 alternate rows (even s) and columns (odd s).
-    Step s maps m to y = m / d with d = sum(m) + eps along its axis, so
-    dL/dm = (dL/dy - sum(dL/dy * y)) / d along the same axis.
-    """
+
+@triton.jit
+def _sinkhorn_log(h, ok, scratch_ptr, t, keep, ITERS: tl.constexpr, NP: tl.constexpr,
+                  STORE: tl.constexpr):
+    """The same iterates in the log domain: step 2k (columns) and 2k + 1 (rows), k < ITERS.
+    Returns the final log-iterate z (masked entries -1e30)."""
+    z = tl.where(ok, h, -1e30)
+    for k in range(ITERS):
+        z = _lse_step(z, ok, 2 * k, scratch_ptr, t, keep, 1, ITERS, NP, STORE)
+        z = _lse_step(z, ok, 2 * k + 1, scratch_ptr, t, keep, 2, ITERS, NP, STORE)
+    return z
+
+
+@triton.jit
+def _needs_log(h, ok, t_ok, log_range):
+    """[BT]: the tokens whose logit range exceeds log_range (iterated in the log domain)."""
+    hi = tl.max(tl.max(tl.where(ok, h, -1e30), axis=2), axis=1)
+    lo = tl.min(tl.min(tl.where(ok, h, 1e30), axis=2), axis=1)
+    return t_ok & (hi - lo > log_range)
+
+
+@triton.jit
+def _sinkhorn_fwd(h, ok, t, t_ok, eps, log_range, scratch_ptr, ITERS: tl.constexpr,
+                  NP: tl.constexpr, LOG_OK: tl.constexpr, STORE: tl.constexpr):
+    """Sinkhorn of each token's h [BT, NP, NP]; the log domain for the tokens that need it
+    (only when LOG_OK, i.e. eps = 0). With STORE, the normalisers go to scratch."""
+    if LOG_OK:
+        big = _needs_log(h, ok, t_ok, log_range)
+    else:
+        big = t < 0  # no token
+    m = _sinkhorn_exp(h, ok, eps, scratch_ptr, t, t_ok & (big == 0), ITERS, NP, STORE)
+    if LOG_OK:
+        if tl.max(big.to(tl.int32), axis=0) > 0:
+            z = _sinkhorn_log(h, ok, scratch_ptr, t, big, ITERS, NP, STORE)
+            m = tl.where(big[:, None, None], tl.where(ok, tl.exp(z), 0.0), m)
+    return m
+
+
+@triton.jit
+def _reverse_step(w, y, v, ok, AXIS: tl.constexpr, LOG: tl.constexpr):
+    """Undo one step of output y: w <- w - sum_axis(w) y; y <- its input (v the normaliser,
+    or for LOG, y holds z and v the lse). Returns (w, y or z)."""
+    if LOG:
+        e = tl.where(ok, tl.exp(y), 0.0)
+        w = w - _expand(tl.sum(w, axis=AXIS), AXIS) * e
+        y = tl.where(ok, y + _expand(v, AXIS), -1e30)
+    else:
+        w = w - _expand(tl.sum(w, axis=AXIS), AXIS) * y
+        y = y * _expand(v, AXIS)
+    return w, y
+
+
+@triton.jit
+def _load_step(scratch_ptr, t, keep, s, ITERS: tl.constexpr, NP: tl.constexpr):
+    return tl.load(_scratch(scratch_ptr, t, s, 2 * ITERS, NP), mask=keep[:, None], other=1.0)
+
+
+@triton.jit
+def _reverse(w, y, ok, scratch_ptr, t, keep, FIRST: tl.constexpr, ITERS: tl.constexpr,
+             NP: tl.constexpr, LOG: tl.constexpr):
+    """Walk steps 2*ITERS - 1 down to FIRST (rows odd, columns even) from w = g * y."""
+    for kk in range(ITERS):
+        k = ITERS - 1 - kk
+        w, y = _reverse_step(w, y, _load_step(scratch_ptr, t, keep, 2 * k + 1, ITERS, NP),
+                             ok, 2, LOG)
+        if 2 * k >= FIRST:
+            w, y = _reverse_step(w, y, _load_step(scratch_ptr, t, keep, 2 * k, ITERS, NP),
+                                 ok, 1, LOG)
+    return w, y
+
+
+@triton.jit
+def _sinkhorn_bwd(h, g, ok, t, t_ok, eps, log_range, scratch_ptr, ITERS: tl.constexpr,
+                  NP: tl.constexpr, LOG_OK: tl.constexpr):
+    """dL/dh for _sinkhorn_fwd given dL/dout g [BT, NP, NP]: the exact reverse of the unrolled
+    loop, linear in ITERS (module docstring). Recomputes the forward once into scratch."""
+    if LOG_OK:
+        big = _needs_log(h, ok, t_ok, log_range)
+    else:
+        big = t < 0  # no token
+    keep = t_ok & (big == 0)
+    y = _sinkhorn_exp(h, ok, eps, scratch_ptr, t, keep, ITERS, NP, True)
+    w, y = _reverse(tl.where(ok, g * y, 0.0), y, ok, scratch_ptr, t, keep, 1, ITERS, NP, False)
+    # y is back to softmax + eps; w = g_0 * y with g_0 the gradient of the softmax's output.
     p0 = _col_softmax(h, ok)
-    n_steps = 2 * ITERS - 1
-    for s_rev in range(n_steps):
-        s = n_steps - 1 - s_rev
-        m = tl.where(ok, p0 + eps, 0.0)  # recompute the input of step s
-        for k in range(s):
-            if k % 2 == 0:
-                m = tl.where(ok, _norm_rows(m, eps), 0.0)
-            else:
-                m = tl.where(ok, _norm_cols(m, eps), 0.0)
-        # Branch-local names: the two branches' denominators have different shapes.
-        if s % 2 == 0:
-            d_row = tl.sum(m, axis=2) + eps
-            d_row = tl.where(d_row != 0.0, d_row, 1.0)[:, :, None]
-            y_row = m / d_row
-            g = tl.where(ok, (g - tl.sum(g * y_row, axis=2)[:, :, None]) / d_row, 0.0)
-        else:
-            d_col = tl.sum(m, axis=1) + eps
-            d_col = tl.where(d_col != 0.0, d_col, 1.0)[:, None, :]
-            y_col = m / d_col
-            g = tl.where(ok, (g - tl.sum(g * y_col, axis=1)[:, None, :]) / d_col, 0.0)
-    # First step: column softmax (the + eps after it has unit derivative).
-    return tl.where(ok, p0 * (g - tl.sum(g * p0, axis=1)[:, None, :]), 0.0)
+    g0 = tl.where(ok & (y > 0.0), w / tl.where(y > 0.0, y, 1.0), 0.0)
+    dh = tl.where(ok, p0 * (g0 - tl.sum(g0 * p0, axis=1)[:, None, :]), 0.0)
+    if LOG_OK:
+        if tl.max(big.to(tl.int32), axis=0) > 0:
+            z = _sinkhorn_log(h, ok, scratch_ptr, t, big, ITERS, NP, True)
+            e = tl.where(ok, tl.exp(z), 0.0)
+            w_log, z = _reverse(tl.where(ok, g * e, 0.0), z, ok, scratch_ptr, t, big, 0, ITERS,
+                                NP, True)
+            dh = tl.where(big[:, None, None], w_log, dh)
+    return dh
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,22 +217,39 @@ def _sinkhorn_bwd(h, g, ok, ITERS: tl.constexpr, eps):
 
 
 @triton.jit
+def _gate_params(alpha_ptr, b_pre_ptr, b_post_ptr, b_res_ptr, res_col, res_ok,
+                 N: tl.constexpr, PW: tl.constexpr):
+    """Per pp column: alpha and bias of its gate, whether it is pre; alpha_res, res biases."""
+    p = tl.arange(0, PW)
+    is_pre = p < N
+    a_pp = tl.where(is_pre, tl.load(alpha_ptr).to(tl.float32),
+                    tl.load(alpha_ptr + 1).to(tl.float32))
+    b_pp = tl.where(is_pre, tl.load(b_pre_ptr + p, mask=is_pre, other=0.0),
+                    tl.load(b_post_ptr + (p - N), mask=(p >= N) & (p < 2 * N), other=0.0))
+    b_res = tl.load(b_res_ptr + (res_col - 2 * N), mask=res_ok, other=0.0).to(tl.float32)
+    return p, is_pre, a_pp, b_pp.to(tl.float32), tl.load(alpha_ptr + 2).to(tl.float32), b_res
+
+
+@triton.jit
 def mhc_maps_fwd_kernel(
     x_ptr, phi_ptr, alpha_ptr, b_pre_ptr, b_post_ptr, b_res_ptr,
     h_pre_ptr, h_post_ptr, h_res_ptr, logits_ptr, r_ptr,
-    T, K, norm_eps, sk_eps, pre_eps,
-    N: tl.constexpr, NP: tl.constexpr, ITERS: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    T, K, norm_eps, sk_eps, pre_eps, log_range,
+    N: tl.constexpr, NP: tl.constexpr, PW: tl.constexpr, ITERS: tl.constexpr,
+    LOG_OK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """One pass over x gives x @ phi (two tiles) and the sum of squares; then the maps."""
     M: tl.constexpr = N * N + 2 * N
     NQ: tl.constexpr = NP * NP
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     t_ok = t < T
-    res_col, res_ok, pp_col, pp_ok, row = _tile_columns(N, NP)
+    res_col, res_ok = _res_columns(N, NP)
+    p = tl.arange(0, PW)
+    pp_ok = p < 2 * N
 
     acc_res = tl.zeros([BLOCK_T, NQ], dtype=tl.float32)
-    acc_pp = tl.zeros([BLOCK_T, NQ], dtype=tl.float32)
+    acc_pp = tl.zeros([BLOCK_T, PW], dtype=tl.float32)
     ss = tl.zeros([BLOCK_T], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -143,52 +259,45 @@ def mhc_maps_fwd_kernel(
         ss += tl.sum(xk * xk, axis=1)
         w_res = tl.load(phi_ptr + k[:, None] * M + res_col[None, :],
                         mask=k_ok[:, None] & res_ok[None, :], other=0.0).to(tl.float32)
-        w_pp = tl.load(phi_ptr + k[:, None] * M + pp_col[None, :],
+        w_pp = tl.load(phi_ptr + k[:, None] * M + p[None, :],
                        mask=k_ok[:, None] & pp_ok[None, :], other=0.0).to(tl.float32)
         acc_res = tl.dot(xk, w_res, acc_res, input_precision=PRECISION)
         acc_pp = tl.dot(xk, w_pp, acc_pp, input_precision=PRECISION)
 
     r = tl.sqrt(ss / K + norm_eps)  # [BT], RMS over n*C; divide after the matmul
     l_res = acc_res / r[:, None]  # [BT, NQ]
-    l_pp = acc_pp / r[:, None]
+    l_pp = acc_pp / r[:, None]  # [BT, PW]
+    m_res = t_ok[:, None] & res_ok[None, :]
     tl.store(r_ptr + t, r, mask=t_ok)
-    tl.store(logits_ptr + t[:, None] * M + res_col[None, :], l_res,
-             mask=t_ok[:, None] & res_ok[None, :])
-    tl.store(logits_ptr + t[:, None] * M + pp_col[None, :], l_pp,
-             mask=t_ok[:, None] & pp_ok[None, :])
+    tl.store(logits_ptr + t[:, None] * M + res_col[None, :], l_res, mask=m_res)
+    tl.store(logits_ptr + t[:, None] * M + p[None, :], l_pp, mask=t_ok[:, None] & pp_ok[None, :])
 
-    a_pre = tl.load(alpha_ptr).to(tl.float32)
-    a_post = tl.load(alpha_ptr + 1).to(tl.float32)
-    a_res = tl.load(alpha_ptr + 2).to(tl.float32)
-    q = tl.arange(0, NQ)
-    j = q % NP
-    b_pp = tl.where(row == 0, tl.load(b_pre_ptr + j, mask=pp_ok & (row == 0), other=0.0),
-                    tl.load(b_post_ptr + j, mask=pp_ok & (row == 1), other=0.0)).to(tl.float32)
-    b_res = tl.load(b_res_ptr + (res_col - 2 * N), mask=res_ok, other=0.0).to(tl.float32)
+    p, is_pre, a_pp, b_pp, a_res, b_res = _gate_params(alpha_ptr, b_pre_ptr, b_post_ptr,
+                                                       b_res_ptr, res_col, res_ok, N, PW)
+    # Pre and post gates: pp column p < n is H_pre[p], n <= p < 2n is H_post[p - n].
+    sig = tl.sigmoid(l_pp * a_pp[None, :] + b_pp[None, :])
+    tl.store(h_pre_ptr + t[:, None] * N + p[None, :], sig + pre_eps,
+             mask=t_ok[:, None] & is_pre[None, :])
+    tl.store(h_post_ptr + t[:, None] * N + (p - N)[None, :], 2.0 * sig,
+             mask=t_ok[:, None] & (pp_ok & ~is_pre)[None, :])
 
-    # Pre and post gates.
-    gate = l_pp * tl.where(row == 0, a_pre, a_post)[None, :] + b_pp[None, :]
-    sig = tl.sigmoid(gate)
-    hp_ptrs = t[:, None] * N + j[None, :]
-    tl.store(h_pre_ptr + hp_ptrs, sig + pre_eps, mask=t_ok[:, None] & (pp_ok & (row == 0))[None, :])
-    tl.store(h_post_ptr + hp_ptrs, 2.0 * sig, mask=t_ok[:, None] & (pp_ok & (row == 1))[None, :])
-
-    # Residual map: Sinkhorn on [BT, NP, NP].
+    # Residual map: Sinkhorn on [BT, NP, NP] (no scratch: STORE is off).
     h = tl.reshape(l_res * a_res + b_res[None, :], [BLOCK_T, NP, NP])
-    ok = tl.reshape(t_ok[:, None] & res_ok[None, :], [BLOCK_T, NP, NP])
-    p = tl.reshape(_sinkhorn_fwd(h, ok, ITERS, sk_eps), [BLOCK_T, NQ])
-    tl.store(h_res_ptr + t[:, None] * (N * N) + (res_col - 2 * N)[None, :], p,
-             mask=t_ok[:, None] & res_ok[None, :])
+    ok = tl.reshape(m_res, [BLOCK_T, NP, NP])
+    hr = _sinkhorn_fwd(h, ok, t, t_ok, sk_eps, log_range, r_ptr, ITERS, NP, LOG_OK, False)
+    tl.store(h_res_ptr + t[:, None] * (N * N) + (res_col - 2 * N)[None, :],
+             tl.reshape(hr, [BLOCK_T, NQ]), mask=m_res)
 
 
 @triton.jit
 def mhc_maps_bwd_kernel(
     x_ptr, phi_ptr, alpha_ptr, b_pre_ptr, b_post_ptr, b_res_ptr, logits_ptr, r_ptr,
     g_pre_ptr, g_post_ptr, g_res_ptr,
-    dx_ptr, dgate_ptr, dz_ptr,
-    T, K, sk_eps,
-    N: tl.constexpr, NP: tl.constexpr, ITERS: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    dx_ptr, dgate_ptr, dz_ptr, scratch_ptr,
+    T, K, sk_eps, log_range,
+    N: tl.constexpr, NP: tl.constexpr, PW: tl.constexpr, ITERS: tl.constexpr,
+    LOG_OK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Per token block: dL/dgate-logits, dz = dL/d(x @ phi), and dx = dz @ phi^T + coef * x.
 
@@ -199,62 +308,53 @@ def mhc_maps_bwd_kernel(
     NQ: tl.constexpr = NP * NP
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     t_ok = t < T
-    res_col, res_ok, pp_col, pp_ok, row = _tile_columns(N, NP)
-    q = tl.arange(0, NQ)
-    j = q % NP
+    res_col, res_ok = _res_columns(N, NP)
+    p, is_pre, a_pp, b_pp, a_res, b_res = _gate_params(alpha_ptr, b_pre_ptr, b_post_ptr,
+                                                       b_res_ptr, res_col, res_ok, N, PW)
+    pp_ok = p < 2 * N
     m_res = t_ok[:, None] & res_ok[None, :]
     m_pp = t_ok[:, None] & pp_ok[None, :]
-    m_pre = t_ok[:, None] & (pp_ok & (row == 0))[None, :]
-    m_post = t_ok[:, None] & (pp_ok & (row == 1))[None, :]
 
     l_res = tl.load(logits_ptr + t[:, None] * M + res_col[None, :], mask=m_res, other=0.0)
-    l_pp = tl.load(logits_ptr + t[:, None] * M + pp_col[None, :], mask=m_pp, other=0.0)
+    l_pp = tl.load(logits_ptr + t[:, None] * M + p[None, :], mask=m_pp, other=0.0)
     r = tl.load(r_ptr + t, mask=t_ok, other=1.0)
-    a_pre = tl.load(alpha_ptr).to(tl.float32)
-    a_post = tl.load(alpha_ptr + 1).to(tl.float32)
-    a_res = tl.load(alpha_ptr + 2).to(tl.float32)
-    b_pp = tl.where(row == 0, tl.load(b_pre_ptr + j, mask=pp_ok & (row == 0), other=0.0),
-                    tl.load(b_post_ptr + j, mask=pp_ok & (row == 1), other=0.0)).to(tl.float32)
-    b_res = tl.load(b_res_ptr + (res_col - 2 * N), mask=res_ok, other=0.0).to(tl.float32)
 
     # Gates: H_pre = sigmoid(g) + pre_eps, H_post = 2 sigmoid(g).
-    a_pp = tl.where(row == 0, a_pre, a_post)[None, :]
-    sig = tl.sigmoid(l_pp * a_pp + b_pp[None, :])
-    hp_ptrs = t[:, None] * N + j[None, :]
-    g_pp = tl.load(g_pre_ptr + hp_ptrs, mask=m_pre, other=0.0) + \
-        tl.load(g_post_ptr + hp_ptrs, mask=m_post, other=0.0)
-    dgate_pp = g_pp * sig * (1.0 - sig) * tl.where(row == 0, 1.0, 2.0)[None, :]
-    dgate_pp = tl.where(m_pp, dgate_pp, 0.0)
+    sig = tl.sigmoid(l_pp * a_pp[None, :] + b_pp[None, :])
+    g_pp = tl.load(g_pre_ptr + t[:, None] * N + p[None, :], mask=t_ok[:, None] & is_pre[None, :],
+                   other=0.0) + \
+        tl.load(g_post_ptr + t[:, None] * N + (p - N)[None, :],
+                mask=t_ok[:, None] & (pp_ok & ~is_pre)[None, :], other=0.0)
+    dgate_pp = tl.where(m_pp, g_pp * sig * (1.0 - sig) * tl.where(is_pre, 1.0, 2.0)[None, :], 0.0)
 
     # Residual map: Sinkhorn backward on [BT, NP, NP].
     h = tl.reshape(l_res * a_res + b_res[None, :], [BLOCK_T, NP, NP])
     ok = tl.reshape(m_res, [BLOCK_T, NP, NP])
     g_res = tl.load(g_res_ptr + t[:, None] * (N * N) + (res_col - 2 * N)[None, :], mask=m_res,
                     other=0.0)
-    dgate_res = tl.reshape(
-        _sinkhorn_bwd(h, tl.reshape(g_res, [BLOCK_T, NP, NP]), ok, ITERS, sk_eps),
-        [BLOCK_T, NQ],
-    )
+    dh = _sinkhorn_bwd(h, tl.reshape(g_res, [BLOCK_T, NP, NP]), ok, t, t_ok, sk_eps, log_range,
+                       scratch_ptr, ITERS, NP, LOG_OK)
+    dgate_res = tl.reshape(dh, [BLOCK_T, NQ])
     tl.store(dgate_ptr + t[:, None] * M + res_col[None, :], dgate_res, mask=m_res)
-    tl.store(dgate_ptr + t[:, None] * M + pp_col[None, :], dgate_pp, mask=m_pp)
+    tl.store(dgate_ptr + t[:, None] * M + p[None, :], dgate_pp, mask=m_pp)
 
     # logits = z / r, r = sqrt(mean(x^2) + eps): dz = dlogits / r, and r's share of dx is
     # coef * x with coef = -sum(dlogits * logits) / (K r^2).
     dl_res = dgate_res * a_res
-    dl_pp = dgate_pp * a_pp
+    dl_pp = dgate_pp * a_pp[None, :]
     coef = -(tl.sum(dl_res * l_res, axis=1) + tl.sum(dl_pp * l_pp, axis=1)) / (K * r * r)
     dz_res = dl_res / r[:, None]
     dz_pp = dl_pp / r[:, None]
     tl.store(dz_ptr + t[:, None] * M + res_col[None, :], dz_res, mask=m_res)
-    tl.store(dz_ptr + t[:, None] * M + pp_col[None, :], dz_pp, mask=m_pp)
+    tl.store(dz_ptr + t[:, None] * M + p[None, :], dz_pp, mask=m_pp)
 
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
-        # phi's columns, transposed: [NQ, BK]
+        # phi's columns, transposed: [NQ, BK] and [PW, BK]
         wt_res = tl.load(phi_ptr + k[None, :] * M + res_col[:, None],
                          mask=res_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        wt_pp = tl.load(phi_ptr + k[None, :] * M + pp_col[:, None],
+        wt_pp = tl.load(phi_ptr + k[None, :] * M + p[:, None],
                         mask=pp_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         m_xk = t_ok[:, None] & k_ok[None, :]
         xk = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=m_xk, other=0.0).to(tl.float32)
@@ -267,7 +367,7 @@ def mhc_maps_bwd_kernel(
 @triton.jit
 def mhc_dphi_kernel(
     x_ptr, dz_ptr, dphi_ptr, T, K, tokens_per_split,
-    N: tl.constexpr, NP: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, PW: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Partial dphi = x^T dz over one split of the tokens: dphi_ptr is [splits, K, M]."""
@@ -276,9 +376,11 @@ def mhc_dphi_kernel(
     k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = k < K
     split = tl.program_id(1)
-    res_col, res_ok, pp_col, pp_ok, row = _tile_columns(N, NP)
+    res_col, res_ok = _res_columns(N, NP)
+    p = tl.arange(0, PW)
+    pp_ok = p < 2 * N
     acc_res = tl.zeros([BLOCK_K, NQ], dtype=tl.float32)
-    acc_pp = tl.zeros([BLOCK_K, NQ], dtype=tl.float32)
+    acc_pp = tl.zeros([BLOCK_K, PW], dtype=tl.float32)
     t_begin = split * tokens_per_split
     for t0 in range(0, tokens_per_split, BLOCK_T):
         t = (t_begin + t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
@@ -287,13 +389,13 @@ def mhc_dphi_kernel(
                      other=0.0).to(tl.float32)  # [BK, BT]
         dz_res = tl.load(dz_ptr + t[:, None] * M + res_col[None, :],
                          mask=t_ok[:, None] & res_ok[None, :], other=0.0)
-        dz_pp = tl.load(dz_ptr + t[:, None] * M + pp_col[None, :],
+        dz_pp = tl.load(dz_ptr + t[:, None] * M + p[None, :],
                         mask=t_ok[:, None] & pp_ok[None, :], other=0.0)
         acc_res = tl.dot(xt, dz_res, acc_res, input_precision=PRECISION)
         acc_pp = tl.dot(xt, dz_pp, acc_pp, input_precision=PRECISION)
     out = dphi_ptr + split.to(tl.int64) * K * M + k[:, None].to(tl.int64) * M
     tl.store(out + res_col[None, :], acc_res, mask=k_ok[:, None] & res_ok[None, :])
-    tl.store(out + pp_col[None, :], acc_pp, mask=k_ok[:, None] & pp_ok[None, :])
+    tl.store(out + p[None, :], acc_pp, mask=k_ok[:, None] & pp_ok[None, :])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -432,22 +534,24 @@ def _load_matrices(ptr, t, t_ok, N: tl.constexpr, NP: tl.constexpr):
 
 @triton.jit
 def sinkhorn_fwd_kernel(
-    logits_ptr, out_ptr, T, eps,
-    N: tl.constexpr, NP: tl.constexpr, ITERS: tl.constexpr, BLOCK_T: tl.constexpr,
+    logits_ptr, out_ptr, T, eps, log_range,
+    N: tl.constexpr, NP: tl.constexpr, ITERS: tl.constexpr, LOG_OK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     h, offs, ok = _load_matrices(logits_ptr, t, t < T, N, NP)
-    p = _sinkhorn_fwd(h, ok, ITERS, eps)
+    p = _sinkhorn_fwd(h, ok, t, t < T, eps, log_range, out_ptr, ITERS, NP, LOG_OK, False)
     tl.store(out_ptr + offs, p.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def sinkhorn_bwd_kernel(
-    logits_ptr, g_ptr, dlogits_ptr, T, eps,
-    N: tl.constexpr, NP: tl.constexpr, ITERS: tl.constexpr, BLOCK_T: tl.constexpr,
+    logits_ptr, g_ptr, dlogits_ptr, scratch_ptr, T, eps, log_range,
+    N: tl.constexpr, NP: tl.constexpr, ITERS: tl.constexpr, LOG_OK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     h, offs, ok = _load_matrices(logits_ptr, t, t < T, N, NP)
     g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    dh = _sinkhorn_bwd(h, g, ok, ITERS, eps)
+    dh = _sinkhorn_bwd(h, g, ok, t, t < T, eps, log_range, scratch_ptr, ITERS, NP, LOG_OK)
     tl.store(dlogits_ptr + offs, dh.to(dlogits_ptr.dtype.element_ty), mask=ok)

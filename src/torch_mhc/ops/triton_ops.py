@@ -22,6 +22,7 @@ TRITON_INTERPRET=1 (Triton's interpreter; how the tests run without a GPU).
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -30,7 +31,8 @@ from torch import Tensor
 from . import reference as _ref
 from . import triton_kernels as _k
 
-__all__ = ["mhc_maps", "hc_maps", "pre_aggregate", "post_merge", "sinkhorn", "interpreted"]
+__all__ = ["Launch", "PLANS", "hc_maps", "interpreted", "mhc_maps", "post_merge", "pre_aggregate",
+           "sinkhorn"]
 
 hc_maps = _ref.hc_maps  # HC's maps stay in torch; its aggregation and merge use the kernels
 
@@ -53,6 +55,11 @@ def _padded(n: int) -> int:
     return max(4, triton.next_power_of_2(n))
 
 
+def _pp_width(n: int) -> int:
+    """Width of the map kernels' pre/post tile: the 2n columns, at least tl.dot's 16."""
+    return max(16, triton.next_power_of_2(2 * n))
+
+
 def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -62,13 +69,65 @@ def _device(t: Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch, exactly as a custom op runs it (tests/test_triton_aot.py compiles
+    these ahead of time, so launcher and check cannot drift apart)."""
+
+    kernel: object  # a triton JITFunction (an interpreted function under TRITON_INTERPRET=1)
+    grid: tuple[int, ...]
+    args: tuple  # tensors and scalars, in the kernel's argument order
+    constexprs: dict
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @property
+    def name(self) -> str:
+        return getattr(self.kernel, "__name__", None) or self.kernel.fn.__name__
+
+    def run(self) -> None:
+        self.kernel[self.grid](*self.args, **self.constexprs, num_warps=self.num_warps,
+                               num_stages=self.num_stages)
+
+
+def _run(op: str, launches: list[Launch], *inputs: Tensor) -> None:
+    """Run the launches on the inputs' device; a failure names op, shapes, dtype and the way out."""
+    with _device(inputs[0]):
+        for launch in launches:
+            try:
+                launch.run()
+            except Exception as err:  # compile errors, ptxas errors, launch failures alike
+                shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in inputs)
+                raise RuntimeError(
+                    f"triton kernel {launch.name} of op {op} failed for inputs {shapes} "
+                    f"(constexprs {launch.constexprs}, num_warps {launch.num_warps}): "
+                    f"{type(err).__name__}: {err}. Select another implementation with "
+                    f"impl='inductor', 'cpu' or 'reference' (or {_ENV_VAR}=inductor)"
+                ) from err
+
+
+_ENV_VAR = "TORCH_MHC_IMPL"
+
+# Logit range above which Sinkhorn iterates in the log domain (see torch_mhc.sinkhorn).
+LOG_DOMAIN_RANGE = 60.0
+
+
+def maps_config(n: int, dtype: torch.dtype) -> dict:
+    """Launch parameters of the three map kernels: chosen with the ahead-of-time compile check
+    (benchmarks/README.md) so that none spills on sm_80 or sm_90."""
+    wide = _padded(n) >= 8
+    fp32 = dtype == torch.float32
+    return dict(BLOCK_T=32, BLOCK_K=64, num_warps=8 if (wide or fp32) else 4, num_stages=3)
+
+
+def sinkhorn_config(n: int) -> dict:
+    return dict(BLOCK_T=32, num_warps=4 if n <= 8 else 8)
+
+
 def _channel_blocks(n: int, c: int) -> tuple[int, int]:
     """(BLOCK_T, BLOCK_C) for the streaming kernels: about 2048 elements per [T, NP, C] tile."""
     block_c = min(256, triton.next_power_of_2(c))
     return max(1, 2048 // (triton.next_power_of_2(n) * block_c)), block_c
-
-
-_MAPS_BLOCK_T, _MAPS_BLOCK_K = 32, 64
 
 
 def _check(name: str, *tensors: Tensor) -> None:
@@ -91,26 +150,35 @@ def _check(name: str, *tensors: Tensor) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def plan_maps_fwd(x, phi, alpha, b_pre, b_post, b_res, iters, norm_eps, sk_eps, pre_eps):
+    """Outputs and launches of mhc_maps_fwd (any device, meta included: nothing runs)."""
+    t, n, c = x.shape
+    m = n * n + 2 * n
+    h_pre, h_post = x.new_empty((t, n), dtype=_F32), x.new_empty((t, n), dtype=_F32)
+    h_res = x.new_empty((t, n, n), dtype=_F32)
+    logits, r = x.new_empty((t, m), dtype=_F32), x.new_empty((t,), dtype=_F32)
+    cfg = maps_config(n, x.dtype)
+    launch = Launch(
+        _k.mhc_maps_fwd_kernel, (triton.cdiv(t, cfg["BLOCK_T"]),),
+        (x, phi, alpha, b_pre, b_post, b_res, h_pre, h_post, h_res, logits, r,
+         t, n * c, norm_eps, sk_eps, pre_eps, LOG_DOMAIN_RANGE),
+        dict(N=n, NP=_padded(n), PW=_pp_width(n), ITERS=iters, LOG_OK=sk_eps == 0.0,
+             BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], PRECISION=_precision(x.dtype)),
+        cfg["num_warps"], cfg["num_stages"],
+    )
+    return [launch], (h_pre, h_post, h_res, logits, r)
+
+
 @torch.library.custom_op("torch_mhc::mhc_maps_fwd", mutates_args=())
 def _maps_fwd(
     x: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Tensor, b_res: Tensor,
     iters: int, norm_eps: float, sk_eps: float, pre_eps: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x [T, n, C] -> H_pre, H_post [T, n], H_res [T, n, n], logits [T, M], r [T] (fp32)."""
-    t, n, c = x.shape
-    m = n * n + 2 * n
-    h_pre, h_post = x.new_empty((t, n), dtype=_F32), x.new_empty((t, n), dtype=_F32)
-    h_res = x.new_empty((t, n, n), dtype=_F32)
-    logits, r = x.new_empty((t, m), dtype=_F32), x.new_empty((t,), dtype=_F32)
-    grid = (triton.cdiv(t, _MAPS_BLOCK_T),)
-    with _device(x):
-        _k.mhc_maps_fwd_kernel[grid](
-            x, phi, alpha, b_pre, b_post, b_res, h_pre, h_post, h_res, logits, r,
-            t, n * c, norm_eps, sk_eps, pre_eps,
-            N=n, NP=_padded(n), ITERS=iters, BLOCK_T=_MAPS_BLOCK_T, BLOCK_K=_MAPS_BLOCK_K,
-            PRECISION=_precision(x.dtype),
-        )
-    return h_pre, h_post, h_res, logits, r
+    launches, out = plan_maps_fwd(x, phi, alpha, b_pre, b_post, b_res, iters, norm_eps, sk_eps,
+                                  pre_eps)
+    _run("mhc_maps (forward)", launches, x, phi)
+    return out
 
 
 @_maps_fwd.register_fake
@@ -123,6 +191,37 @@ def _(x, phi, alpha, b_pre, b_post, b_res, iters, norm_eps, sk_eps, pre_eps):
     )
 
 
+def plan_maps_bwd(x, phi, alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post, g_res, iters,
+                  sk_eps):
+    """Launches of mhc_maps_bwd and its buffers (dx, dgate, dphi parts)."""
+    t, n, c = x.shape
+    k, m, np_ = n * c, n * n + 2 * n, _padded(n)
+    cfg = maps_config(n, x.dtype)
+    block_t, block_k = cfg["BLOCK_T"], cfg["BLOCK_K"]
+    dx = torch.empty_like(x)
+    dgate = x.new_empty((t, m), dtype=_F32)
+    dz = x.new_empty((t, m), dtype=_F32)
+    scratch = x.new_empty((t, 2 * iters, np_), dtype=_F32)  # Sinkhorn's normalisers
+    # dphi = x^T dz over T: split the tokens so that about 512 programs run, then sum.
+    k_blocks = triton.cdiv(k, block_k)
+    splits = max(1, min(triton.cdiv(t, block_t), 512 // k_blocks))
+    per_split = triton.cdiv(triton.cdiv(t, splits), block_t) * block_t
+    splits = triton.cdiv(t, per_split)
+    dphi_parts = x.new_empty((splits, k, m), dtype=_F32)
+    shape = dict(N=n, NP=np_, PW=_pp_width(n))
+    common = dict(BLOCK_T=block_t, BLOCK_K=block_k, PRECISION=_precision(x.dtype))
+    launches = [
+        Launch(_k.mhc_maps_bwd_kernel, (triton.cdiv(t, block_t),),
+               (x, phi, alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post, g_res,
+                dx, dgate, dz, scratch, t, k, sk_eps, LOG_DOMAIN_RANGE),
+               dict(**shape, ITERS=iters, LOG_OK=sk_eps == 0.0, **common),
+               cfg["num_warps"], cfg["num_stages"]),
+        Launch(_k.mhc_dphi_kernel, (k_blocks, splits), (x, dz, dphi_parts, t, k, per_split),
+               dict(**shape, **common), cfg["num_warps"], cfg["num_stages"]),
+    ]
+    return launches, (dx, dgate, dphi_parts)
+
+
 @torch.library.custom_op("torch_mhc::mhc_maps_bwd", mutates_args=())
 def _maps_bwd(
     x: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Tensor, b_res: Tensor,
@@ -130,29 +229,10 @@ def _maps_bwd(
     iters: int, sk_eps: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of x, phi, alpha, b_pre, b_post, b_res (in their dtypes)."""
-    t, n, c = x.shape
-    k, m, np_ = n * c, n * n + 2 * n, _padded(n)
-    dx = torch.empty_like(x)
-    dgate = x.new_empty((t, m), dtype=_F32)
-    dz = x.new_empty((t, m), dtype=_F32)
-    # dphi = x^T dz over T: split the tokens so that about 512 programs run, then sum.
-    k_blocks = triton.cdiv(k, _MAPS_BLOCK_K)
-    splits = max(1, min(triton.cdiv(t, _MAPS_BLOCK_T), 512 // k_blocks))
-    per_split = triton.cdiv(triton.cdiv(t, splits), _MAPS_BLOCK_T) * _MAPS_BLOCK_T
-    splits = triton.cdiv(t, per_split)
-    dphi_parts = x.new_empty((splits, k, m), dtype=_F32)
-    with _device(x):
-        _k.mhc_maps_bwd_kernel[(triton.cdiv(t, _MAPS_BLOCK_T),)](
-            x, phi, alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post, g_res,
-            dx, dgate, dz, t, k, sk_eps,
-            N=n, NP=np_, ITERS=iters, BLOCK_T=_MAPS_BLOCK_T, BLOCK_K=_MAPS_BLOCK_K,
-            PRECISION=_precision(x.dtype),
-        )
-        _k.mhc_dphi_kernel[(k_blocks, splits)](
-            x, dz, dphi_parts, t, k, per_split,
-            N=n, NP=np_, BLOCK_T=_MAPS_BLOCK_T, BLOCK_K=_MAPS_BLOCK_K,
-            PRECISION=_precision(x.dtype),
-        )
+    n = x.shape[1]
+    launches, (dx, dgate, dphi_parts) = plan_maps_bwd(
+        x, phi, alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post, g_res, iters, sk_eps)
+    _run("mhc_maps (backward)", launches, x, phi)
     d_b = dgate.sum(dim=0)  # [M]: the biases' gradients in the logits' column order
     d_a = (dgate * logits).sum(dim=0)  # [M]: then summed per gate
     d_alpha = torch.stack([d_a[:n].sum(), d_a[n : 2 * n].sum(), d_a[2 * n :].sum()])
@@ -230,16 +310,20 @@ def mhc_maps(
 # ---------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("torch_mhc::pre_aggregate_fwd", mutates_args=())
-def _pre_fwd(x: Tensor, h: Tensor) -> Tensor:
-    """x [T, n, C], h [T, n] (fp32) -> [T, C] in x's dtype."""
+def plan_pre_fwd(x, h):
     t, n, c = x.shape
     out = x.new_empty((t, c))
     block_t, block_c = _channel_blocks(n, c)
-    with _device(x):
-        _k.pre_fwd_kernel[(triton.cdiv(t, block_t), triton.cdiv(c, block_c))](
-            x, h, out, t, c, N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c
-        )
+    return [Launch(_k.pre_fwd_kernel, (triton.cdiv(t, block_t), triton.cdiv(c, block_c)),
+                   (x, h, out, t, c),
+                   dict(N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c))], out
+
+
+@torch.library.custom_op("torch_mhc::pre_aggregate_fwd", mutates_args=())
+def _pre_fwd(x: Tensor, h: Tensor) -> Tensor:
+    """x [T, n, C], h [T, n] (fp32) -> [T, C] in x's dtype."""
+    launches, out = plan_pre_fwd(x, h)
+    _run("pre_aggregate (forward)", launches, x, h)
     return out
 
 
@@ -248,17 +332,20 @@ def _(x, h):
     return x.new_empty((x.shape[0], x.shape[2]))
 
 
-@torch.library.custom_op("torch_mhc::pre_aggregate_bwd", mutates_args=())
-def _pre_bwd(x: Tensor, h: Tensor, da: Tensor) -> tuple[Tensor, Tensor]:
+def plan_pre_bwd(x, h, da):
     t, n, c = x.shape
     dx, dh = torch.empty_like(x), torch.empty_like(h)
     block_t, block_c = _channel_blocks(n, c)
-    with _device(x):
-        _k.pre_bwd_kernel[(triton.cdiv(t, block_t),)](
-            x, h, da, dx, dh, t, c,
-            N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c,
-        )
-    return dx, dh
+    return [Launch(_k.pre_bwd_kernel, (triton.cdiv(t, block_t),), (x, h, da, dx, dh, t, c),
+                   dict(N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t,
+                        BLOCK_C=block_c))], (dx, dh)
+
+
+@torch.library.custom_op("torch_mhc::pre_aggregate_bwd", mutates_args=())
+def _pre_bwd(x: Tensor, h: Tensor, da: Tensor) -> tuple[Tensor, Tensor]:
+    launches, out = plan_pre_bwd(x, h, da)
+    _run("pre_aggregate (backward)", launches, x, h)
+    return out
 
 
 @_pre_bwd.register_fake
@@ -296,17 +383,20 @@ def pre_aggregate(x: Tensor, h_pre: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("torch_mhc::post_merge_fwd", mutates_args=())
-def _merge_fwd(x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor) -> Tensor:
-    """x [T, n, C], f [T, C] (x's dtype), h_post [T, n], h_res [T, n, n] (fp32)."""
+def plan_merge_fwd(x, f, h_post, h_res):
     t, n, c = x.shape
     out = torch.empty_like(x)
     block_t, block_c = _channel_blocks(n, c)
-    with _device(x):
-        _k.merge_fwd_kernel[(triton.cdiv(t, block_t), triton.cdiv(c, block_c))](
-            x, f, h_post, h_res, out, t, c,
-            N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c,
-        )
+    return [Launch(_k.merge_fwd_kernel, (triton.cdiv(t, block_t), triton.cdiv(c, block_c)),
+                   (x, f, h_post, h_res, out, t, c),
+                   dict(N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c))], out
+
+
+@torch.library.custom_op("torch_mhc::post_merge_fwd", mutates_args=())
+def _merge_fwd(x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor) -> Tensor:
+    """x [T, n, C], f [T, C] (x's dtype), h_post [T, n], h_res [T, n, n] (fp32)."""
+    launches, out = plan_merge_fwd(x, f, h_post, h_res)
+    _run("post_merge (forward)", launches, x, f, h_res)
     return out
 
 
@@ -315,20 +405,24 @@ def _(x, f, h_post, h_res):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("torch_mhc::post_merge_bwd", mutates_args=())
-def _merge_bwd(
-    x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor, g: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def plan_merge_bwd(x, f, h_post, h_res, g):
     t, n, c = x.shape
     dx, df = torch.empty_like(x), torch.empty_like(f)
     dh_post, dh_res = torch.empty_like(h_post), torch.empty_like(h_res)
     block_t, block_c = _channel_blocks(n, c)
-    with _device(x):
-        _k.merge_bwd_kernel[(triton.cdiv(t, block_t),)](
-            x, f, h_post, h_res, g, dx, df, dh_post, dh_res, t, c,
-            N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c,
-        )
-    return dx, df, dh_post, dh_res
+    return [Launch(_k.merge_bwd_kernel, (triton.cdiv(t, block_t),),
+                   (x, f, h_post, h_res, g, dx, df, dh_post, dh_res, t, c),
+                   dict(N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c))], \
+        (dx, df, dh_post, dh_res)
+
+
+@torch.library.custom_op("torch_mhc::post_merge_bwd", mutates_args=())
+def _merge_bwd(
+    x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor, g: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    launches, out = plan_merge_bwd(x, f, h_post, h_res, g)
+    _run("post_merge (backward)", launches, x, f, h_res)
+    return out
 
 
 @_merge_bwd.register_fake
@@ -375,18 +469,20 @@ def post_merge(x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor) -> Tensor:
 # (d) Sinkhorn
 # ---------------------------------------------------------------------------------------------
 
-_SINKHORN_BLOCK_T = 32
+def plan_sinkhorn_fwd(logits, iters, eps):
+    t, n, _ = logits.shape
+    out = torch.empty_like(logits)
+    cfg = sinkhorn_config(n)
+    return [Launch(_k.sinkhorn_fwd_kernel, (triton.cdiv(t, cfg["BLOCK_T"]),),
+                   (logits, out, t, eps, LOG_DOMAIN_RANGE),
+                   dict(N=n, NP=triton.next_power_of_2(n), ITERS=iters, LOG_OK=eps == 0.0,
+                        BLOCK_T=cfg["BLOCK_T"]), cfg["num_warps"])], out
 
 
 @torch.library.custom_op("torch_mhc::sinkhorn_fwd", mutates_args=())
 def _sinkhorn_fwd(logits: Tensor, iters: int, eps: float) -> Tensor:
-    t, n, _ = logits.shape
-    out = torch.empty_like(logits)
-    with _device(logits):
-        _k.sinkhorn_fwd_kernel[(triton.cdiv(t, _SINKHORN_BLOCK_T),)](
-            logits, out, t, eps, N=n, NP=triton.next_power_of_2(n), ITERS=iters,
-            BLOCK_T=_SINKHORN_BLOCK_T,
-        )
+    launches, out = plan_sinkhorn_fwd(logits, iters, eps)
+    _run("sinkhorn (forward)", launches, logits)
     return out
 
 
@@ -395,16 +491,23 @@ def _(logits, iters, eps):
     return torch.empty_like(logits)
 
 
+def plan_sinkhorn_bwd(logits, g, iters, eps):
+    t, n, _ = logits.shape
+    np_ = triton.next_power_of_2(n)
+    dlogits = torch.empty_like(logits)
+    scratch = logits.new_empty((t, 2 * iters, np_), dtype=_F32)  # the normalisers
+    cfg = sinkhorn_config(n)
+    return [Launch(_k.sinkhorn_bwd_kernel, (triton.cdiv(t, cfg["BLOCK_T"]),),
+                   (logits, g, dlogits, scratch, t, eps, LOG_DOMAIN_RANGE),
+                   dict(N=n, NP=np_, ITERS=iters, LOG_OK=eps == 0.0, BLOCK_T=cfg["BLOCK_T"]),
+                   cfg["num_warps"])], dlogits
+
+
 @torch.library.custom_op("torch_mhc::sinkhorn_bwd", mutates_args=())
 def _sinkhorn_bwd(logits: Tensor, g: Tensor, iters: int, eps: float) -> Tensor:
-    t, n, _ = logits.shape
-    dlogits = torch.empty_like(logits)
-    with _device(logits):
-        _k.sinkhorn_bwd_kernel[(triton.cdiv(t, _SINKHORN_BLOCK_T),)](
-            logits, g, dlogits, t, eps, N=n, NP=triton.next_power_of_2(n), ITERS=iters,
-            BLOCK_T=_SINKHORN_BLOCK_T,
-        )
-    return dlogits
+    launches, out = plan_sinkhorn_bwd(logits, g, iters, eps)
+    _run("sinkhorn (backward)", launches, logits)
+    return out
 
 
 @_sinkhorn_bwd.register_fake
@@ -439,3 +542,16 @@ def sinkhorn(logits: Tensor, iters: int = 20, *, eps: float = 0.0) -> Tensor:
     n = logits.shape[-1]
     out = _sinkhorn_fwd(logits.reshape(-1, n, n).contiguous(), iters, float(eps))
     return out.reshape(logits.shape)
+
+
+# Every custom op's plan, for the ahead-of-time compile check (ops/triton_aot.py).
+PLANS = {
+    "mhc_maps_fwd": plan_maps_fwd,
+    "mhc_maps_bwd": plan_maps_bwd,
+    "pre_aggregate_fwd": plan_pre_fwd,
+    "pre_aggregate_bwd": plan_pre_bwd,
+    "post_merge_fwd": plan_merge_fwd,
+    "post_merge_bwd": plan_merge_bwd,
+    "sinkhorn_fwd": plan_sinkhorn_fwd,
+    "sinkhorn_bwd": plan_sinkhorn_bwd,
+}
