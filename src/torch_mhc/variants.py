@@ -25,7 +25,8 @@ and differ in H_res, built from the last R logits z = alpha_res * logits[2n:] + 
 Initialisation (each starts as the Pre-Norm residual network, like mHC; see connections.py):
 phi = 0, gates alpha = 0.01, H_pre = e_{k mod n} / 2 + 1 / (2n), H_post = 1, and H_res
 doubly stochastic, so equal streams stay equal and F(h) is added once:
-- mhc-lite: b_res = log(n! + 1) on the identity permutation, 0 elsewhere, so
+- mhc-lite: b_res = log(n! + 1) on the identity permutation, 0 elsewhere (up to a common
+  shift that makes the difference exact in float32), so
   a_I = 1/2 + 1/(2 n!) and every other a_k = 1/(2 n!): H_res = I/2 + J/(2n), mHC's initial
   H_res exactly (the same start, so any difference comes from the parametrisation).
 - kromhc: b_res = log 3, a_k = 3/4: each factor is I/2 + J/4, mHC's initial map for two
@@ -211,7 +212,12 @@ class _MhcReadWrite(_Connection):
         h_pre, h_post, rest = read_write_maps(x, self.phi, self.alpha, self.b_pre, self.b_post,
                                               self.norm_eps)
         z = rest + self.b_res.to(rest.dtype) if hasattr(self, "b_res") else rest
-        return h_pre, h_post, self.res_map(z)
+        # H_res is built in float64 and rounded once (n! or m numbers per token: negligible
+        # work). In float32 mHC-lite's 24-term mixtures summed rows to 1 - 6e-8 at init, a
+        # bias that compounds over depth (4.3e-6 from the residual network after 16
+        # sublayers); rounded once, the initial entries are exact (0.625, 0.125; 9/16 ...).
+        wide = torch.float32 if z.device.type == "mps" else torch.float64  # MPS: no float64
+        return h_pre, h_post, self.res_map(z.to(wide)).to(z.dtype)
 
     def _maps_and_input(self, ops, x: torch.Tensor):
         maps = self._maps(x)
@@ -247,10 +253,14 @@ class MHCLite(_MhcReadWrite):
         self.perms.copy_(permutation_matrices(self.streams))
 
     def _res_bias(self) -> torch.Tensor:
+        # identity first: logit log(n! + 1) above the rest, so a_I = 1/2 + 1/(2 n!) and every
+        # other a_k = 1/(2 n!). softmax ignores a common shift: the rest get the tiny float32
+        # number y = fl(fl(log(n! + 1)) - log(n! + 1)), which makes the float32 difference
+        # exact to ~1e-14 (with 0 there, log's rounding moved the off-diagonals one ulp).
         k = math.factorial(self.streams)
-        b = torch.zeros(k, dtype=torch.float64)
-        b[0] = math.log(k + 1)  # identity first: a_I = 1/2 + 1/(2 n!), the rest 1/(2 n!)
-        return b.float()
+        top = torch.tensor(math.log(k + 1), dtype=torch.float32, device="cpu")
+        rest = (top.double() - math.log(k + 1)).float()
+        return torch.cat([top[None], rest.expand(k - 1)])
 
     def res_map(self, z: torch.Tensor) -> torch.Tensor:
         return mhc_lite_res(z, self.perms)
