@@ -157,6 +157,26 @@ def test_optimal_recompute_interval_hand_values():
     assert cost.optimal_recompute_interval(1, 1) == 1  # sqrt(1/3) = 0.58
 
 
+def test_optimal_recompute_interval_rounds_halves_up():
+    # n = 6, L = 27: sqrt(162 / 8) = sqrt(20.25) = 4.5 exactly -> 5 (round() would say 4)
+    assert cost.optimal_recompute_interval(6, 27) == 5
+    # n = 2, L = 2: sqrt(1) = 1; n = 2, L = 25: sqrt(12.5) = 3.54 -> 4; n = 1, L = 15:
+    # sqrt(5) = 2.24 -> 2; n = 4, L = 6: sqrt(4) = 2
+    assert [cost.optimal_recompute_interval(n, L) for n, L in [(2, 2), (2, 25), (1, 15), (4, 6)]
+            ] == [1, 4, 2, 2]
+    # every half-way case n L / (n + 2) = (k + 1/2)^2 up to n = 30 rounds up: checked
+    # against exact rationals (4 n L = (2k + 1)^2 (n + 2))
+    halves = 0
+    for n in range(1, 31):
+        for L in range(1, 400):
+            k = cost.optimal_recompute_interval(n, L)
+            q4 = 4 * n * L  # 4 q (n + 2)
+            assert (2 * k - 1) ** 2 * (n + 2) <= q4 or k == 1
+            assert q4 < (2 * k + 1) ** 2 * (n + 2)
+            halves += q4 == (2 * k - 1) ** 2 * (n + 2)
+    assert halves > 0  # the loop met half-way cases
+
+
 def test_recompute_activation_formula_and_report():
     # n C ceil(L / L_r) + (n + 2) C L_r with n = 4, C = 2560, L = 60, L_r = 6.
     assert cost.recompute_activation_elements(4, 2560, 60, 6) == 4 * 2560 * 10 + 6 * 2560 * 6

@@ -5,7 +5,6 @@ import torch
 from torch import nn
 
 import torch_mhc as tm
-from test_connections import MLP, Attention, _perturb
 from torch_mhc.bench import saved_bytes
 from torch_mhc.model import LM, ModelConfig
 from torch_mhc.recompute import optimal_interval, recompute_streams
@@ -14,13 +13,14 @@ from torch_mhc.recompute import optimal_interval, recompute_streams
 @pytest.mark.parametrize("impl", ["reference", "cpu"])
 @pytest.mark.parametrize("kind", ["hc", "mhc"])
 @pytest.mark.parametrize("interval", [1, 2, 3, 6])
-def test_gradients_equal_without_recomputation(impl, kind, interval):
+def test_gradients_equal_without_recomputation(impl, kind, interval, branch_modules):
+    MLP, Attention, perturb = branch_modules
     torch.manual_seed(0)
     c, n = 16, 4
     blocks = [m for _ in range(3) for m in (Attention(c), MLP(c, std=0.2))]
     conns = nn.ModuleList(tm.make_connection(kind, c, n, i, b, impl=impl)
                           for i, b in enumerate(blocks)).double()
-    _perturb(conns, 0.05)
+    perturb(conns, 0.05)
     h = torch.randn(2, 9, c, dtype=torch.float64, requires_grad=True)
 
     def run():
@@ -70,8 +70,19 @@ def test_lm_saves_fewer_bytes_and_same_gradients():
 
 
 def test_optimal_interval_and_errors():
-    assert optimal_interval(4, 60) == round((4 * 60 / 6) ** 0.5)  # 6
+    assert optimal_interval(4, 60) == 6  # sqrt(40) = 6.32
     assert optimal_interval(1, 1) == 1
+    # the half-way case: sqrt(6 * 27 / 8) = sqrt(20.25) = 4.5 exactly. Halves go up (5);
+    # Python's round would give 4 (halves to even), which recompute.py once used.
+    assert (6 * 27 / 8) ** 0.5 == 4.5 and round(4.5) == 4
+    assert optimal_interval(6, 27) == 5
+    from torch_mhc.cost import optimal_recompute_interval
+
+    for n in range(1, 9):
+        for layers in range(1, 80):
+            assert optimal_interval(n, layers) == optimal_recompute_interval(n, layers)
+    with pytest.raises(ValueError, match="layers must be >= 1, got 0"):
+        optimal_interval(4, 0)
     with pytest.raises(ValueError, match="int >= 1, got 0"):
         with recompute_streams(0):
             pass

@@ -447,14 +447,19 @@ def block_params(cfg: CostConfig) -> dict:
 
 
 def optimal_recompute_interval(streams: int, layers: int) -> int:
-    """L_r* = sqrt(n L / (n + 2)) rounded to the nearest integer (halves up), at least 1.
+    """L_r* = sqrt(n L / (n + 2)) rounded to the nearest integer, halves up (floor(x + 0.5),
+    not Python's round, which takes halves to even), at least 1. The one definition of L_r*:
+    torch_mhc.recompute.optimal_interval is this function.
 
     `layers` is L in the paper's sense: the number of connections the interval is chosen
     for (a whole model has 2 per transformer block; estimate() passes one pipeline stage's).
+    Exact in integers: floor(sqrt(q) + 1/2) = floor((floor(sqrt(4q)) + 1) / 2) and
+    floor(sqrt(4q)) = isqrt(floor(4 n L / (n + 2))), so a half-way case (n = 6, L = 27:
+    sqrt(20.25) = 4.5 -> 5) never depends on float rounding.
     """
     _check_int("streams", streams)
     _check_int("layers", layers)
-    return max(1, math.floor(math.sqrt(streams * layers / (streams + 2)) + 0.5))
+    return max(1, (math.isqrt(4 * streams * layers // (streams + 2)) + 1) // 2)
 
 
 def recompute_activation_elements(streams: int, hidden: int, layers: int, interval: int) -> int:

@@ -13,7 +13,7 @@ backward access replays the group's stream arithmetic from x_l0 and the stored f
 without rerunning any block, and hands out the recomputed tensors. The blocks themselves
 save what they always save.
 
-    with recompute_streams(interval):          # None: round(sqrt(n L / (n + 2)))
+    with recompute_streams(interval):          # None: sqrt(n L / (n + 2)), halves up
         for conn in connections:
             x = conn(x)
 
@@ -25,10 +25,11 @@ Residual connections have nothing to recompute and run unchanged.
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass, field
 
 import torch
+
+from .cost import optimal_recompute_interval
 
 __all__ = ["recompute_streams", "optimal_interval", "RecomputeStats"]
 
@@ -36,10 +37,9 @@ ACTIVE: _Controller | None = None  # read by every connection's forward
 
 
 def optimal_interval(streams: int, layers: int) -> int:
-    """L_r* = round(sqrt(n L / (n + 2))), at least 1 (paper section 4.3)."""
-    if streams < 1 or layers < 1:
-        raise ValueError(f"optimal_interval expects streams, layers >= 1, got {streams}, {layers}")
-    return max(1, round(math.sqrt(streams * layers / (streams + 2))))
+    """L_r* = sqrt(n L / (n + 2)) rounded halves up, at least 1 (paper section 4.3); see
+    torch_mhc.cost.optimal_recompute_interval, its one definition."""
+    return optimal_recompute_interval(streams, layers)
 
 
 @dataclass

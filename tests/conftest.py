@@ -1,0 +1,119 @@
+"""Shared test helpers, given to the tests as fixtures (no test module imports another).
+
+- `corpus`: a small, very regular text corpus (~14 KB) a tiny model learns in a few dozen steps;
+- `tiny_config(residual="mhc", **overrides)`: a TrainConfig of a 2-block, width-32 LM on it,
+  fp32 on the CPU, quiet, a few steps (seconds);
+- `tiny_flags`: the same as `mhc train` flags (without --data / --cache-dir);
+- `branch_modules`: (MLP, Attention, perturb), pre-norm branches for connection-level tests;
+- `run_python(code, timeout)`: a fresh interpreter running code, for import-level checks.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+TINY_FLAGS = ["--dim", "32", "--n-layers", "2", "--n-heads", "2", "--max-seq-len", "32",
+              "--seq-len", "32", "--batch-size", "4", "--steps", "4", "--warmup", "1",
+              "--eval-batches", "2", "--gain-batch-size", "2", "--val-fraction", "0.1",
+              "--quiet", "--no-progress", "--no-tensorboard", "--dtype", "fp32",
+              "--device", "cpu"]
+
+
+def write_corpus(path: Path, n_lines: int = 400) -> Path:
+    lines = [f"def f{i % 17}(x):\n    return x * {i % 7} + {i % 5}\n" for i in range(n_lines)]
+    path.write_text("".join(lines))
+    return path
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    return write_corpus(tmp_path / "corpus.txt")
+
+
+@pytest.fixture
+def tiny_flags(tmp_path, corpus) -> list[str]:
+    return [*TINY_FLAGS, "--data", str(corpus), "--cache-dir", str(tmp_path / "cache")]
+
+
+@pytest.fixture
+def tiny_config(tmp_path, corpus):
+    from torch_mhc.config import TrainConfig
+    from torch_mhc.model import ModelConfig
+
+    def make(residual: str = "mhc", **overrides) -> TrainConfig:
+        cfg = TrainConfig(
+            model=ModelConfig(dim=32, n_layers=2, n_heads=2, max_seq_len=32, residual=residual),
+            data=str(corpus), cache_dir=str(tmp_path / "cache"), val_fraction=0.1,
+            batch_size=4, seq_len=32, steps=8, lr=3e-3, min_lr=3e-4, warmup=2,
+            eval_every=0, eval_batches=2, gain_every=0, gain_batch_size=2, log_every=2,
+            quiet=True, progress=False, tensorboard=False, dtype="fp32", device="cpu",
+        )
+        return cfg.updated(overrides)
+
+    return make
+
+
+@pytest.fixture
+def run_python():
+    def run(code: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=timeout, **kwargs)
+
+    return run
+
+
+# ---------------------------------------------------------------------------------------------
+# Branch modules for connection-level tests
+
+
+class MLP(nn.Module):
+    """Pre-norm MLP branch [..., C] -> [..., C]."""
+
+    def __init__(self, c, std=0.02):
+        super().__init__()
+        self.norm = nn.RMSNorm(c)
+        self.up, self.down = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+        for p in (self.up.weight, self.down.weight):
+            nn.init.normal_(p, std=std)
+
+    def forward(self, h):
+        return self.down(F.gelu(self.up(self.norm(h))))
+
+
+class Attention(nn.Module):
+    """Pre-norm causal self-attention branch [B, T, C] -> [B, T, C]."""
+
+    def __init__(self, c, heads=4, std=0.02):
+        super().__init__()
+        self.norm, self.heads = nn.RMSNorm(c), heads
+        self.qkv, self.proj = nn.Linear(c, 3 * c), nn.Linear(c, c)
+        for p in (self.qkv.weight, self.proj.weight):
+            nn.init.normal_(p, std=std)
+
+    def forward(self, h):
+        b, t, c = h.shape
+        q, k, v = self.qkv(self.norm(h)).view(b, t, 3, self.heads, -1).unbind(2)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+def perturb(module, scale=0.5, seed=0):
+    """Move every parameter away from its initial value (in place)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
+
+
+@pytest.fixture
+def branch_modules():
+    return MLP, Attention, perturb
