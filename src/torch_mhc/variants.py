@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from . import ops as _ops
-from .connections import _Connection, _pre_bias
+from .connections import _assign, _Connection, _pre_bias
 
 __all__ = [
     "VARIANT_KINDS",
@@ -175,16 +175,16 @@ class _MhcReadWrite(_Connection):
 
     def reset_parameters(self) -> None:
         """Re-apply the documented initialisation (also fills the constant buffers, so a
-        module built on the meta device and moved with to_empty() is complete after it)."""
+        module built on the meta device and moved with to_empty() is complete after it;
+        DTensor shards take their part, as in connections.py)."""
         n = self.streams
-        with torch.no_grad():
-            self._fill_buffers()
-            self.phi.zero_()
-            self.alpha.fill_(self.gate_init)
-            self.b_pre.copy_(_pre_bias(n, self.layer_index))
-            self.b_post.zero_()  # 2 sigmoid(0) = 1
-            if hasattr(self, "b_res"):
-                self.b_res.copy_(self._res_bias())
+        self._fill_buffers()
+        _assign(self.phi, torch.zeros(self.phi.shape))
+        _assign(self.alpha, torch.full(self.alpha.shape, self.gate_init))
+        _assign(self.b_pre, _pre_bias(n, self.layer_index))
+        _assign(self.b_post, torch.zeros(n))  # 2 sigmoid(0) = 1
+        if hasattr(self, "b_res"):
+            _assign(self.b_res, self._res_bias())
 
     def _fill_buffers(self) -> None:
         pass
@@ -250,7 +250,7 @@ class MHCLite(_MhcReadWrite):
         self.register_buffer("perms", permutation_matrices(self.streams), persistent=False)
 
     def _fill_buffers(self) -> None:
-        self.perms.copy_(permutation_matrices(self.streams))
+        _assign(self.perms, permutation_matrices(self.streams))
 
     def _res_bias(self) -> torch.Tensor:
         # identity first: logit log(n! + 1) above the rest, so a_I = 1/2 + 1/(2 n!) and every
@@ -286,7 +286,7 @@ class KromHC(_MhcReadWrite):
         self.register_buffer("same", _kron_pattern(self.streams), persistent=False)
 
     def _fill_buffers(self) -> None:
-        self.same.copy_(_kron_pattern(self.streams))
+        _assign(self.same, _kron_pattern(self.streams))
 
     def _res_bias(self) -> torch.Tensor:
         return torch.full((self.res_count(self.streams),), math.log(3.0))  # a_k = 3/4
@@ -307,7 +307,7 @@ class MHCStaticRes(_MhcReadWrite):
         self.register_buffer("h_res", torch.eye(self.streams), persistent=False)
 
     def _fill_buffers(self) -> None:
-        self.h_res.copy_(torch.eye(self.streams))
+        _assign(self.h_res, torch.eye(self.streams))
 
     def res_map(self, z: torch.Tensor) -> torch.Tensor:
         n = self.streams
