@@ -4,12 +4,16 @@ Forward values and the gradients of every input and parameter, with random upstr
 gradients, on awkward shapes (C = 100, n = 3, 4, 8, odd token counts), in fp32 and bf16.
 """
 
+import functools
+
 import pytest
 import torch
 
 import torch_mhc.ops as ops
+from references import sinkhorn_log_naive
 from torch_mhc import HyperConnection, ManifoldHyperConnection, expand_streams, sinkhorn_unrolled
 from torch_mhc.ops import cpu, cpu_native, reference
+from torch_mhc.sinkhorn import LINEAR_RANGE
 
 # Gradients of bf16 tensors are rounded to bf16 (8 bits): allow a few roundings of the
 # largest entry. fp32: both sides compute the same float32 maths in a different order.
@@ -680,3 +684,45 @@ def test_training_steps_are_identical_with_and_without_the_pool(monkeypatch):
     for step_p, step_q in zip(pooled, plain, strict=True):
         for a, b in zip(step_p, step_q, strict=True):
             assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sinkhorn finite wherever the exact answer is (torch_mhc/sinkhorn.py): far logits
+# ---------------------------------------------------------------------------------------------
+
+
+def test_sinkhorn_far_apart_logits_are_exact():
+    x = torch.tensor([[100.0, 100.0], [-100.0, -100.0]]).requires_grad_()
+    out = cpu.sinkhorn(x, 20)
+    torch.testing.assert_close(out, torch.full((2, 2), 0.5), rtol=0, atol=0)
+    g = torch.tensor([[1.0, 2.0], [3.0, -1.0]])
+    (got,) = torch.autograd.grad(out, x, g)
+    xd = x.detach().double().requires_grad_()
+    (want,) = torch.autograd.grad(sinkhorn_log_naive(xd, 20), xd, g.double())
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mhc_maps_with_far_apart_res_logits_match_float64(dtype, cpu_path):
+    """Gates so large that the Sinkhorn logits of some tokens span more than LINEAR_RANGE
+    (log domain) and of others less (linear domain), in one call: maps and all gradients
+    against the reference evaluated in float64."""
+    tokens, n, c = 45, 4, 24  # 45 tokens: two full lane groups of 16 and a partial one
+    inputs = maps_inputs((tokens,), n, c, dtype, seed=9)
+    with torch.no_grad():
+        inputs[2][2] = 9.0  # alpha_res
+    res = inputs[2][2] * (inputs[0].detach().float().flatten(1) @ inputs[1].detach())[:, 2 * n:]
+    res = res / inputs[0].detach().float().flatten(1).square().mean(1, keepdim=True).sqrt()
+    res = res + inputs[5].detach().flatten()  # [T, n n] the Sinkhorn logits
+    spans = res.amax(1) - res.amin(1)
+    assert (spans > LINEAR_RANGE).sum() >= 5 and (spans <= LINEAR_RANGE).sum() >= 5
+    fn = functools.partial(cpu.mhc_maps_pre, sinkhorn_iters=20)
+    outs, grads = run(fn, inputs)
+    wide = [t.detach().double().requires_grad_() for t in inputs]
+    want_outs, want_grads = run(functools.partial(ops.get_impl("reference").mhc_maps_pre,
+                                                  sinkhorn_iters=20), wide,
+                                upstream_dtype=dtype)
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-5
+    for got, want in zip([*outs, *grads], [*want_outs, *want_grads], strict=True):
+        assert torch.isfinite(got).all()
+        assert_close(got, want, tol)

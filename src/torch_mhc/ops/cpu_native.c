@@ -418,6 +418,69 @@ INLINE void column_softmax_lane(const float* h, v16* p0, int u, int64_t n) {
     }
 }
 
+/* Far matrices (torch_mhc/sinkhorn.py): a token whose n n Sinkhorn logits span more than
+   LINEAR_RANGE (or hold a NaN) would underflow to 0 / 0 in the lanes' linear-domain loop; its
+   lane runs the uniform matrix instead, and the scalar log-domain loop below computes the
+   same unrolled function for it (eps = 0 only: with eps > 0 no denominator is below eps). */
+#define LINEAR_RANGE 32.0f
+
+INLINE int far_matrix(const float* h, int64_t nn, float eps) {
+    if (eps != 0.0f) return 0;
+    float lo = h[0], hi = h[0];
+    for (int64_t q = 1; q < nn; ++q) {
+        lo = h[q] < lo ? h[q] : lo;
+        hi = h[q] > hi ? h[q] : hi;
+    }
+    return !(hi - lo <= LINEAR_RANGE);
+}
+
+/* z[0], z[s], ... z[(n - 1) s] <- their log_softmax: (z - max) - log(sum(exp(z - max))). */
+INLINE void log_normalise(float* z, int64_t n, int64_t s) {
+    float mx = z[0];
+    for (int64_t i = 1; i < n; ++i) mx = z[i * s] > mx ? z[i * s] : mx;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; ++i) sum += expf(z[i * s] - mx);
+    const float l = logf(sum);
+    for (int64_t i = 0; i < n; ++i) z[i * s] = (z[i * s] - mx) - l;
+}
+
+/* One matrix h [n n] in the log domain: 2 iters steps, columns first; out = exp(Z). keep
+   (unless NULL) receives exp(Z) after every step, [2 iters n n]. */
+static void sinkhorn_log_fwd(const float* h, float* out, float* keep, int64_t n, int iters) {
+    const int64_t nn = n * n;
+    float z[nn];
+    memcpy(z, h, sizeof(float) * nn);
+    for (int64_t s = 0; s < 2 * (int64_t)iters; ++s) {
+        for (int64_t a = 0; a < n; ++a) {
+            if (s % 2 == 0) log_normalise(z + a, n, n);  /* column a */
+            else log_normalise(z + a * n, n, 1);         /* row a */
+        }
+        if (keep)
+            for (int64_t q = 0; q < nn; ++q) keep[s * nn + q] = expf(z[q]);
+    }
+    for (int64_t q = 0; q < nn; ++q) out[q] = expf(z[q]);
+}
+
+/* Its exact reverse: dh = dL/dh for the upstream g [n n], out = the forward's result; keep:
+   scratch of 2 iters n n floats. Z' = log_softmax(Z) has the adjoint
+   dZ = dZ' - exp(Z') sum(dZ') along the step's axis. */
+static void sinkhorn_log_bwd(const float* h, const float* g, float* dh, float* out,
+                             float* keep, int64_t n, int iters) {
+    const int64_t nn = n * n;
+    sinkhorn_log_fwd(h, out, keep, n, iters);
+    for (int64_t q = 0; q < nn; ++q) dh[q] = g[q] * out[q];
+    for (int64_t s = 2 * (int64_t)iters - 1; s >= 0; --s) {
+        const float* p = keep + s * nn;
+        const int64_t step = s % 2 == 0 ? n : 1, across = s % 2 == 0 ? 1 : n;
+        for (int64_t a = 0; a < n; ++a) {
+            float sum = 0.0f;
+            for (int64_t b = 0; b < n; ++b) sum += dh[a * across + b * step];
+            for (int64_t b = 0; b < n; ++b)
+                dh[a * across + b * step] -= p[a * across + b * step] * sum;
+        }
+    }
+}
+
 /* Unused lanes of a partial group: the uniform matrix (no division by zero). */
 INLINE void fill_lanes(v16* m, int64_t count, int u0, float value) {
     for (int64_t q = 0; q < count; ++q)
@@ -570,8 +633,10 @@ INLINE void maps_fwd_body(const void* x, const float* phip, const float* ab, flo
     const int64_t K = n * C, Mp = MV * WG, nn = n * n;
     float z[G * Mp], ht[M];
     v16 m[nn];
+    int far[G];
     for (int64_t t = t0; t < t1; t += G) {
         const int64_t g = t1 - t < G ? t1 - t : G;
+        int any_far = 0;
         xphi_rows(x, phip, t, g, K, MV, z, bf);
         for (int64_t u = 0; u < g; ++u) {
             const int64_t tu = t + u;
@@ -583,12 +648,20 @@ INLINE void maps_fwd_body(const void* x, const float* phip, const float* ab, flo
                 hpre[tu * n + i] = sigmoid(ht[i]) + pre_eps;
                 hpost[tu * n + i] = 2.0f * sigmoid(ht[n + i]);
             }
-            column_softmax_lane(ht + 2 * n, m, (int)u, n);
+            far[u] = far_matrix(ht + 2 * n, nn, sk_eps);
+            any_far |= far[u];
+            if (far[u]) {  /* the uniform matrix in its lane; the log domain below */
+                for (int64_t q = 0; q < nn; ++q) m[q][u] = 1.0f / (float)n;
+                sinkhorn_log_fwd(ht + 2 * n, hres + tu * nn, NULL, n, iters);
+            } else {
+                column_softmax_lane(ht + 2 * n, m, (int)u, n);
+            }
         }
         fill_lanes(m, nn, (int)g, 1.0f / (float)n);
         sinkhorn_fwd_lanes(m, n, iters, sk_eps);
         for (int64_t u = 0; u < g; ++u) {
-            for (int64_t q = 0; q < nn; ++q) hres[(t + u) * nn + q] = m[q][u];
+            if (!any_far || !far[u])
+                for (int64_t q = 0; q < nn; ++q) hres[(t + u) * nn + q] = m[q][u];
             if (a) aggregate_row(x, hpre + (t + u) * n, a, t + u, n, C, bf);
         }
     }
@@ -675,9 +748,12 @@ INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, con
     v16* sk_d = sk_y + steps * nn;
     float dz[G * Mp], coef[G], hp[G * n], hr[G * nn], ht[M], dpre[n], dots[n], dres[nn];
     v16 p0[nn], gl[nn], hres[nn];
+    float far_dh[G * nn], far_out[G * nn];  /* far tokens' log-domain results */
+    int far[G];
     const int with_res = gres || glink;
     for (int64_t t = t0; t < t1; t += G) {
         const int64_t g = t1 - t < G ? t1 - t : G;
+        int any_far = 0;
         for (int64_t u = 0; u < g; ++u) {  /* the gates; Sinkhorn's inputs into lanes */
             const int64_t tu = t + u;
             float* d = dht + tu * M;
@@ -693,15 +769,34 @@ INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, con
                 d[n + i] = gpost ? gpost[tu * n + i] * 2.0f * so * (1.0f - so) : 0.0f;
             }
             if (with_res) {
-                column_softmax_lane(ht + 2 * n, p0, (int)u, n);
                 for (int64_t q = 0; q < nn; ++q)
                     gl[q][u] = (gres ? gres[tu * nn + q] : 0.0f) + (glink ? dres[q] : 0.0f);
+                far[u] = far_matrix(ht + 2 * n, nn, sk_eps);
+                any_far |= far[u];
+                if (far[u]) {  /* log domain now (sk_y is free); the lane runs uniform */
+                    float gq[nn];
+                    for (int64_t q = 0; q < nn; ++q) {
+                        gq[q] = gl[q][u];
+                        gl[q][u] = 0.0f;
+                        p0[q][u] = 1.0f / (float)n;
+                    }
+                    sinkhorn_log_bwd(ht + 2 * n, gq, far_dh + u * nn, far_out + u * nn,
+                                     (float*)sk_y, n, iters);
+                } else {
+                    column_softmax_lane(ht + 2 * n, p0, (int)u, n);
+                }
             }
         }
         if (with_res) {
             fill_lanes(p0, nn, (int)g, 1.0f / (float)n);
             fill_lanes(gl, nn, (int)g, 0.0f);
             sinkhorn_bwd_lanes(p0, gl, hres, sk_y, sk_d, n, iters, sk_eps);
+            for (int64_t u = 0; any_far && u < g; ++u)
+                if (far[u])
+                    for (int64_t q = 0; q < nn; ++q) {
+                        gl[q][u] = far_dh[u * nn + q];
+                        hres[q][u] = far_out[u * nn + q];
+                    }
         }
         for (int64_t u = 0; u < g; ++u) {  /* Sinkhorn's gradient out of lanes; dz, coef */
             const int64_t tu = t + u;
