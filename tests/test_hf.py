@@ -390,3 +390,150 @@ def test_checkpoint_with_mismatched_shapes(tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"connection weights do not match .*missing "):
         mhc_hf.from_pretrained(path)
+
+
+# ------------------------------------------------------------------------------------------
+# DeepSeek-V4
+
+
+def _v4_model(seed: int = 0, dtype=torch.float32):
+    v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+    config = v4.DeepseekV4Config(
+        hidden_size=32, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6,
+        num_hidden_layers=2, num_attention_heads=2, head_dim=16, q_lora_rank=8, o_lora_rank=8,
+        o_groups=1, n_routed_experts=2, num_experts_per_tok=1, index_n_heads=2,
+        index_head_dim=8, vocab_size=V, intermediate_size=16, moe_intermediate_size=16,
+        initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        experts_implementation="eager",  # grouped_mm has no float64
+    )
+    torch.manual_seed(seed)
+    model = v4.DeepseekV4ForCausalLM(config).to(dtype).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # random maps, not the initial ones
+        for m in model.modules():
+            if isinstance(m, v4.DeepseekV4HyperConnection):
+                m.fn.copy_(0.1 * torch.randn(m.fn.shape, generator=g))
+                m.base.copy_(torch.randn(m.base.shape, generator=g))
+                m.scale.copy_(0.5 + 1.5 * torch.rand(3, generator=g))
+            elif isinstance(m, v4.DeepseekV4HyperHead):
+                m.hc_fn.copy_(0.1 * torch.randn(m.hc_fn.shape, generator=g))
+                m.hc_base.copy_(torch.randn(m.hc_base.shape, generator=g))
+                m.hc_scale.fill_(1.5)
+    return model, v4
+
+
+def _rms_float64(x, eps):
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+
+
+def _v4_norm_float64(self, x):
+    """DeepseekV4RMSNorm.forward without its float32 round trip."""
+    return self.weight * _rms_float64(x, self.variance_epsilon)
+
+
+def _v4_hc_float64(self, x):
+    """DeepseekV4HyperConnection.forward without its float32 casts (for float64 parity)."""
+    n = self.hc_mult
+    flat = _rms_float64(x.flatten(2), self.input_norm.eps)
+    pre_w, post_w, comb_w = torch.nn.functional.linear(flat, self.fn).split([n, n, n * n], -1)
+    pre_b, post_b, comb_b = self.base.split([n, n, n * n])
+    pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + self.hc_eps
+    post = 2 * torch.sigmoid(post_w * self.scale[1] + post_b)
+    comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * self.scale[2] + comb_b.view(n, n), -1)
+    comb = comb + self.hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+    for _ in range(self.hc_sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+    return post, comb, (pre.unsqueeze(-1) * x).sum(dim=2)
+
+
+def _v4_head_float64(self, x):
+    flat = _rms_float64(x.flatten(2), self.input_norm.eps)
+    pre = torch.sigmoid(torch.nn.functional.linear(flat, self.hc_fn) * self.hc_scale
+                        + self.hc_base) + self.eps
+    return (pre.unsqueeze(-1) * x).sum(dim=2)
+
+
+def test_deepseek_v4_acceleration_shares_parameters_and_keeps_logits():
+    model, v4 = _v4_model()
+    ids = torch.randint(3, V, (2, 10), generator=torch.Generator().manual_seed(0))
+    ref = model(ids).logits.detach()
+    gen = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    ref_tokens = model.generate(ids[:, :6], **gen)
+    ref_loss = model(ids, labels=ids).loss
+    ref_grads = torch.autograd.grad(ref_loss, [p for _, p in model.named_parameters()],
+                                    allow_unused=True)
+    params = dict(model.named_parameters())
+    keys = list(model.state_dict())
+
+    assert mhc_hf.accelerate_deepseek_v4(model) is model
+    layer = model.model.layers[1]
+    assert isinstance(layer.ffn_hc, torch_mhc.ManifoldHyperConnection)
+    assert isinstance(model.model.hc_head, torch_mhc.StreamHead)
+    assert not any(isinstance(m, (v4.DeepseekV4HyperConnection, v4.DeepseekV4HyperHead))
+                   for m in model.modules())
+    after = dict(model.named_parameters())
+    assert after.keys() == params.keys() and all(after[k] is params[k] for k in params)
+    assert list(model.state_dict()) == keys
+
+    out = model(ids).logits.detach()
+    assert _rel(out, ref) <= REL, f"logits differ by {_rel(out, ref):.2e}"
+    assert torch.equal(model.generate(ids[:, :6], **gen), ref_tokens)
+    loss = model(ids, labels=ids).loss
+    grads = torch.autograd.grad(loss, list(after.values()), allow_unused=True)
+    for (name, _), g, r in zip(after.items(), grads, ref_grads, strict=True):
+        if "hc" in name:  # the hyper-connections' own parameters get the same gradients
+            assert g is not None and _rel(g, r) <= 1e-4, name
+
+    with torch_mhc.collect_gains() as gains:
+        model(ids)
+    report = gains.report()
+    assert len(report.layers) == 4  # 2 layers x (attn_hc, ffn_hc)
+    for c in report.layer_fwd:  # rows of a Sinkhorn projection sum to 1 (up to hc_eps)
+        assert abs(c["max"] - 1) < 1e-4
+
+
+def test_deepseek_v4_acceleration_float64(monkeypatch):
+    model, v4 = _v4_model(seed=3, dtype=torch.float64)
+    monkeypatch.setattr(v4.DeepseekV4HyperConnection, "forward", _v4_hc_float64)
+    monkeypatch.setattr(v4.DeepseekV4HyperHead, "forward", _v4_head_float64)
+    # the block norms round to float32 too; in float64 everything must stay float64
+    monkeypatch.setattr(v4.DeepseekV4RMSNorm, "forward", _v4_norm_float64)
+    ids = torch.randint(3, V, (2, 10), generator=torch.Generator().manual_seed(1))
+    ref = model(ids).logits.detach()
+    assert ref.dtype == torch.float64
+    mhc_hf.accelerate_deepseek_v4(model)
+    out = model(ids).logits.detach()
+    assert _rel(out, ref) <= 1e-12, f"float64 logits differ by {_rel(out, ref):.2e}"
+
+
+def test_deepseek_v4_trains_on_the_shared_parameters():
+    model, _ = _v4_model(seed=4)
+    mhc_hf.accelerate_deepseek_v4(model)
+    model.train()
+    fn = model.model.layers[0].attn_hc.fn
+    before = fn.detach().clone()
+    opt = torch.optim.AdamW(torch_mhc.param_groups(model, weight_decay=0.1), lr=1e-2)
+    decay_ids = {id(p) for p in opt.param_groups[0]["params"]}
+    assert id(fn) in decay_ids and id(model.model.layers[0].attn_hc.scale) not in decay_ids
+    ids = torch.randint(3, V, (2, 10), generator=torch.Generator().manual_seed(2))
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(loss) and not torch.equal(fn.detach(), before)
+
+
+def test_deepseek_v4_errors(monkeypatch):
+    model, _ = _v4_model()
+    # transformers replaces its module object in sys.modules once submodules load
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.8.0")
+    with pytest.raises(RuntimeError, match=r"transformers 5.8.0's DeepSeek-V4 .*>= 5.8.1"):
+        mhc_hf.accelerate_deepseek_v4(model)
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.8.1")
+    mhc_hf.accelerate_deepseek_v4(model)
+    with pytest.raises(ValueError, match="already accelerated"):
+        mhc_hf.accelerate_deepseek_v4(model)
+    with pytest.raises(mhc_hf.ConversionError, match="expects a transformers "
+                                                     "DeepseekV4ForCausalLM.*got LlamaForCausalLM"):
+        mhc_hf.accelerate_deepseek_v4(_model("llama"))

@@ -58,7 +58,7 @@ class DeepseekV4Connection(ManifoldHyperConnection):
 
     def _map_args(self, x: torch.Tensor) -> tuple:
         n = self.streams
-        phi = self.fn.index_select(0, self.column_order).t()  # [n*C, n*n + 2n]
+        phi = self.fn.t().index_select(1, self.column_order)  # [n*C, n*n + 2n], one copy
         b_res = self.base[2 * n:].view(n, n).t()  # H_res = comb^T
         return (
             x, phi, self.scale, self.base[:n], self.base[n:2 * n], b_res,

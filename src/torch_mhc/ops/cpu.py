@@ -4,8 +4,8 @@ Measured on a 2-core x86 CPU (benchmarks/NOTES_ops.md has the numbers and comman
 overhead of a connection is memory traffic over [T, n, C] tensors and the two skinny
 matmuls with phi, so everything here is about fewer passes and fewer saved tensors:
 
-- Native loops (ops/cpu_native.c, built on first import) for contiguous float32 and
-  bfloat16 CPU tensors with n <= 8, registered as torch.library custom ops:
+- Native loops (ops/cpu_native.c, built or found in the cache by the first native op) for
+  contiguous float32 and bfloat16 CPU tensors with n <= 8, registered as custom ops:
   maps forward = x @ phi, the RMS, gates, Sinkhorn and the pre-aggregation in one pass per
   tile of tokens; maps backward = the aggregation's dH_pre, gates' and Sinkhorn's backward,
   dphi and dx in one pass; post-merge forward and backward.
@@ -164,7 +164,10 @@ def _padded(phi: torch.Tensor) -> torch.Tensor:
     """phi [K, M] (or HC's W [C, M]) as float32 with its columns zero-padded to whole 8-float
     vectors (cpu_native.padded_width)."""
     m = phi.shape[1]
-    return torch.nn.functional.pad(phi.to(torch.float32), (0, _native.padded_width(m) - m))
+    # contiguous: the native loops read rows of [K, Mp]; pad by 0 may return phi's own strides
+    return torch.nn.functional.pad(
+        phi.to(torch.float32), (0, _native.padded_width(m) - m)
+    ).contiguous()
 
 
 def _gate_table(alpha, b_pre, b_post, b_res) -> torch.Tensor:
@@ -396,7 +399,7 @@ def _native_params(phi, alpha, b_pre, b_post, b_res) -> tuple[torch.Tensor, torc
 def _maps_inference(x, params, iters, norm_eps, sk_eps, pre_eps):
     """mhc_maps_pre's values for x [T, n, C] without autograd."""
     phip, ab = _native_params(*params)
-    _, _, h_pre, h_post, h_res, a = _NATIVE.maps_fwd(
+    _, _, h_pre, h_post, h_res, a = _lib().maps_fwd(
         x.contiguous(), phip, ab, iters, norm_eps, sk_eps, pre_eps, True
     )
     return h_pre, h_post, h_res, a
@@ -502,7 +505,7 @@ def hc_maps(
     args = (x.reshape(-1, n, c).contiguous(), w, s_alpha, s_beta, static_pre, static_post,
             static_res)
     if _no_autograd(*args):  # decoding: no autograd Function, no custom-op dispatch
-        (h_pre, h_post, h_res), _ = _hc_maps_values(_NATIVE.rows_fwd, args[0], _padded(w),
+        (h_pre, h_post, h_res), _ = _hc_maps_values(_lib().rows_fwd, args[0], _padded(w),
                                                     *args[2:], float(norm_eps))
     else:
         h_pre, h_post, h_res = _HcMaps.apply(*args, float(norm_eps))
@@ -598,12 +601,22 @@ def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 # fake implementations instead of ctypes. Used for contiguous fp32/bf16 CPU tensors when the
 # library built; everything else takes the autograd Functions above.
 
-_NATIVE = _native.load()
+
+def _lib() -> _native.NativeOps:
+    """The loaded native library (only called once _native_available() said yes)."""
+    return _native.load()
+
+
+@torch.compiler.assume_constant_result
+def _native_available() -> bool:
+    """Whether the native library is there: built or found in the cache by the first call
+    (not at import). A constant to torch.compile, which then traces no build or lock."""
+    return _native.load() is not None
 
 
 @torch.library.custom_op("torch_mhc::cpu_pre_aggregate_fwd", mutates_args=())
 def _native_pre_fwd(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    return _NATIVE.pre_fwd(x, h)
+    return _lib().pre_fwd(x, h)
 
 
 @_native_pre_fwd.register_fake
@@ -615,7 +628,7 @@ def _(x, h):
 def _native_pre_bwd(
     x: torch.Tensor, h: torch.Tensor, da: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _NATIVE.pre_bwd(x, h, da)
+    return _lib().pre_bwd(x, h, da)
 
 
 @_native_pre_bwd.register_fake
@@ -639,7 +652,7 @@ _native_pre_fwd.register_autograd(_native_pre_backward, setup_context=_native_pr
 def _native_merge_fwd(
     x: torch.Tensor, f: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor
 ) -> torch.Tensor:
-    return _NATIVE.merge_fwd(x, f, h_post, h_res)
+    return _lib().merge_fwd(x, f, h_post, h_res)
 
 
 @_native_merge_fwd.register_fake
@@ -653,7 +666,7 @@ def _native_merge_bwd(
     g: torch.Tensor, linked: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, df, dh_post, dh_res); linked=True leaves dx and dh_res out (empty tensors)."""
-    dx, df, dh_post, dh_res = _NATIVE.merge_bwd(x, f, h_post, h_res, g, linked)
+    dx, df, dh_post, dh_res = _lib().merge_bwd(x, f, h_post, h_res, g, linked)
     if linked:
         return x.new_empty(0), df, dh_post, h_res.new_empty(0)
     return dx, df, dh_post, dh_res
@@ -675,7 +688,7 @@ def _native_maps_fwd(
     sk_eps: float, pre_eps: float, with_pre: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(lt [T, M], r [T], H_pre, H_post, H_res, a [T, C] or empty): see NativeOps.maps_fwd."""
-    lt, r, h_pre, h_post, h_res, a = _NATIVE.maps_fwd(
+    lt, r, h_pre, h_post, h_res, a = _lib().maps_fwd(
         x.contiguous(), phip.contiguous(), ab, iters, norm_eps, sk_eps, pre_eps, with_pre
     )
     return lt, r, h_pre, h_post, h_res, (x.new_empty(0) if a is None else a)
@@ -700,7 +713,7 @@ def _native_maps_bwd(
     pre_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dL/dH~ [T, M], dphi [K, M]): see NativeOps.maps_bwd."""
-    return _NATIVE.maps_bwd(x.contiguous(), phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_link,
+    return _lib().maps_bwd(x.contiguous(), phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_link,
                             iters, sk_eps, pre_eps)
 
 
@@ -712,7 +725,7 @@ def _(x, phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_link, iters, sk_eps, pre_
 @torch.library.custom_op("torch_mhc::cpu_rows_fwd", mutates_args=())
 def _native_rows_fwd(x: torch.Tensor, wp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x @ wp [R, Mp], sums of squares of x's rows [R]): see NativeOps.rows_fwd."""
-    return _NATIVE.rows_fwd(x.contiguous(), wp.contiguous())
+    return _lib().rows_fwd(x.contiguous(), wp.contiguous())
 
 
 @_native_rows_fwd.register_fake
@@ -726,7 +739,7 @@ def _native_rows_bwd(
     x: torch.Tensor, wt: torch.Tensor, dz: torch.Tensor, coef: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [R, K], dw [K, M]): see NativeOps.rows_bwd."""
-    return _NATIVE.rows_bwd(x.contiguous(), wt.contiguous(), dz.contiguous(),
+    return _lib().rows_bwd(x.contiguous(), wt.contiguous(), dz.contiguous(),
                             coef.contiguous())
 
 
@@ -737,7 +750,7 @@ def _(x, wt, dz, coef):
 
 def _use_native(x: torch.Tensor) -> bool:
     """Whether x [..., n, C] takes the native loops (built library, fp32/bf16, n <= 8)."""
-    return _NATIVE is not None and _native.supports(x)
+    return _native.supports(x) and _native_available()
 
 
 def _check_streams(x: torch.Tensor, what: str) -> None:
@@ -788,7 +801,7 @@ def post_merge(
         h_res.reshape(-1, n, n).to(maps_dtype).contiguous(),
     )
     if native and _no_autograd(x, f, h_post, h_res):
-        out = _NATIVE.merge_fwd(*args)
+        out = _lib().merge_fwd(*args)
     else:
         out = _PostMerge.apply(*args, native, linked)
     return out.reshape(x.shape)
