@@ -294,6 +294,11 @@ class KromHC(_MhcReadWrite):
     def res_map(self, z: torch.Tensor) -> torch.Tensor:
         return kromhc_res(z, self.same)
 
+    def res_logits(self, x: torch.Tensor) -> None:
+        """None: the factors are sigmoids of one logit each, with no exp over a set of
+        logits to underflow (the health diagnostics' logit range does not apply)."""
+        return None
+
 
 class MHCStaticRes(_MhcReadWrite):
     """mHC with H_res fixed to the identity: only H_pre and H_post are learned."""
