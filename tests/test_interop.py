@@ -14,10 +14,13 @@ from torch import nn
 
 hf = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 
-from torch_mhc import ManifoldHyperConnection  # noqa: E402
+from torch_mhc import ManifoldHyperConnection, StreamHead, reduce_streams  # noqa: E402
 from torch_mhc.interop import (  # noqa: E402
     from_deepseek_v4,
+    from_deepseek_v4_head,
+    load_deepseek_v4_head_state_dict,
     load_deepseek_v4_state_dict,
+    to_deepseek_v4_head_state_dict,
     to_deepseek_v4_state_dict,
 )
 
@@ -253,3 +256,86 @@ def test_errors_name_what_was_expected():
         from_deepseek_v4(state, nn.Identity(), rms_norm_eps=RMS_EPS)
     with pytest.raises(ValueError, match=r"hc_mult=3 disagrees with the module's 4"):
         from_deepseek_v4(_random_hf(32, 4, seed=9), nn.Identity(), hc_mult=3)
+
+
+# ------------------------------------------------------------------------------------------
+# The HyperHead (final stream collapse) <-> StreamHead
+
+
+def _random_head(hidden: int, n: int, seed: int) -> nn.Module:
+    module = hf.DeepseekV4HyperHead(_config(hidden, n))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        module.hc_fn.copy_(0.1 * torch.randn(module.hc_fn.shape, generator=g))
+        module.hc_base.copy_(torch.randn(module.hc_base.shape, generator=g))
+        module.hc_scale.fill_(1.7)
+    return module
+
+
+def _head_float64(x, hc_fn, hc_base, hc_scale, hc_eps=HC_EPS, rms_eps=RMS_EPS):
+    """DeepseekV4HyperHead.forward transcribed without its float32 casts."""
+    flat = x.flatten(-2)
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)
+    pre = torch.sigmoid(torch.nn.functional.linear(flat, hc_fn) * hc_scale + hc_base) + hc_eps
+    return (pre.unsqueeze(-1) * x).sum(dim=-2)
+
+
+@pytest.mark.parametrize("n,dim", [(4, 32), (3, 8)])
+def test_stream_head_matches_the_hyperhead(n, dim):
+    module = _random_head(dim, n, seed=40 + n)
+    x = _streams(n, dim, torch.float32, seed=41).requires_grad_(True)
+    head = from_deepseek_v4_head(module)
+    assert (head.streams, head.dim, head.eps, head.norm_eps) == (n, dim, HC_EPS, RMS_EPS)
+    want, got = module(x), head(x)
+    _assert_close(got, want, "head fp32")
+    g = torch.randn(want.shape, generator=torch.Generator().manual_seed(2))
+    gx, g_fn = torch.autograd.grad(want, [x, module.hc_fn], g)
+    hx, h_phi = torch.autograd.grad(got, [x, head.phi], g)
+    _assert_close(hx, gx, "dx")
+    _assert_close(h_phi.T, g_fn, "dhc_fn")
+
+    # float64: the transcription against a StreamHead built from the state dict
+    state = {k: v.detach().double() for k, v in module.state_dict().items()}
+    head64 = from_deepseek_v4_head(state, hc_eps=HC_EPS, rms_norm_eps=RMS_EPS)
+    x64 = x.detach().double()
+    want64 = _head_float64(x64, state["hc_fn"], state["hc_base"], state["hc_scale"])
+    _assert_close(head64(x64), want64, "head float64")
+
+
+def test_stream_head_round_trip_and_initial_mean():
+    module = _random_head(16, 4, seed=5)
+    back = to_deepseek_v4_head_state_dict(from_deepseek_v4_head(module), prefix="model.hc_head.")
+    for k, v in module.state_dict().items():
+        assert torch.equal(back["model.hc_head." + k], v), k
+
+    head = StreamHead(16, 4, norm_eps=RMS_EPS, eps=HC_EPS)
+    x = _streams(4, 16, torch.float32, seed=7)
+    # initialised: the mean of the streams (w = 1/4 + hc_eps each)
+    torch.testing.assert_close(head(x), reduce_streams(x) * (1 + 4 * HC_EPS), rtol=1e-6,
+                               atol=1e-6)
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.5)
+    target = hf.DeepseekV4HyperHead(_config(16, 4))
+    target.load_state_dict(to_deepseek_v4_head_state_dict(head))
+    _assert_close(target(x), head(x), "exported head")
+    fresh = load_deepseek_v4_head_state_dict(StreamHead(16, 4), target.state_dict())
+    for (k, a), b in zip(head.named_parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b), k
+
+
+def test_stream_head_errors():
+    with pytest.raises(ValueError, match=r"\[\.\.\., 4, 8\] \(n=4, C=8\), got \(2, 3, 8\)"):
+        StreamHead(8, 4)(torch.randn(2, 3, 8))
+    with pytest.raises(ValueError, match="streams >= 1, got 0"):
+        StreamHead(8, 0)
+    state = {k: v.detach() for k, v in _random_head(32, 4, seed=1).state_dict().items()}
+    with pytest.raises(ValueError, match=r"'hc_fn'.*expected shape \(4, 64\).*got \(4, 128\)"):
+        load_deepseek_v4_head_state_dict(StreamHead(16, 4), state)
+    with pytest.raises(KeyError, match=r"missing \['hc_scale'\]"):
+        from_deepseek_v4_head({"hc_fn": state["hc_fn"], "hc_base": state["hc_base"]})
+    with pytest.raises(ValueError, match="needs hc_eps and rms_norm_eps"):
+        from_deepseek_v4_head(state, hc_eps=HC_EPS)
+    with pytest.raises(TypeError, match="expected a DeepseekV4HyperHead"):
+        from_deepseek_v4_head(nn.Linear(2, 2))
