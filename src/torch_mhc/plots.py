@@ -16,10 +16,12 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import LogFormatter, MaxNLocator
 
 __all__ = ["COLORS", "composite_gain_png", "gain_over_training_png", "grad_norm_png",
-           "loss_curves_png"]
+           "health_png", "loss_curves_png"]
 
-COLORS = {"residual": "#4d4d4d", "hc": "#d62728", "mhc": "#1f77b4"}
-LABELS = {"residual": "residual", "hc": "HC", "mhc": "mHC"}
+COLORS = {"residual": "#4d4d4d", "hc": "#d62728", "mhc": "#1f77b4", "mhc-lite": "#2ca02c",
+          "kromhc": "#9467bd", "mhc-static-res": "#ff7f0e"}
+LABELS = {"residual": "residual", "hc": "HC", "mhc": "mHC", "mhc-lite": "mHC-lite",
+          "kromhc": "KromHC", "mhc-static-res": "mHC static H_res"}
 
 
 def _png(fig: Figure) -> bytes:
@@ -50,10 +52,20 @@ def _running_mean(values: list[float], window: int) -> list[float]:
 
 
 def loss_curves_png(runs: dict[str, dict]) -> bytes:
-    """Training loss (faint: per step; solid: running mean) and validation loss, per variant."""
+    """Training loss (faint: per step; solid: running mean) and validation loss, per variant.
+
+    A run with "seed_runs" (more than one seed, each with its loss_history and val_history)
+    is drawn as the mean over seeds with a band from the lowest to the highest seed.
+    """
     fig = Figure(figsize=(8, 4.5))
     ax = fig.add_subplot()
+    seeds = 1
     for kind, run in runs.items():
+        per_seed = run.get("seed_runs") or [run]
+        seeds = max(seeds, len(per_seed))
+        if len(per_seed) > 1:
+            _seed_band(ax, kind, per_seed)
+            continue
         losses = run["loss_history"]
         if not losses:
             continue
@@ -69,10 +81,36 @@ def loss_curves_png(runs: dict[str, dict]) -> bytes:
                     linestyle="--", marker="o", markersize=3, label=f"{LABELS.get(kind, kind)} val")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats per byte)")
-    ax.set_title("Loss")
+    ax.set_title("Loss" + (f" (mean of {seeds} seeds; bands: lowest to highest seed)"
+                           if seeds > 1 else ""))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _png(fig)
+
+
+def _seed_band(ax, kind: str, per_seed: list[dict]) -> None:
+    """Mean over seeds of the running-mean training loss and of the validation loss, each
+    with a band from the lowest to the highest seed."""
+    color, label = COLORS.get(kind), LABELS.get(kind, kind)
+    length = min(len(r["loss_history"]) for r in per_seed)
+    if length:
+        window = max(1, length // 50)
+        curves = [_running_mean(r["loss_history"][:length], window) for r in per_seed]
+        at_step = list(zip(*curves, strict=True))  # [step][seed]
+        steps = list(range(1, length + 1))
+        ax.fill_between(steps, [min(c) for c in at_step], [max(c) for c in at_step],
+                        color=color, alpha=0.2, linewidth=0)
+        ax.plot(steps, [sum(c) / len(c) for c in at_step], color=color, linewidth=1.5,
+                label=f"{label} train (mean of {window})")
+    vals = [r.get("val_history") or [] for r in per_seed]
+    points = min(len(v) for v in vals)
+    if points:
+        steps = [v["step"] for v in vals[0][:points]]
+        cols = [[v[i]["val_loss"] for v in vals] for i in range(points)]
+        ax.fill_between(steps, [min(c) for c in cols], [max(c) for c in cols], color=color,
+                        alpha=0.12, linewidth=0, hatch="//")
+        ax.plot(steps, [sum(c) / len(c) for c in cols], color=color, linestyle="--",
+                marker="o", markersize=3, label=f"{label} val")
 
 
 def grad_norm_png(runs: dict[str, dict]) -> bytes:
@@ -147,4 +185,36 @@ def gain_over_training_png(histories: dict[str, list[dict]]) -> bytes:
     ax.set_title("Composite gain during training")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def health_png(healths: dict[str, dict]) -> bytes:
+    """Connection health against depth, per variant: the streams' mean pairwise cosine
+    similarity entering each layer (left) and H_res's Frobenius distance from the identity,
+    each layer's (dashed) and the composite's (solid) (right).
+
+    healths: {kind: a HealthReport dict} (the final measurement of each run).
+    """
+    fig = Figure(figsize=(10, 4.2))
+    left, right = fig.subplots(1, 2)
+    for kind, report in healths.items():
+        color, label = COLORS.get(kind), LABELS.get(kind, kind)
+        depth = list(range(1, len(report["stream_cosine"]) + 1))
+        left.plot(depth, report["stream_cosine"], color=color, marker="o", markersize=3,
+                  label=label)
+        right.plot(depth, [c["dist_identity"] for c in report["composite_health"]],
+                   color=color, linewidth=1.6, label=f"{label} composite")
+        right.plot(depth, [c["dist_identity"] for c in report["layer_health"]], color=color,
+                   linewidth=1.0, linestyle="--", label=f"{label} layer")
+    lowest = min((c for r in healths.values() for c in r["stream_cosine"] if c == c), default=0)
+    left.set_ylim(min(0.0, lowest) - 0.02, 1.02)  # cosines lie in [-1, 1]; 1 = copies
+    left.set_title("Stream similarity entering each layer")
+    left.set_ylabel("mean pairwise cosine of the n streams")
+    right.set_title("H_res distance from the identity")
+    right.set_ylabel("||H - I||_F, mean over tokens")
+    for ax in (left, right):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("depth (sublayer)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     return _png(fig)
