@@ -117,3 +117,29 @@ def perturb(module, scale=0.5, seed=0):
 @pytest.fixture
 def branch_modules():
     return MLP, Attention, perturb
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint folders
+
+
+def file_sums(folder: Path) -> dict[str, list[int]]:
+    """{name: [size, CRC-32]} of every file in a checkpoint folder but meta.json."""
+    import zlib
+
+    return {p.name: [p.stat().st_size, zlib.crc32(p.read_bytes())]
+            for p in sorted(folder.iterdir()) if p.is_file() and p.name != "meta.json"}
+
+
+@pytest.fixture
+def reseal():
+    """reseal(folder): rewrite meta.json's sums to match the files as they are now, as an
+    attacker (or a careless edit) could: what is then refused is refused by content."""
+    import json
+
+    def run(folder: Path) -> None:
+        meta = json.loads((folder / "meta.json").read_text())
+        meta["files"] = file_sums(folder)
+        (folder / "meta.json").write_text(json.dumps(meta))
+
+    return run

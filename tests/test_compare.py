@@ -49,7 +49,7 @@ def test_compare_writes_all_files(tiny_report):
         width, height = read_png_size((out / name).read_bytes())
         assert width > 200 and height > 200
     for kind in ("residual", "hc", "mhc"):
-        state = load_checkpoint(out / kind / "last.pt")
+        state = load_checkpoint(out / kind)
         assert state["model_config"]["residual"] == kind
         assert state["step"] == PRESETS["tiny"]["steps"]
         assert (out / kind / "metrics.jsonl").is_file()

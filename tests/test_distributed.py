@@ -27,6 +27,7 @@ import torch.distributed as dist
 import dist_worker as W
 import launch as launch_helpers
 from torch_mhc.parallel import (
+    CheckpointError,
     DistInfo,
     init_distributed,
     load_checkpoint,
@@ -220,7 +221,7 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="interrupted"):
         assert load_checkpoint(path, fresh2)["step"] == 1
     assert all(torch.equal(v, good[k]) for k, v in fresh2.state_dict().items())
-    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
         load_checkpoint(tmp_path / "nowhere", fresh2)
     with pytest.raises(TypeError, match="weights_only"):  # refused before anything is written
         save_checkpoint(tmp_path / "other", fresh2, extra={"f": lambda: 0})

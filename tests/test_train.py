@@ -9,48 +9,27 @@ from dataclasses import replace
 import pytest
 import torch
 
-import torch_mhc.train as T
-from torch_mhc.model import ModelConfig
+import torch_mhc.train.checkpoint as C
+import torch_mhc.train.steps as S
+from torch_mhc.model import LM
 from torch_mhc.train import (
     CheckpointError,
     ConfigError,
     LRSchedule,
+    SpikeGuard,
     TrainConfig,
     TrainingDiverged,
     load_checkpoint,
-    save_checkpoint,
     train,
 )
-
-
-def write_corpus(path, n_lines: int = 400) -> str:
-    """A small, very regular corpus (~14 KB) that a tiny model learns in a few dozen steps."""
-    lines = [f"def f{i % 17}(x):\n    return x * {i % 7} + {i % 5}\n" for i in range(n_lines)]
-    path.write_text("".join(lines))
-    return str(path)
-
-
-def tiny_config(tmp_path, residual: str = "mhc", **overrides) -> TrainConfig:
-    data = tmp_path / "corpus.txt"
-    if not data.exists():
-        write_corpus(data)
-    cfg = TrainConfig(
-        model=ModelConfig(dim=32, n_layers=2, n_heads=2, max_seq_len=32, residual=residual),
-        data=str(data), cache_dir=str(tmp_path / "cache"), val_fraction=0.1,
-        batch_size=4, seq_len=32, steps=8, lr=3e-3, min_lr=3e-4, warmup=2,
-        eval_every=0, eval_batches=2, gain_every=0, gain_batch_size=2, log_every=2,
-        quiet=True, progress=False, tensorboard=False, dtype="fp32", device="cpu",
-    )
-    return cfg.updated(overrides)
-
 
 # ---------------------------------------------------------------------------------------------
 # Learning and the result
 
 
 @pytest.mark.parametrize("residual", ["residual", "hc", "mhc"])
-def test_model_learns_tiny_corpus(tmp_path, residual):
-    cfg = tiny_config(tmp_path, residual, steps=60, batch_size=8, eval_every=30)
+def test_model_learns_tiny_corpus(tmp_path, residual, tiny_config):
+    cfg = tiny_config(residual, steps=60, batch_size=8, eval_every=30)
     r = train(cfg)
     start = r.loss_history[0]
     assert abs(start - math.log(256)) < 0.3  # an untrained byte model is near uniform
@@ -61,7 +40,7 @@ def test_model_learns_tiny_corpus(tmp_path, residual):
     assert len(r.loss_history) == len(r.grad_norm_history) == len(r.lr_history) == 60
     assert r.steps == 60 and r.tokens_per_s > 0 and r.step_time_median_s > 0
     assert r.peak_mem_bytes >= 0 and r.peak_mem_kind
-    assert r.params == sum(p.numel() for p in T.LM(cfg.model).parameters())
+    assert r.params == sum(p.numel() for p in LM(cfg.model).parameters())
     if residual == "residual":
         assert r.gain_history == [] and math.isnan(r.max_composite_gain_fwd)
     else:
@@ -70,25 +49,25 @@ def test_model_learns_tiny_corpus(tmp_path, residual):
         assert len(r.gain_history[-1]["composite_fwd"]) == 2 * cfg.model.n_layers
 
 
-def test_initial_gains_and_mhc_rows(tmp_path):
+def test_initial_gains_and_mhc_rows(tmp_path, tiny_config):
     """At initialisation HC's H_res is the identity (gain exactly 1); mHC's rows sum to 1 at
     every step, so its composite forward gain stays 1 up to rounding."""
-    hc = train(tiny_config(tmp_path, "hc", steps=4, gain_every=2))
+    hc = train(tiny_config("hc", steps=4, gain_every=2))
     assert hc.gain_history[0]["max_composite_fwd"] == pytest.approx(1.0, abs=1e-12)
     assert hc.gain_history[0]["max_composite_bwd"] == pytest.approx(1.0, abs=1e-12)
-    mhc = train(tiny_config(tmp_path, "mhc", steps=4, gain_every=2))
+    mhc = train(tiny_config("mhc", steps=4, gain_every=2))
     for g in mhc.gain_history:
         assert g["max_composite_fwd"] == pytest.approx(1.0, abs=1e-5)
 
 
-def test_same_seed_same_run_and_variants_start_alike(tmp_path):
-    a = train(tiny_config(tmp_path, "mhc"))
-    b = train(tiny_config(tmp_path, "mhc"))
+def test_same_seed_same_run_and_variants_start_alike(tmp_path, tiny_config):
+    a = train(tiny_config("mhc"))
+    b = train(tiny_config("mhc"))
     assert a.loss_history == b.loss_history  # bitwise: seeded weights and data order
-    res = train(tiny_config(tmp_path, "residual"))
+    res = train(tiny_config("residual"))
     # every connection starts as the residual network, on the same first batch
     assert a.loss_history[0] == pytest.approx(res.loss_history[0], abs=1e-5)
-    c = train(tiny_config(tmp_path, "mhc", seed=1))
+    c = train(tiny_config("mhc", seed=1))
     assert c.loss_history[0] != a.loss_history[0]
 
 
@@ -107,8 +86,8 @@ def test_lr_schedule_cosine_and_step():
     assert step(90) == pytest.approx(0.316**2)
 
 
-def test_step_schedule_is_used_in_training(tmp_path):
-    r = train(tiny_config(tmp_path, steps=10, warmup=0, schedule="step", step_decay=0.5))
+def test_step_schedule_is_used_in_training(tmp_path, tiny_config):
+    r = train(tiny_config(steps=10, warmup=0, schedule="step", step_decay=0.5))
     assert r.lr_history == pytest.approx([3e-3] * 8 + [1.5e-3] + [7.5e-4])
 
 
@@ -122,7 +101,7 @@ class Crash(Exception):
 
 def _crash_at(monkeypatch, call: int):
     """Make the call-th training forward raise Crash (as if the process died there)."""
-    real = T.forward_loss
+    real = S.forward_loss
     calls = {"n": 0}
 
     def forward_loss(*args, **kwargs):
@@ -131,23 +110,23 @@ def _crash_at(monkeypatch, call: int):
             raise Crash(f"simulated crash in forward {call}")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(T, "forward_loss", forward_loss)
+    monkeypatch.setattr(S, "forward_loss", forward_loss)
 
 
-def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
+def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch, tiny_config):
     kw = dict(steps=10, checkpoint_every=4, gain_every=3, eval_every=5, log_every=1)
-    full = train(tiny_config(tmp_path, "mhc", out_dir=str(tmp_path / "full"), **kw))
+    full = train(tiny_config("mhc", out_dir=str(tmp_path / "full"), **kw))
 
     cut_dir = tmp_path / "cut"
     # forwards 1-5: steps 1-5; 6-7: the evaluation at step 5 (2 batches); 8-9: steps 6-7;
     # the 10th, step 8's, crashes: the last checkpoint is step 4's
     _crash_at(monkeypatch, call=10)
     with pytest.raises(Crash):
-        train(tiny_config(tmp_path, "mhc", out_dir=str(cut_dir), **kw))
+        train(tiny_config("mhc", out_dir=str(cut_dir), **kw))
     monkeypatch.undo()
-    assert load_checkpoint(cut_dir / "last.pt")["step"] == 4
+    assert load_checkpoint(cut_dir)["step"] == 4
 
-    resumed = train(tiny_config(tmp_path, "mhc", out_dir=str(cut_dir), resume=True, **kw))
+    resumed = train(tiny_config("mhc", out_dir=str(cut_dir), resume=True, **kw))
     assert resumed.steps == 10
     assert resumed.loss_history == pytest.approx(full.loss_history, abs=1e-6, rel=0)
     assert resumed.grad_norm_history == pytest.approx(full.grad_norm_history, abs=1e-6, rel=0)
@@ -166,55 +145,24 @@ def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
     cut, whole = train_steps(cut_dir), train_steps(tmp_path / "full")
     assert [s for s, _ in cut] == [s for s, _ in whole] == list(range(1, 11))
     assert [v for _, v in cut] == pytest.approx([v for _, v in whole], abs=1e-6, rel=0)
-    final_a = load_checkpoint(tmp_path / "full" / "last.pt")["model"]
-    final_b = load_checkpoint(cut_dir / "last.pt")["model"]
+    final_a = load_checkpoint(tmp_path / "full")["model"]
+    final_b = load_checkpoint(cut_dir)["model"]
     for name, tensor in final_a.items():
         torch.testing.assert_close(final_b[name], tensor, rtol=0, atol=1e-6)
 
 
-def test_checkpoint_rotation_and_atomicity(tmp_path, monkeypatch):
-    save_checkpoint(tmp_path, {"a": torch.zeros(3)})
-    save_checkpoint(tmp_path, {"a": torch.ones(3)})
-    assert torch.equal(torch.load(tmp_path / "prev.pt")["a"], torch.zeros(3))
-    assert torch.equal(torch.load(tmp_path / "last.pt")["a"], torch.ones(3))
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-
-    def failing_save(obj, f):
-        f.write(b"partial")
-        raise OSError("disk full")
-
-    monkeypatch.setattr(torch, "save", failing_save)
-    with pytest.raises(OSError, match="disk full"):
-        save_checkpoint(tmp_path, {"a": torch.full((3,), 2.0)})
-    after = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    assert after == before  # no temp file left, both checkpoints untouched
-
-
-def test_corrupt_and_foreign_checkpoints(tmp_path):
-    bad = tmp_path / "bad.pt"
-    bad.write_bytes(b"this is not a zip file")
-    with pytest.raises(CheckpointError, match="corrupt"):
-        load_checkpoint(bad)
-    foreign = tmp_path / "foreign.pt"
-    torch.save({"weights": torch.zeros(2)}, foreign)
-    with pytest.raises(CheckpointError, match="not a torch-mhc training checkpoint"):
-        load_checkpoint(foreign)
-    with pytest.raises(CheckpointError, match="does not exist"):
-        load_checkpoint(tmp_path / "missing.pt")
-
-
-def test_resume_refuses_another_model(tmp_path):
+def test_resume_refuses_another_model(tmp_path, tiny_config):
     out = tmp_path / "run"
-    train(tiny_config(tmp_path, "mhc", out_dir=str(out), steps=2))
-    before = (out / "last.pt").read_bytes()
+    train(tiny_config("mhc", out_dir=str(out), steps=2))
+    before = _folder_bytes(out / "ckpt")
     with pytest.raises(CheckpointError, match=r"another model \(dim: checkpoint 32, config 64"):
-        train(tiny_config(tmp_path, "mhc", out_dir=str(out), steps=4, resume=True, dim=64))
+        train(tiny_config("mhc", out_dir=str(out), steps=4, resume=True, dim=64))
     with pytest.raises(CheckpointError, match="residual: checkpoint 'mhc', config 'hc'"):
-        train(tiny_config(tmp_path, "hc", out_dir=str(out), steps=4, resume=True))
+        train(tiny_config("hc", out_dir=str(out), steps=4, resume=True))
     # a fresh run must not replace the checkpoint either
-    with pytest.raises(ConfigError, match="last.pt exists"):
-        train(tiny_config(tmp_path, "mhc", out_dir=str(out), steps=4))
-    assert (out / "last.pt").read_bytes() == before
+    with pytest.raises(ConfigError, match="ckpt exists"):
+        train(tiny_config("mhc", out_dir=str(out), steps=4))
+    assert _folder_bytes(out / "ckpt") == before
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,7 +171,7 @@ def test_resume_refuses_another_model(tmp_path):
 
 def _poison(monkeypatch, step: int, how):
     """Replace the training forward's loss at `step` (1-based) by how(loss, model)."""
-    real = T.forward_loss
+    real = S.forward_loss
     calls = {"n": 0}
 
     def forward_loss(model, x, y, device, amp_dtype):
@@ -234,29 +182,29 @@ def _poison(monkeypatch, step: int, how):
                 return how(loss, model)
         return loss
 
-    monkeypatch.setattr(T, "forward_loss", forward_loss)
+    monkeypatch.setattr(S, "forward_loss", forward_loss)
 
 
-def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch, tiny_config):
     out = tmp_path / "run"
     snapshot = {}
-    real_save = T.save_checkpoint
+    real_save = C.save_checkpoint
 
-    def save_and_snapshot(out_dir, state):
-        path = real_save(out_dir, state)
-        snapshot[state["step"]] = path.read_bytes()
+    def save_and_snapshot(out_dir, model, optimizer, state):
+        path = real_save(out_dir, model, optimizer, state)
+        snapshot[state["step"]] = _folder_bytes(path)
         return path
 
-    monkeypatch.setattr(T, "save_checkpoint", save_and_snapshot)
+    monkeypatch.setattr(C, "save_checkpoint", save_and_snapshot)
     _poison(monkeypatch, 5, lambda loss, model: loss * float("nan"))
-    cfg = tiny_config(tmp_path, "mhc", out_dir=str(out), steps=10, checkpoint_every=3)
+    cfg = tiny_config("mhc", out_dir=str(out), steps=10, checkpoint_every=3)
     with pytest.raises(TrainingDiverged, match=r"not finite\) at step 5") as info:
         train(cfg)
     assert info.value.step == 5
     assert "last good checkpoint" in str(info.value) and "left untouched" in str(info.value)
     assert list(snapshot) == [3]
-    assert (out / "last.pt").read_bytes() == snapshot[3]  # byte for byte
-    assert not (out / "prev.pt").exists()
+    assert _folder_bytes(out / "ckpt") == snapshot[3]  # byte for byte
+    assert not (out / "ckpt.prev").exists()
     result = info.value.result
     assert result.steps == 4 and len(result.loss_history) == 4
     assert all(math.isfinite(v) for v in result.loss_history)
@@ -264,30 +212,30 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
     assert lines[-1]["kind"] == "stopped" and lines[-1]["step"] == 5
 
 
-def test_loss_spike_stops(tmp_path, monkeypatch):
+def test_loss_spike_stops(tmp_path, monkeypatch, tiny_config):
     _poison(monkeypatch, 6, lambda loss, model: loss * 10.0)
     with pytest.raises(TrainingDiverged, match=r"loss spike at step 6: .* > 4 x the running mean"):
-        train(tiny_config(tmp_path, "residual", steps=10))
+        train(tiny_config("residual", steps=10))
 
 
-def test_spike_factor_zero_lets_a_spike_through(tmp_path, monkeypatch):
+def test_spike_factor_zero_lets_a_spike_through(tmp_path, monkeypatch, tiny_config):
     _poison(monkeypatch, 6, lambda loss, model: loss * 10.0)
-    r = train(tiny_config(tmp_path, "residual", steps=8, spike_factor=0.0))
+    r = train(tiny_config("residual", steps=8, spike_factor=0.0))
     assert r.steps == 8 and r.loss_history[5] > 20
 
 
-def test_nan_gradient_stops_before_the_update(tmp_path, monkeypatch):
+def test_nan_gradient_stops_before_the_update(tmp_path, monkeypatch, tiny_config):
     def nan_grad(loss, model):
         # adds exactly 0 to the loss, but d sqrt(u)/du at u = 0 is inf, times 0 gives NaN
         return loss + torch.sqrt(model.tok_emb.weight.sum() * 0.0)
 
     _poison(monkeypatch, 3, nan_grad)
     with pytest.raises(TrainingDiverged, match=r"gradient norm is nan \(not finite\) at step 3"):
-        train(tiny_config(tmp_path, "hc", steps=6))
+        train(tiny_config("hc", steps=6))
 
 
 def test_spike_guard_unit():
-    g = T.SpikeGuard(factor=3.0, window=2)
+    g = SpikeGuard(factor=3.0, window=2)
     assert g.check_loss(1, 100.0) is None  # nothing to compare with yet
     g.accept(1.0)
     g.accept(2.0)
@@ -295,7 +243,7 @@ def test_spike_guard_unit():
     assert g.check_loss(4, 8.9) is None
     assert "loss spike at step 4" in g.check_loss(4, 9.1)
     assert "not finite" in g.check_loss(4, float("inf"))
-    h = T.SpikeGuard(3.0, 2)
+    h = SpikeGuard(3.0, 2)
     h.load_state_dict(g.state_dict())
     assert list(h.recent) == [2.0, 4.0]
 
@@ -304,7 +252,7 @@ def test_spike_guard_unit():
 # Configuration
 
 
-def test_config_validation_messages(tmp_path):
+def test_config_validation_messages(tmp_path, tiny_config):
     cases = [
         ({"residual": "dense"}, "residual must be one of"),
         ({"seq_len": 64}, "seq_len 64 is longer than the model allows: max_seq_len is 32"),
@@ -319,7 +267,7 @@ def test_config_validation_messages(tmp_path):
     ]
     for overrides, message in cases:
         with pytest.raises(ConfigError, match=_re(message)):
-            tiny_config(tmp_path).updated(overrides).validate()
+            tiny_config().updated(overrides).validate()
     with pytest.raises(ConfigError, match="unknown config key 'step'"):
         TrainConfig().updated({"step": 3})
     with pytest.raises(ConfigError, match="unknown model config key 'width'"):
@@ -332,28 +280,32 @@ def test_config_round_trip():
     assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
 
 
-def test_threads_setting(tmp_path):
+def test_threads_setting(tmp_path, tiny_config):
     before = torch.get_num_threads()
     try:
-        train(tiny_config(tmp_path, "residual", steps=1, threads=1))
+        train(tiny_config("residual", steps=1, threads=1))
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
     with pytest.raises(ConfigError, match="threads must be an integer >= 0"):
-        tiny_config(tmp_path, threads=-1).validate()
+        tiny_config(threads=-1).validate()
 
 
-def test_bad_data_inputs(tmp_path):
+def test_bad_data_inputs(tmp_path, tiny_config):
     with pytest.raises(ConfigError, match="does not exist"):
-        train(tiny_config(tmp_path, data=str(tmp_path / "nope.txt")))
+        train(tiny_config(data=str(tmp_path / "nope.txt")))
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")
     with pytest.raises(ConfigError, match="is empty"):
-        train(tiny_config(tmp_path, data=str(empty)))
+        train(tiny_config(data=str(empty)))
     short = tmp_path / "short.txt"
     short.write_text("x = 1\n" * 4)
     with pytest.raises(ConfigError, match="corpus shorter than one batch"):
-        train(tiny_config(tmp_path, data=str(short)))
+        train(tiny_config(data=str(short)))
+
+
+def _folder_bytes(folder) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
 def _re(text: str) -> str:

@@ -11,21 +11,38 @@ Each subcommand is one `_add_<name>(subparsers)` function that builds its parser
 Commands that own their whole command line (cost) are in `DELEGATED` and receive the raw
 arguments.
 
-Bad input (a config value, a data path, a checkpoint) is one line on stderr,
-`mhc <command>: error: <what was expected and what came>`, and exit code 2, with no
-traceback; a run stopped by the spike policy exits with 1.
+Every error is one line on stderr, `mhc <command>: error: <what was expected and what came>`,
+with no traceback, and its own exit status (`EXIT_STATUS`, listed in `mhc train --help`):
+0 done, 1 stopped by the spike policy, 2 bad input (a config value, a data path, a bad or
+foreign checkpoint, an out_dir in use by another run, a missing extra), 3 out of disk space,
+130 interrupted (Ctrl-C; a training run writes a checkpoint first).
+
+`train`, `compare` and `generate` need the `train` extra (numpy, tqdm; matplotlib for
+compare's figures); without it they say which extra to install. `cost` and `bench` need torch
+only.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from collections.abc import Callable
 
-from . import config as _config
+__all__ = ["DELEGATED", "EXIT_STATUS", "SUBCOMMANDS", "build_parser", "main"]
 
-__all__ = ["DELEGATED", "SUBCOMMANDS", "build_parser", "main"]
+EXIT_STATUS = """exit status:
+  0    the run finished
+  1    stopped by the spike policy (a NaN/Inf or spiking loss); the last good checkpoint is kept
+  2    bad input: configuration, data, a corrupt or foreign checkpoint, out_dir in use by
+       another run, a missing extra
+  3    no space left on the device; the previous checkpoint is intact
+  130  interrupted (Ctrl-C or SIGTERM) after writing a checkpoint of the last completed step"""
+
+# what each command imports beyond torch, and the extra that installs it
+_EXTRA_MODULES = {"train": ("numpy", "tqdm"), "compare": ("numpy", "tqdm", "matplotlib"),
+                  "generate": ("numpy", "tqdm")}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,15 +56,31 @@ class UsageError(Exception):
     """Bad input found by a command; main prints it as one line and returns 2."""
 
 
+def _require_extra(command: str) -> None:
+    """UsageError naming the extra to install when a module the command needs is missing."""
+    for name in _EXTRA_MODULES.get(command, ()):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            raise UsageError(
+                f"{name} is not installed: mhc {command} needs the training extra, "
+                "pip install 'torch-mhc[train]'"
+            ) from None
+
+
 # ---------------------------------------------------------------------------------------------
 # mhc train
 # ---------------------------------------------------------------------------------------------
 
 
 def _add_train(subparsers) -> None:
+    from . import config as _config
+
     p = subparsers.add_parser(
         "train", help="train the reference LM (residual, HC or mHC)",
-        description="Train the reference LM. Precedence: defaults < --config file < flags.",
+        description="Train the reference LM. Precedence: defaults < --config file < flags. "
+        "One run per --out-dir (a second one is refused while the first holds its lock).",
+        epilog=EXIT_STATUS, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", metavar="FILE.toml", help="TOML file of config keys")
     _config.add_config_flags(p)
@@ -55,6 +88,9 @@ def _add_train(subparsers) -> None:
 
 
 def _run_train(args: argparse.Namespace) -> int:
+    from . import config as _config
+
+    _require_extra("train")
     from .train import TrainConfig, train
 
     cfg = _config.build_config(TrainConfig(), args.config, _config.flag_overrides(args))
@@ -70,7 +106,7 @@ _COMPARE_EXCLUDED = {"out_dir", "resume", "overwrite", "residual"}
 
 
 def _add_compare(subparsers) -> None:
-    from .compare import PRESETS
+    from . import config as _config
 
     p = subparsers.add_parser(
         "compare", help="train residual, HC and mHC alike and write a report",
@@ -79,16 +115,29 @@ def _add_compare(subparsers) -> None:
         "--config file < flags.",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="folder for the report")
-    p.add_argument("--preset", default="default", choices=sorted(PRESETS),
+    p.add_argument("--preset", default="default", choices=_compare_presets(),
                    help="size of the comparison (default: default, about 6 min on 2 cores)")
     p.add_argument("--config", metavar="FILE.toml", help="TOML file of config keys")
     _config.add_config_flags(p, exclude=_COMPARE_EXCLUDED)
     p.set_defaults(run=_run_compare)
 
 
+def _compare_presets() -> list[str] | None:
+    """The preset names for --preset's choices; None (any name, checked later) when compare
+    cannot be imported without the train extra."""
+    try:
+        from .compare import PRESETS
+    except ImportError:
+        return None
+    return sorted(PRESETS)
+
+
 def _run_compare(args: argparse.Namespace) -> int:
+    from . import config as _config
+
+    _require_extra("compare")
     from .compare import compare, preset_config, summary_table
-    from .train import ConfigError
+    from .config import ConfigError
 
     base = preset_config(args.preset)
     if args.config is not None:
@@ -117,7 +166,7 @@ def _add_generate(subparsers) -> None:
         "prompt, decoding with the KV cache unless --no-cache.",
     )
     p.add_argument("--checkpoint", required=True, metavar="PATH",
-                   help="a checkpoint file, or a run folder holding last.pt")
+                   help="a checkpoint folder, or a run folder holding one (ckpt/)")
     p.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
     p.add_argument("--max-new-tokens", type=int, default=200, metavar="N")
     p.add_argument("--temperature", type=float, default=0.8, metavar="X",
@@ -131,12 +180,11 @@ def _add_generate(subparsers) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
+    _require_extra("generate")
     import torch
 
     from .data import decode, encode
-    from .train import LAST_CHECKPOINT, load_model, resolve_device
+    from .train import load_model, resolve_device
 
     try:
         device = resolve_device(args.device)
@@ -148,10 +196,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
     if not args.prompt:
         raise UsageError("--prompt must not be empty: the model needs a token to start from")
-    path = Path(args.checkpoint)
-    if path.is_dir():
-        path = path / LAST_CHECKPOINT
-    model = load_model(path, device)
+    model = load_model(args.checkpoint, device)
     cfg = model.cfg
     if args.top_k is not None and not 1 <= args.top_k <= cfg.vocab_size:
         raise UsageError(f"--top-k must lie in [1, {cfg.vocab_size}], got {args.top_k}")
@@ -219,9 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `mhc`; returns the exit code (0 ok, 1 stopped run, 2 bad input)."""
-    from .train import CheckpointError, ConfigError, TrainingDiverged
-
+    """Entry point of `mhc`; returns the exit status (see EXIT_STATUS)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in DELEGATED:
         return DELEGATED[argv[0]](argv[1:])
@@ -233,18 +276,44 @@ def main(argv: list[str] | None = None) -> int:
     prog = f"mhc {args.command}"
     try:
         return args.run(args)
-    except (ConfigError, CheckpointError, UsageError) as e:
-        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
-        return 2
-    except TrainingDiverged as e:
-        print(f"{prog}: {_one_line(e)}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+    except UsageError as e:
+        return _fail(prog, f"error: {_one_line(e)}", 2)
+    except KeyboardInterrupt as e:  # RunInterrupted says what was saved
+        return _fail(prog, _one_line(e) or "interrupted", 130)
+    except Exception as e:
+        return _known_error(prog, e)
 
 
-def _one_line(e: Exception) -> str:
+def _known_error(prog: str, e: Exception) -> int:
+    """One line and the exit status of an error the commands raise for the user; re-raise
+    anything else (a bug should show its traceback)."""
+    from .train.errors import (
+        EXIT_BAD_INPUT,
+        EXIT_NO_SPACE,
+        EXIT_STOPPED,
+        CheckpointError,
+        ConfigError,
+        DiskFullError,
+        TrainingDiverged,
+    )
+
+    if isinstance(e, ConfigError | CheckpointError):
+        return _fail(prog, f"error: {_one_line(e)}", EXIT_BAD_INPUT)
+    if isinstance(e, TrainingDiverged):
+        return _fail(prog, _one_line(e), EXIT_STOPPED)
+    if isinstance(e, DiskFullError):
+        return _fail(prog, f"error: {_one_line(e)}", EXIT_NO_SPACE)
+    if isinstance(e, OSError) and e.filename is not None:  # permissions, a vanished folder
+        return _fail(prog, f"error: {e.strerror}: {e.filename}", EXIT_BAD_INPUT)
+    raise e
+
+
+def _fail(prog: str, message: str, status: int) -> int:
+    print(f"{prog}: {message}", file=sys.stderr)
+    return status
+
+
+def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
 
 

@@ -17,7 +17,7 @@ Written to out_dir (created if missing), each file atomically (temp file + renam
     grad_norm.png          gradient norm per step
     composite_gain.png     composite forward / backward Amax gain versus depth, HC vs mHC
     gain_over_training.png the largest composite gain at each measurement
-    <kind>/                each run's metrics.jsonl and final checkpoint (last.pt)
+    <kind>/                each run's metrics.jsonl and final checkpoint (ckpt/)
 Running compare again on the same folder replaces all of these.
 
 Presets (`PRESETS`):

@@ -1,4 +1,8 @@
-"""Layered configuration for the `mhc` commands: defaults, presets, a TOML file, flags.
+"""Configuration of a run: `TrainConfig` (validated, with the device and dtype it resolves to)
+and its layers for the `mhc` commands: defaults, presets, a TOML file, flags.
+
+    cfg = TrainConfig(model=ModelConfig(residual="mhc", dim=128), steps=500, out_dir="runs/a")
+    cfg.validate()                 # ConfigError naming the field, what was expected, what came
 
 Precedence, lowest first: TrainConfig's defaults (or a compare preset), then the TOML file
 given with `--config`, then command-line flags. Every layer uses TrainConfig's field names.
@@ -18,24 +22,344 @@ the merged configuration is validated before anything runs.
 Flags are generated from the dataclass fields (`--batch-size`, `--n-layers`, `--residual`,
 booleans as `--compile / --no-compile`), so a new field gets its flag without editing here;
 only the help text lives in `HELP`.
+
+This module needs torch only (no numpy): the `mhc` command imports it before it knows whether
+the training extra is installed.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from dataclasses import MISSING, fields
+import math
+import os
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
+import torch
+
 from .model import ModelConfig
-from .train import ConfigError, TrainConfig
+from .parallel import layout as _layout
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
+__all__ = [
+    "DTYPES",
+    "HELP",
+    "SCHEDULES",
+    "ConfigError",
+    "TrainConfig",
+    "add_config_flags",
+    "build_config",
+    "flag_overrides",
+    "load_toml",
+    "resolve_device",
+    "resolve_dtype",
+]
 
-__all__ = ["HELP", "add_config_flags", "build_config", "flag_overrides", "load_toml"]
+
+class ConfigError(ValueError):
+    """A configuration value or input that cannot work; the message names it."""
+
+
+SCHEDULES = ("cosine", "step")
+BYTE_VOCAB = 256  # the corpora are bytes (torch_mhc.data.VOCAB_SIZE)
+DTYPES = ("auto", "fp32", "bf16")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run depends on. `model` is the LM's config; the rest is the training's."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    # data
+    data: str | None = None  # a text file, a folder, a saved HF dataset; None: the stdlib source
+    cache_dir: str | None = None  # token cache; None: torch_mhc.data.default_cache_dir()
+    val_fraction: float = 0.01  # the last fraction of the bytes is validation
+    max_bytes: int | None = None  # keep only the first max_bytes bytes of the corpus
+    # optimisation
+    batch_size: int = 16
+    seq_len: int = 256
+    steps: int = 1000
+    lr: float = 1e-3
+    min_lr: float = 1e-4  # cosine ends here
+    warmup: int = 100  # linear warmup steps
+    schedule: str = "cosine"  # "cosine" | "step"
+    step_decay: float = 0.316  # "step": lr x this at 80% and again at 90% of the steps
+    beta1: float = 0.9
+    beta2: float = 0.95
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    seed: int = 0
+    # measurement
+    eval_every: int = 200  # 0: evaluate only at the end
+    eval_batches: int = 20
+    gain_every: int = 100  # 0: measure the Amax gains only at the start and the end
+    gain_batch_size: int = 4  # rows of the fixed validation batch the gains are measured on
+    log_every: int = 10
+    # output
+    out_dir: str | None = None  # None: nothing written (no metrics file, no checkpoints)
+    checkpoint_every: int = 0  # 0: a checkpoint only at the end (needs out_dir)
+    resume: bool | str = False  # True: out_dir/last.pt; a str: that checkpoint
+    overwrite: bool = False  # allow a fresh run in an out_dir that holds a checkpoint
+    progress: bool = True  # tqdm bar (shown only on a terminal)
+    tensorboard: bool = True  # write out_dir/tb when torch.utils.tensorboard works
+    quiet: bool = False  # no log lines on stdout
+    # execution
+    dtype: str = "auto"  # "fp32" | "bf16" (autocast) | "auto" (see resolve_dtype)
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N" | "mps"
+    compile: bool = False  # torch.compile the model for the training steps
+    threads: int = 0  # torch.set_num_threads for the process; 0 leaves torch's default
+    # parallelism (under torchrun; see torch_mhc.parallel)
+    parallel: str = "none"  # "none" | "ddp" | "fsdp" | "pp"
+    pp_schedule: str = "1f1b"  # "1f1b" | "dualpipev" (parallel = "pp")
+    micro_batches: int = 1  # pipeline micro-batches per step (parallel = "pp"; else 1)
+    # spike policy
+    spike_factor: float = 4.0  # stop when loss > factor x running mean; 0: off (NaN still stops)
+    spike_window: int = 50  # steps in the running mean
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model, dict):
+            self.model = ModelConfig.from_dict(self.model)
+
+    # --- validation ---------------------------------------------------------------------
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the field, what was expected and what came."""
+        if not isinstance(self.model, ModelConfig):
+            raise ConfigError(f"TrainConfig.model must be a ModelConfig, got {self.model!r}")
+        try:
+            self.model.validate()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        _check_int(self, "batch_size", 1)
+        _check_int(self, "seq_len", 1)
+        _check_int(self, "steps", 1)
+        _check_int(self, "warmup", 0)
+        _check_int(self, "seed", 0)
+        for name in ("eval_every", "gain_every", "checkpoint_every", "threads"):
+            _check_int(self, name, 0)
+        for name in ("eval_batches", "gain_batch_size", "log_every", "spike_window"):
+            _check_int(self, name, 1)
+        if self.max_bytes is not None:
+            _check_int(self, "max_bytes", 1)
+        _check_number(self, "lr", lo=0.0, lo_open=True)
+        _check_number(self, "min_lr", lo=0.0)
+        if self.min_lr > self.lr:
+            raise ConfigError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+        _check_number(self, "step_decay", lo=0.0, hi=1.0, lo_open=True)
+        _check_number(self, "beta1", lo=0.0, hi=1.0, hi_open=True)
+        _check_number(self, "beta2", lo=0.0, hi=1.0, hi_open=True)
+        _check_number(self, "weight_decay", lo=0.0)
+        _check_number(self, "grad_clip", lo=0.0)
+        _check_number(self, "spike_factor", lo=0.0)
+        if 0.0 < self.spike_factor <= 1.0:
+            raise ConfigError(
+                f"spike_factor must be 0 (off) or > 1 (a loss that many times the running "
+                f"mean stops the run), got {self.spike_factor}"
+            )
+        _check_number(self, "val_fraction", lo=0.0, hi=1.0, lo_open=True, hi_open=True)
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("overwrite", "progress", "tensorboard", "quiet", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.resume, bool | str) or self.resume == "":
+            raise ConfigError(
+                f"resume must be true/false or a checkpoint path, got {self.resume!r}"
+            )
+        if self.seq_len > self.model.max_seq_len:
+            raise ConfigError(
+                f"seq_len {self.seq_len} is longer than the model allows: max_seq_len is "
+                f"{self.model.max_seq_len} (raise max_seq_len or lower seq_len)"
+            )
+        if self.model.vocab_size < BYTE_VOCAB:
+            raise ConfigError(
+                f"the corpora are byte-level: vocab_size must be >= {BYTE_VOCAB}, got "
+                f"{self.model.vocab_size}"
+            )
+        if self.data is not None and (not isinstance(self.data, str) or not self.data.strip()):
+            raise ConfigError(f"data must be a path (or unset for the stdlib), got {self.data!r}")
+        if self.cache_dir is not None:
+            _check_folder(self.cache_dir, "cache_dir")
+        if self.out_dir is not None:
+            _check_folder(self.out_dir, "out_dir")
+        elif self.resume is True:
+            raise ConfigError("resume = true resumes out_dir/last.pt: set out_dir too")
+        try:
+            device = resolve_device(self.device)
+            resolve_dtype(self.dtype, device)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self._validate_parallel()
+
+    def _validate_parallel(self) -> None:
+        """The parallel fields, and the layout for the world size torchrun announces."""
+        if self.parallel not in _layout.PARALLEL_MODES:
+            raise ConfigError(
+                f"parallel must be one of {_layout.PARALLEL_MODES}, got {self.parallel!r}"
+            )
+        if self.pp_schedule not in _layout.SCHEDULES:
+            raise ConfigError(f"pp_schedule must be one of {_layout.SCHEDULES}, got "
+                              f"{self.pp_schedule!r}")
+        _check_int(self, "micro_batches", 1)
+        if self.parallel != "pp" and self.micro_batches != 1:
+            raise ConfigError(
+                f"micro_batches is the pipeline's (parallel = 'pp'); gradient accumulation is "
+                f"not implemented, so with parallel = {self.parallel!r} it must be 1, got "
+                f"{self.micro_batches}"
+            )
+        if self.parallel != "none":
+            if "WORLD_SIZE" not in os.environ:
+                raise ConfigError(
+                    f"parallel = {self.parallel!r} runs under torchrun: torchrun "
+                    f"--nproc-per-node N -m torch_mhc.cli train --parallel {self.parallel} ..."
+                )
+            if self.compile:
+                raise ConfigError("compile is supported with parallel = 'none' only")
+        try:
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+        except ValueError:
+            raise ConfigError(
+                f"WORLD_SIZE must be an integer, got {os.environ['WORLD_SIZE']!r}"
+            ) from None
+        try:
+            _layout.validate_layout(world, self.parallel, self.model.n_layers, self.batch_size,
+                                micro_batches=self.micro_batches, schedule=self.pp_schedule)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    # --- (de)serialisation --------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        """Plain, JSON-able dict; `model` is a nested dict."""
+        d = asdict(self)
+        d["model"] = self.model.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainConfig:
+        """From a dict of TrainConfig fields, where the model's fields may be given either in a
+        nested "model" dict or at the top level. Unknown keys are a ConfigError naming them."""
+        return cls().updated(d)
+
+    def updated(self, overrides: dict) -> TrainConfig:
+        """A copy with `overrides` applied (the same key rules as from_dict)."""
+        train_names = {f.name for f in fields(TrainConfig)} - {"model"}
+        model_names = {f.name for f in fields(ModelConfig)}
+        train_kw, model_kw = {}, {}
+        for key, value in overrides.items():
+            if key == "model":
+                if not isinstance(value, dict):
+                    raise ConfigError(f"'model' must be a table of model fields, got {value!r}")
+                for mkey, mvalue in value.items():
+                    if mkey not in model_names:
+                        raise ConfigError(
+                            f"unknown model config key {mkey!r}; known: {sorted(model_names)}"
+                        )
+                    if mkey in overrides:
+                        raise ConfigError(f"{mkey!r} is given both at the top level and in model")
+                    model_kw[mkey] = mvalue
+            elif key in model_names:
+                model_kw[key] = value
+            elif key in train_names:
+                train_kw[key] = value
+            else:
+                raise ConfigError(
+                    f"unknown config key {key!r}; known: {sorted(train_names | model_names)}"
+                )
+        # dataclasses.replace re-runs ModelConfig.__post_init__ (its validation) on the copy
+        try:
+            model = replace(self.model, **model_kw)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        except TypeError as e:  # a value of a type the comparison in validate cannot take
+            raise ConfigError(f"bad model config value: {e}") from None
+        return replace(self, model=model, **train_kw)
+
+
+def _check_folder(value, name: str) -> None:
+    """A folder path that is, or can become, a folder: no file at it or above it."""
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{name} must be a folder path (a string), got {value!r}")
+    path = Path(value).expanduser()
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                where = "" if p == path else f" ({p} is a file)"
+                raise ConfigError(f"{name} {value} cannot be a folder{where}: expected a "
+                                  "folder path, found a file there")
+            return
+
+
+def _check_int(cfg, name: str, lo: int) -> None:
+    value = getattr(cfg, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ConfigError(f"{name} must be an integer >= {lo}, got {value!r}")
+
+
+def _check_number(cfg, name: str, lo: float | None = None, hi: float | None = None,
+                  lo_open: bool = False, hi_open: bool = False) -> None:
+    value = getattr(cfg, name)
+    ok = not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+    if ok and lo is not None:
+        ok = value > lo if lo_open else value >= lo
+    if ok and hi is not None:
+        ok = value < hi if hi_open else value <= hi
+    if not ok:
+        lo_s = "" if lo is None else f"{'>' if lo_open else '>='} {lo}"
+        hi_s = "" if hi is None else f"{'<' if hi_open else '<='} {hi}"
+        rule = " and ".join(s for s in (lo_s, hi_s) if s)
+        raise ConfigError(f"{name} must be a number {rule}, got {value!r}")
+
+
+def resolve_device(name: str) -> torch.device:
+    """"auto" -> cuda when available, else cpu; anything else must name an available device."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be auto, cpu, cuda, cuda:N or mps, got {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but CUDA is not available here")
+    if device.type == "cuda" and device.index is not None:
+        if device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {name!r} asked for, but there are {torch.cuda.device_count()} GPUs"
+            )
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {name!r} asked for, but MPS is not available here")
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"device must be auto, cpu, cuda, cuda:N or mps, got {name!r}")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype for a dtype setting, or None for plain fp32.
+
+    "auto": bf16 autocast on a GPU that supports bf16; fp32 on the CPU, where bf16 autocast
+    measured no faster for this library's model sizes on the 2-core AVX-512-BF16 machine it
+    was tuned on (see the README) and fp32 keeps runs exactly reproducible across machines.
+    """
+    if name == "fp32":
+        return None
+    if name == "bf16":
+        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ValueError("dtype bf16 asked for, but this GPU does not support bfloat16")
+        if device.type == "mps":
+            raise ValueError("dtype bf16 autocast is not supported on MPS here; use fp32")
+        return torch.bfloat16
+    if name == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return None
+    raise ValueError(f"dtype must be one of {DTYPES}, got {name!r}")
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers: TOML file and flags
+# ---------------------------------------------------------------------------------------------
 
 HELP = {
     # model
@@ -100,6 +424,7 @@ HELP = {
 def load_toml(path: str | Path) -> dict:
     """The key/value pairs of a TOML config file, checked against TrainConfig's fields."""
     path = Path(path)
+    tomllib = _tomllib()
     try:
         with open(path, "rb") as f:
             values = tomllib.load(f)
@@ -167,3 +492,17 @@ def build_config(base: TrainConfig, config_file: str | Path | None, flags: dict)
     cfg = cfg.updated(flags)
     cfg.validate()
     return cfg
+
+
+def _tomllib():
+    """tomllib (Python >= 3.11) or the tomli backport, imported when a file is read."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # pragma: no cover - Python 3.10 only
+        try:
+            import tomli as tomllib
+        except ModuleNotFoundError:
+            raise ConfigError(
+                "reading a TOML config on Python 3.10 needs tomli: pip install 'torch-mhc[train]'"
+            ) from None
+    return tomllib

@@ -16,10 +16,18 @@ Launch with torchrun; every process runs the same script:
     loss = pipe.step(x, y); opt.step()              # the global batch on every rank
 
 Modules: env (process group and small collectives), layout (checks and stage placement),
-data_parallel (DDP, FSDP2), checkpoint (DCP, crash-safe), pipeline (1F1B, DualPipeV).
+data_parallel (DDP, FSDP2), checkpoint (DCP: crash-safe, checksummed, loaded without running
+pickled code; also the format of single-process runs), pipeline (1F1B, DualPipeV).
 """
 
-from .checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from .checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    read_extra,
+    read_state_dict,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from .data_parallel import apply_fsdp, unwrap, wrap_ddp
 from .env import (
     DistInfo,
@@ -44,6 +52,7 @@ from .pipeline import Pipeline, StageModule, build_pipeline, lm_loss
 
 __all__ = [
     "PARALLEL_MODES",
+    "CheckpointError",
     "SCHEDULES",
     "DistInfo",
     "Pipeline",
@@ -58,6 +67,8 @@ __all__ = [
     "is_rank0",
     "lm_loss",
     "load_checkpoint",
+    "read_extra",
+    "read_state_dict",
     "recompute_segments",
     "resolve_checkpoint",
     "save_checkpoint",
