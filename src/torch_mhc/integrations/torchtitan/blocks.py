@@ -1,0 +1,105 @@
+"""torchtitan's dense decoder blocks with HC / mHC connections around their two sublayers.
+
+A converted block keeps the original block's children under their names (`attention`,
+`attention_norm`, `feed_forward`, `ffn_norm`: every existing parameter name is kept) and adds
+two connections, `attention_hc` and `ffn_hc`. Its forward, on streams x [B, T, n, C]:
+
+    x = attention_hc(x, branch = attention(attention_norm(.), masks, positions))
+    x = ffn_hc(x,       branch = feed_forward(ffn_norm(.)))
+
+The first block expands [B, T, C] -> [B, T, n, C] on entry and the last reduces on exit, so the
+model keeps torchtitan's top-level modules (tok_embeddings, layers, norm, lm_head) and a
+pipeline split still cuts between blocks ([B, T, n, C] travels between stages). At
+initialisation every connection is the plain residual x + F(x) on equal streams, so the
+converted model computes the unconverted model's function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torchtitan.models.llama3.model import Llama3TransformerBlock
+from torchtitan.models.qwen3.model import Qwen3TransformerBlock
+
+from ...connections import expand_streams, reduce_streams
+from .connection import TITAN_CONNECTIONS
+
+
+class _HyperBlock:
+    """Mixed into a torchtitan block class; its Config carries the `hc_*` fields below."""
+
+    def _add_connections(self, config) -> None:
+        cls = TITAN_CONNECTIONS[config.hc_kind]
+        dim = config.attention_norm.normalized_shape
+        n, k = config.hc_streams, config.hc_layer
+        # layer_index 2k and 2k + 1: consecutive connections read consecutive streams.
+        self.attention_hc = cls(dim, n, 2 * k, **config.hc_options)
+        self.ffn_hc = cls(dim, n, 2 * k + 1, **config.hc_options)
+        norm_sharding = config.attention_norm.sharding_config
+        if norm_sharding is not None:  # set by update_from_config (torchtitan's trainer)
+            layout = norm_sharding.state_shardings["weight"]
+            self.attention_hc.declare_replicated(layout)
+            self.ffn_hc.declare_replicated(layout)
+        self.hc_streams, self.hc_first, self.hc_last = n, config.hc_first, config.hc_last
+
+    def _attention_branch(self, h, attention_masks, positions):
+        return self.attention(self.attention_norm(h), attention_masks, positions)
+
+    def _ffn_branch(self, h):
+        return self.feed_forward(self.ffn_norm(h))
+
+    def forward(self, x: torch.Tensor, attention_masks, positions: torch.Tensor | None = None):
+        if self.hc_first:
+            x = expand_streams(x, self.hc_streams)  # [B, T, C] -> [B, T, n, C]
+        x = self.attention_hc(x, self._attention_branch, attention_masks, positions)
+        x = self.ffn_hc(x, self._ffn_branch)
+        return reduce_streams(x) if self.hc_last else x  # [B, T, C] after the last block
+
+
+def _hc_fields(cls):
+    """The connection settings every converted block's Config carries."""
+    cls.__annotations__ = {
+        "hc_kind": str, "hc_streams": int, "hc_layer": int, "hc_first": bool,
+        "hc_last": bool, "hc_options": dict,
+    }
+    cls.hc_kind, cls.hc_streams, cls.hc_layer = "mhc", 4, 0
+    cls.hc_first = cls.hc_last = False
+    cls.hc_options = field(default_factory=dict)
+    return dataclass(kw_only=True, slots=True)(cls)
+
+
+class HyperLlama3Block(_HyperBlock, Llama3TransformerBlock):
+    """Llama3TransformerBlock with HC / mHC connections."""
+
+    @_hc_fields
+    class Config(Llama3TransformerBlock.Config):
+        pass
+
+    def __init__(self, config: Config):
+        Llama3TransformerBlock.__init__(self, config)
+        self._add_connections(config)
+
+    forward = _HyperBlock.forward
+
+
+class HyperQwen3Block(_HyperBlock, Qwen3TransformerBlock):
+    """Qwen3TransformerBlock (dense: no MoE) with HC / mHC connections."""
+
+    @_hc_fields
+    class Config(Qwen3TransformerBlock.Config):
+        pass
+
+    def __init__(self, config: Config):
+        Qwen3TransformerBlock.__init__(self, config)
+        self._add_connections(config)
+
+    forward = _HyperBlock.forward
+
+
+# The block configs a converter accepts, each with the converted class's Config.
+CONVERTIBLE = {
+    Llama3TransformerBlock.Config: HyperLlama3Block.Config,
+    Qwen3TransformerBlock.Config: HyperQwen3Block.Config,
+}
+HYPER_CONFIGS = tuple(CONVERTIBLE.values())
