@@ -228,3 +228,24 @@ def test_health_flat_dict_and_gain_report_compatible():
     d = r.to_dict()
     assert d["composite_fwd"] == r.composite_fwd and len(d["layer_health"]) == 3
     assert diagnostics.ACTIVE is None
+
+
+def test_training_logs_health_every_gain_every_steps(tiny_config, tmp_path):
+    import json
+
+    from torch_mhc.train import METRICS_FILE, train
+
+    out = tmp_path / "run"
+    result = train(tiny_config("mhc-lite", steps=4, gain_every=2, out_dir=str(out)))
+    records = [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines()]
+    gains = [r for r in records if r["kind"] == "gain"]
+    assert [r["step"] for r in gains] == [0, 2, 4]
+    layers = 4  # 2 blocks x (attention, MLP)
+    for r in gains:
+        for i in range(layers):
+            for name in ("colsum_min", "dist_identity", "stream_cosine", "gate_pre"):
+                assert isinstance(r[f"layer{i}/{name}"], float), (r["step"], i, name)
+        assert r["max_abs_log_colsum"] == pytest.approx(0.0, abs=1e-6)  # exact columns
+    assert gains[0]["last_stream_cosine"] == pytest.approx(1.0, abs=1e-6)  # equal at init
+    assert result.gain_history[-1]["composite_health"][-1]["dist_identity"] == pytest.approx(
+        gains[-1][f"composite{layers - 1}/dist_identity"])

@@ -7,7 +7,6 @@ import pytest
 import torch
 from torch import nn
 
-from test_connections import MLP, Attention, _perturb
 from torch_mhc import expand_streams, make_connection, param_groups, reduce_streams
 from torch_mhc.model import LM, ModelConfig
 from torch_mhc.variants import VARIANT_KINDS, KromHC, MHCLite, MHCStaticRes
@@ -69,6 +68,14 @@ def layer_naive(conn, x):
 
 STREAMS = {"mhc-lite": [1, 2, 3, 4, 5], "kromhc": [1, 2, 4, 8], "mhc-static-res": [1, 3, 4]}
 CASES = [(kind, n) for kind in VARIANT_KINDS for n in STREAMS[kind]]
+
+
+def _perturb(module, scale=0.5, seed=0):
+    """Move every parameter away from its initial value (in place)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
 
 
 def _random_variant(kind, n, c=6, dtype=torch.float64, scale=0.5, seed=0):
@@ -163,8 +170,9 @@ def test_initial_maps():
 
 
 @pytest.mark.parametrize("kind", VARIANT_KINDS)
-def test_initialised_network_computes_the_residual_network(kind):
+def test_initialised_network_computes_the_residual_network(kind, branch_modules):
     # The same property and blocks as the core kinds' test in test_connections.py.
+    MLP, Attention, _ = branch_modules
     torch.manual_seed(0)
     c, n = 64, 4
     blocks = [m for _ in range(8) for m in (Attention(c), MLP(c))]
@@ -179,7 +187,8 @@ def test_initialised_network_computes_the_residual_network(kind):
 
 
 @pytest.mark.parametrize("kind", VARIANT_KINDS)
-def test_streams_diverge_during_training(kind):
+def test_streams_diverge_during_training(kind, branch_modules):
+    MLP, Attention, _ = branch_modules
     torch.manual_seed(1)
     c, n = 32, 4
     blocks = [m for _ in range(2) for m in (Attention(c), MLP(c, std=0.2))]

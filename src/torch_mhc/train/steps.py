@@ -24,7 +24,7 @@ from .. import data as _data
 from .. import parallel as par
 from ..config import TrainConfig
 from ..connections import param_groups
-from ..diagnostics import GainReport, collect_gains
+from ..diagnostics import GainReport, collect_health
 from ..model import LM
 from .schedule import SpikeGuard
 
@@ -235,12 +235,13 @@ def evaluate_pipeline(pipe: par.Pipeline, val_tokens: np.ndarray, cfg: TrainConf
 @torch.no_grad()
 def measure_gains(model: LM, x: torch.Tensor, device: torch.device,
                   amp_dtype: torch.dtype | None) -> GainReport | None:
-    """Amax gains of every connection's H_res on the batch x [b, T]; None for the residual."""
+    """Amax gains and connection health (a diagnostics.HealthReport) of every connection on
+    the batch x [b, T]; None for the residual."""
     if model.cfg.residual == "residual":
         return None
     was_training = model.training
     model.eval()
-    with collect_gains() as collector, autocast(device, amp_dtype):
+    with collect_health() as collector, autocast(device, amp_dtype):
         model(x)
     model.train(was_training)
     return collector.report()

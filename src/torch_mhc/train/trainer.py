@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shutil
 import signal
 import statistics
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -242,14 +244,22 @@ class Trainer:
                         "to start a new one in its place, or choose another out_dir"
                     )
         if par.is_rank0():
-            for p in remove_stale_temp_files(out):
-                self.printer(f"removed {p.name}, a temporary file of an earlier run")
+            stale = remove_stale_temp_files(out)
+            partial = out / (ckpt.LAST_CHECKPOINT + ".partial")  # a save that died
+            if partial.is_dir():
+                shutil.rmtree(partial)
+                stale.append(partial)
+            for p in stale:
+                self.printer(f"removed {p.name}, left by an earlier run that stopped mid-write")
         par.barrier()
 
     def _open_resume(self) -> tuple[Path | None, dict | None]:
         if self.cfg.resume is False:
             return None, None
-        warn = self.printer if par.is_rank0() else (lambda message: None)
+        def warn(message: str) -> None:  # shown even with quiet: the run changed course
+            if par.is_rank0():
+                print(message, file=sys.stderr, flush=True)
+
         return ckpt.open_for_resume(self.cfg, say=warn)
 
     def _build(self) -> None:
@@ -408,7 +418,8 @@ class Trainer:
                             "max_composite_fwd": report.max_composite_fwd,
                             "max_composite_bwd": report.max_composite_bwd,
                             "composite_fwd": report.composite_fwd,
-                            "composite_bwd": report.composite_bwd})
+                            "composite_bwd": report.composite_bwd,
+                            **report.flat()})  # connection health, one float per name
 
     def _checkpoint(self, step: int) -> None:
         """Every rank writes its pieces (a single process all of them); rank 0 the state."""
