@@ -2,7 +2,8 @@
 
 - `corpus`: a small, very regular text corpus (~14 KB) a tiny model learns in a few dozen steps;
 - `tiny_config(residual="mhc", **overrides)`: a TrainConfig of a 2-block, width-32 LM on it,
-  fp32 on the CPU, quiet, a few steps (seconds);
+  fp32 on the CPU, quiet, a few steps (seconds); `tiny_config_under(root, ...)` the same for
+  module-wide fixtures;
 - `tiny_flags`: the same as `mhc train` flags (without --data / --cache-dir);
 - `branch_modules`: (MLP, Attention, perturb), pre-norm branches for connection-level tests;
 - `run_python(code, timeout)`: a fresh interpreter running code, for import-level checks.
@@ -42,22 +43,36 @@ def tiny_flags(tmp_path, corpus) -> list[str]:
     return [*TINY_FLAGS, "--data", str(corpus), "--cache-dir", str(tmp_path / "cache")]
 
 
-@pytest.fixture
-def tiny_config(tmp_path, corpus):
+def make_tiny_config(root: Path, residual: str = "mhc", **overrides):
+    """The tiny run's TrainConfig, its corpus and token cache under root."""
     from torch_mhc.config import TrainConfig
     from torch_mhc.model import ModelConfig
 
-    def make(residual: str = "mhc", **overrides) -> TrainConfig:
-        cfg = TrainConfig(
-            model=ModelConfig(dim=32, n_layers=2, n_heads=2, max_seq_len=32, residual=residual),
-            data=str(corpus), cache_dir=str(tmp_path / "cache"), val_fraction=0.1,
-            batch_size=4, seq_len=32, steps=8, lr=3e-3, min_lr=3e-4, warmup=2,
-            eval_every=0, eval_batches=2, gain_every=0, gain_batch_size=2, log_every=2,
-            quiet=True, progress=False, tensorboard=False, dtype="fp32", device="cpu",
-        )
-        return cfg.updated(overrides)
+    corpus = root / "corpus.txt"
+    if not corpus.exists():
+        write_corpus(corpus)
+    cfg = TrainConfig(
+        model=ModelConfig(dim=32, n_layers=2, n_heads=2, max_seq_len=32, residual=residual),
+        data=str(corpus), cache_dir=str(root / "cache"), val_fraction=0.1,
+        batch_size=4, seq_len=32, steps=8, lr=3e-3, min_lr=3e-4, warmup=2,
+        eval_every=0, eval_batches=2, gain_every=0, gain_batch_size=2, log_every=2,
+        quiet=True, progress=False, tensorboard=False, dtype="fp32", device="cpu",
+    )
+    return cfg.updated(overrides)
+
+
+@pytest.fixture
+def tiny_config(tmp_path, corpus):
+    def make(residual: str = "mhc", **overrides):
+        return make_tiny_config(tmp_path, residual, **overrides)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_config_under():
+    """tiny_config_under(root, residual, **overrides), for fixtures wider than a test."""
+    return make_tiny_config
 
 
 @pytest.fixture

@@ -280,6 +280,7 @@ def _open(path: str | os.PathLike) -> Path:
     except FileNotFoundError as e:
         raise CheckpointError(str(e)) from None
     _verify(where)
+    _SafeReader(where).read_metadata()  # refused here, before DCP (which logs tracebacks)
     return where
 
 
@@ -365,7 +366,11 @@ def _guarded(where: Path, fn: Callable):
     except (Exception, CheckpointException) as e:
         if isinstance(e, CheckpointError):
             raise
-        raise CheckpointError(f"checkpoint {where} cannot be loaded ({_first_line(e)})") from None
+        line = _first_line(e)
+        if any(k in line for k in ("Missing key", "Unexpected key", "Size mismatch", "mismatch")):
+            raise CheckpointError(f"checkpoint {where}: the weights do not fit the model "
+                                  f"({line})") from None
+        raise CheckpointError(f"checkpoint {where} cannot be loaded ({line})") from None
 
 
 # ---------------------------------------------------------------------------------------------

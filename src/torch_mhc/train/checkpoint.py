@@ -15,7 +15,6 @@ be read falls back to `ckpt.prev` with a message; one made for another model is 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -179,13 +178,5 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> L
     device = resolve_device(device) if isinstance(device, str) else device
     path = find_checkpoint(path)
     model = LM(_model_config(read_run_state(path), path))
-    try:
-        restore(path, model, None)
-    except CheckpointError as e:
-        raise CheckpointError(f"{e} (the weights do not fit the model its config describes)"
-                              ) from None
+    restore(path, model, None)
     return model.to(device).eval()
-
-
-def _stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
