@@ -22,6 +22,8 @@ Implementations:
     "cpu"        hand-written backward passes and CPU-friendly layouts (ops/cpu.py)
     "triton"     Triton kernels as torch.library custom ops (ops/triton_ops.py); CUDA tensors,
                  or CPU tensors under TRITON_INTERPRET=1 (for tests)
+    "inductor"   the reference ops compiled by torch.compile (ops/inductor.py), any device;
+                 compiles on each op's first call. Never chosen by "auto".
 
 Choosing: `get_impl(name, device, dtype)`. A name other than "auto" is used as given.
 "auto" resolves, first match wins, to: the name set by `set_default_impl`; the environment
@@ -38,8 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
-# Imported here, outside any torch.compile trace: importing `cpu` builds (once per machine)
-# or loads its native library (ops/cpu_native.py).
+# Imported here, outside any torch.compile trace: importing `cpu` registers its custom ops
+# (its native library is built or loaded by the first native op, ops/cpu_native.py).
 from . import cpu, reference
 
 __all__ = [
@@ -53,7 +55,7 @@ __all__ = [
     "set_default_impl",
 ]
 
-IMPLS = ("reference", "cpu", "triton")
+IMPLS = ("reference", "cpu", "triton", "inductor")
 ENV_VAR = "TORCH_MHC_IMPL"
 
 
@@ -65,12 +67,19 @@ def _triton_ops_module():
     return triton_ops
 
 
+def _inductor_module():
+    from . import inductor
+
+    return inductor
+
+
 # The module holding each implementation, returned by a loader called on first use: triton's
 # is imported only when asked for; reference and cpu are imported above.
 _MODULES = {
     "reference": lambda: reference,
     "cpu": lambda: cpu,
     "triton": _triton_ops_module,
+    "inductor": _inductor_module,
 }
 
 
@@ -109,9 +118,13 @@ def set_default_impl(name: str | None) -> None:
 
 # Dynamo cannot trace importlib.util.find_spec: under torch.compile the answer is taken at
 # trace time and kept as a constant (as it is anyway: the installed packages do not change).
-@torch.compiler.assume_constant_result
 def _triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+# The mark torch.compiler.assume_constant_result sets, set directly: calling that function
+# imports torch._dynamo (about 3 s, and triton's native library) at `import torch_mhc`.
+_triton_available._dynamo_marked_constant = True
 
 
 def resolve_impl_name(

@@ -30,11 +30,12 @@ Counted in O(n^2) passes over a matrix: forward 2*ITERS - 1 normalisations; back
 2*ITERS - 1 recomputed plus 2*ITERS - 1 reversed (ratio 2; per entry, forward 2 operations
 per step (add, divide), backward 2 + 3 (add, multiply-add, multiply), ratio 2.5).
 
-Large logits (sinkhorn.py): a matrix whose logit range max - min exceeds LOG_DOMAIN_RANGE,
-when eps = 0, is iterated in the log domain (z <- z - logsumexp(z) along columns, then rows),
-the same function without exp underflowing whole rows to 0 (which would make 0/0). The
-decision is per token; a block of tokens runs the log path only if one of its tokens needs
-it. Its backward is the same reverse with y = exp(z) and z <- z + lse per step.
+Large logits, as torch_mhc.sinkhorn decides (its docstring): a matrix whose logit range
+max - min is not <= LINEAR_RANGE (32; NaN counts as far), when eps = 0, is iterated in the
+log domain (z <- z - logsumexp(z) along columns, then rows), the same unrolled function
+without exp underflowing whole rows to 0 (which would make 0/0). The decision is per token;
+a block of tokens runs the log path only if one of its tokens needs it. Its backward is the
+same reverse with y = exp(z) and z <- z + lse per step.
 """
 
 from __future__ import annotations
@@ -129,10 +130,10 @@ def _sinkhorn_log(h, ok, scratch_ptr, t, keep, ITERS: tl.constexpr, NP: tl.const
 
 @triton.jit
 def _needs_log(h, ok, t_ok, log_range):
-    """[BT]: the tokens whose logit range exceeds log_range (iterated in the log domain)."""
+    """[BT]: the tokens whose logit range is not <= log_range (iterated in the log domain)."""
     hi = tl.max(tl.max(tl.where(ok, h, -1e30), axis=2), axis=1)
     lo = tl.min(tl.min(tl.where(ok, h, 1e30), axis=2), axis=1)
-    return t_ok & (hi - lo > log_range)
+    return t_ok & ((hi - lo <= log_range) == 0)
 
 
 @triton.jit

@@ -28,6 +28,7 @@ import torch
 import triton
 from torch import Tensor
 
+from ..sinkhorn import LINEAR_RANGE
 from . import reference as _ref
 from . import triton_kernels as _k
 
@@ -90,6 +91,9 @@ class Launch:
                                num_stages=self.num_stages)
 
 
+_ENV_VAR = "TORCH_MHC_IMPL"
+
+
 def _run(op: str, launches: list[Launch], *inputs: Tensor) -> None:
     """Run the launches on the inputs' device; a failure names op, shapes, dtype and the way out."""
     with _device(inputs[0]):
@@ -106,28 +110,37 @@ def _run(op: str, launches: list[Launch], *inputs: Tensor) -> None:
                 ) from err
 
 
-_ENV_VAR = "TORCH_MHC_IMPL"
-
-# Logit range above which Sinkhorn iterates in the log domain (see torch_mhc.sinkhorn).
-LOG_DOMAIN_RANGE = 60.0
+# Logit range above which Sinkhorn iterates in the log domain (torch_mhc.sinkhorn's design).
+LOG_DOMAIN_RANGE = LINEAR_RANGE
 
 
-def maps_config(n: int, dtype: torch.dtype) -> dict:
-    """Launch parameters of the three map kernels: chosen with the ahead-of-time compile check
-    (benchmarks/README.md) so that none spills on sm_80 or sm_90."""
-    wide = _padded(n) >= 8
-    fp32 = dtype == torch.float32
-    return dict(BLOCK_T=32, BLOCK_K=64, num_warps=8 if (wide or fp32) else 4, num_stages=3)
+def kernel_config(kernel: str, n: int, dtype: torch.dtype) -> dict:
+    """Launch parameters of one kernel for n streams of `dtype`: chosen with the ahead-of-time
+    compile check (ops/triton_aot.py, table in benchmarks/README.md) so that no kernel spills
+    on sm_80 or sm_90 and registers stay well below 255.
+
+    kernel: maps_fwd, maps_bwd, dphi (BLOCK_T, BLOCK_K, num_warps, num_stages); sinkhorn_fwd,
+    sinkhorn_bwd (BLOCK_T, num_warps); pre_fwd, pre_bwd, merge_fwd, merge_bwd (num_warps).
+    """
+    np_ = _padded(n)
+    if kernel in ("maps_fwd", "maps_bwd", "dphi"):
+        # fp32 streams: ieee dots run on FMA units with the whole tile in registers.
+        warps = 8 if (np_ >= 8 or dtype == torch.float32) else 4
+        return dict(BLOCK_T=32, BLOCK_K=64, num_warps=warps, num_stages=3)
+    if kernel in ("sinkhorn_fwd", "sinkhorn_bwd"):
+        return dict(BLOCK_T=32 if np_ <= 8 else 16, num_warps=4 if np_ <= 4 else 8, num_stages=3)
+    if kernel in ("pre_fwd", "pre_bwd", "merge_fwd"):
+        return dict(TILE=2048, num_warps=4, num_stages=3)
+    if kernel == "merge_bwd":  # also holds g [BT, NP, BC] and dH_res [BT, NP, NP]
+        return dict(TILE=2048, num_warps=8, num_stages=3)
+    raise ValueError(f"unknown kernel {kernel!r}")
 
 
-def sinkhorn_config(n: int) -> dict:
-    return dict(BLOCK_T=32, num_warps=4 if n <= 8 else 8)
-
-
-def _channel_blocks(n: int, c: int) -> tuple[int, int]:
-    """(BLOCK_T, BLOCK_C) for the streaming kernels: about 2048 elements per [T, NP, C] tile."""
-    block_c = min(256, triton.next_power_of_2(c))
-    return max(1, 2048 // (triton.next_power_of_2(n) * block_c)), block_c
+def _channel_blocks(n: int, c: int, tile: int = 2048) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_C) for the streaming kernels: about `tile` elements per [T, NP, C] tile."""
+    np_ = triton.next_power_of_2(n)
+    block_c = min(256, triton.next_power_of_2(c), max(32, tile // np_))
+    return max(1, tile // (np_ * block_c)), block_c
 
 
 def _check(name: str, *tensors: Tensor) -> None:
@@ -157,7 +170,7 @@ def plan_maps_fwd(x, phi, alpha, b_pre, b_post, b_res, iters, norm_eps, sk_eps, 
     h_pre, h_post = x.new_empty((t, n), dtype=_F32), x.new_empty((t, n), dtype=_F32)
     h_res = x.new_empty((t, n, n), dtype=_F32)
     logits, r = x.new_empty((t, m), dtype=_F32), x.new_empty((t,), dtype=_F32)
-    cfg = maps_config(n, x.dtype)
+    cfg = kernel_config("maps_fwd", n, x.dtype)
     launch = Launch(
         _k.mhc_maps_fwd_kernel, (triton.cdiv(t, cfg["BLOCK_T"]),),
         (x, phi, alpha, b_pre, b_post, b_res, h_pre, h_post, h_res, logits, r,
@@ -196,28 +209,28 @@ def plan_maps_bwd(x, phi, alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post,
     """Launches of mhc_maps_bwd and its buffers (dx, dgate, dphi parts)."""
     t, n, c = x.shape
     k, m, np_ = n * c, n * n + 2 * n, _padded(n)
-    cfg = maps_config(n, x.dtype)
-    block_t, block_k = cfg["BLOCK_T"], cfg["BLOCK_K"]
+    cfg, dcfg = kernel_config("maps_bwd", n, x.dtype), kernel_config("dphi", n, x.dtype)
     dx = torch.empty_like(x)
     dgate = x.new_empty((t, m), dtype=_F32)
     dz = x.new_empty((t, m), dtype=_F32)
     scratch = x.new_empty((t, 2 * iters, np_), dtype=_F32)  # Sinkhorn's normalisers
     # dphi = x^T dz over T: split the tokens so that about 512 programs run, then sum.
-    k_blocks = triton.cdiv(k, block_k)
-    splits = max(1, min(triton.cdiv(t, block_t), 512 // k_blocks))
-    per_split = triton.cdiv(triton.cdiv(t, splits), block_t) * block_t
+    k_blocks = triton.cdiv(k, dcfg["BLOCK_K"])
+    splits = max(1, min(triton.cdiv(t, dcfg["BLOCK_T"]), 512 // k_blocks))
+    per_split = triton.cdiv(triton.cdiv(t, splits), dcfg["BLOCK_T"]) * dcfg["BLOCK_T"]
     splits = triton.cdiv(t, per_split)
     dphi_parts = x.new_empty((splits, k, m), dtype=_F32)
     shape = dict(N=n, NP=np_, PW=_pp_width(n))
-    common = dict(BLOCK_T=block_t, BLOCK_K=block_k, PRECISION=_precision(x.dtype))
     launches = [
-        Launch(_k.mhc_maps_bwd_kernel, (triton.cdiv(t, block_t),),
+        Launch(_k.mhc_maps_bwd_kernel, (triton.cdiv(t, cfg["BLOCK_T"]),),
                (x, phi, alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post, g_res,
                 dx, dgate, dz, scratch, t, k, sk_eps, LOG_DOMAIN_RANGE),
-               dict(**shape, ITERS=iters, LOG_OK=sk_eps == 0.0, **common),
+               dict(**shape, ITERS=iters, LOG_OK=sk_eps == 0.0, BLOCK_T=cfg["BLOCK_T"],
+                    BLOCK_K=cfg["BLOCK_K"], PRECISION=_precision(x.dtype)),
                cfg["num_warps"], cfg["num_stages"]),
         Launch(_k.mhc_dphi_kernel, (k_blocks, splits), (x, dz, dphi_parts, t, k, per_split),
-               dict(**shape, **common), cfg["num_warps"], cfg["num_stages"]),
+               dict(**shape, BLOCK_T=dcfg["BLOCK_T"], BLOCK_K=dcfg["BLOCK_K"],
+                    PRECISION=_precision(x.dtype)), dcfg["num_warps"], dcfg["num_stages"]),
     ]
     return launches, (dx, dgate, dphi_parts)
 
@@ -313,10 +326,12 @@ def mhc_maps(
 def plan_pre_fwd(x, h):
     t, n, c = x.shape
     out = x.new_empty((t, c))
-    block_t, block_c = _channel_blocks(n, c)
+    cfg = kernel_config("pre_fwd", n, x.dtype)
+    block_t, block_c = _channel_blocks(n, c, cfg["TILE"])
     return [Launch(_k.pre_fwd_kernel, (triton.cdiv(t, block_t), triton.cdiv(c, block_c)),
                    (x, h, out, t, c),
-                   dict(N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c))], out
+                   dict(N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c),
+                   cfg["num_warps"])], out
 
 
 @torch.library.custom_op("torch_mhc::pre_aggregate_fwd", mutates_args=())
@@ -335,10 +350,11 @@ def _(x, h):
 def plan_pre_bwd(x, h, da):
     t, n, c = x.shape
     dx, dh = torch.empty_like(x), torch.empty_like(h)
-    block_t, block_c = _channel_blocks(n, c)
+    cfg = kernel_config("pre_bwd", n, x.dtype)
+    block_t, block_c = _channel_blocks(n, c, cfg["TILE"])
     return [Launch(_k.pre_bwd_kernel, (triton.cdiv(t, block_t),), (x, h, da, dx, dh, t, c),
                    dict(N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t,
-                        BLOCK_C=block_c))], (dx, dh)
+                        BLOCK_C=block_c), cfg["num_warps"])], (dx, dh)
 
 
 @torch.library.custom_op("torch_mhc::pre_aggregate_bwd", mutates_args=())
@@ -386,10 +402,12 @@ def pre_aggregate(x: Tensor, h_pre: Tensor) -> Tensor:
 def plan_merge_fwd(x, f, h_post, h_res):
     t, n, c = x.shape
     out = torch.empty_like(x)
-    block_t, block_c = _channel_blocks(n, c)
+    cfg = kernel_config("merge_fwd", n, x.dtype)
+    block_t, block_c = _channel_blocks(n, c, cfg["TILE"])
     return [Launch(_k.merge_fwd_kernel, (triton.cdiv(t, block_t), triton.cdiv(c, block_c)),
                    (x, f, h_post, h_res, out, t, c),
-                   dict(N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c))], out
+                   dict(N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c),
+                   cfg["num_warps"])], out
 
 
 @torch.library.custom_op("torch_mhc::post_merge_fwd", mutates_args=())
@@ -409,10 +427,12 @@ def plan_merge_bwd(x, f, h_post, h_res, g):
     t, n, c = x.shape
     dx, df = torch.empty_like(x), torch.empty_like(f)
     dh_post, dh_res = torch.empty_like(h_post), torch.empty_like(h_res)
-    block_t, block_c = _channel_blocks(n, c)
+    cfg = kernel_config("merge_bwd", n, x.dtype)
+    block_t, block_c = _channel_blocks(n, c, cfg["TILE"])
     return [Launch(_k.merge_bwd_kernel, (triton.cdiv(t, block_t),),
                    (x, f, h_post, h_res, g, dx, df, dh_post, dh_res, t, c),
-                   dict(N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c))], \
+                   dict(N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c),
+                   cfg["num_warps"])], \
         (dx, df, dh_post, dh_res)
 
 
@@ -472,7 +492,7 @@ def post_merge(x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor) -> Tensor:
 def plan_sinkhorn_fwd(logits, iters, eps):
     t, n, _ = logits.shape
     out = torch.empty_like(logits)
-    cfg = sinkhorn_config(n)
+    cfg = kernel_config("sinkhorn_fwd", n, logits.dtype)
     return [Launch(_k.sinkhorn_fwd_kernel, (triton.cdiv(t, cfg["BLOCK_T"]),),
                    (logits, out, t, eps, LOG_DOMAIN_RANGE),
                    dict(N=n, NP=triton.next_power_of_2(n), ITERS=iters, LOG_OK=eps == 0.0,
@@ -496,7 +516,7 @@ def plan_sinkhorn_bwd(logits, g, iters, eps):
     np_ = triton.next_power_of_2(n)
     dlogits = torch.empty_like(logits)
     scratch = logits.new_empty((t, 2 * iters, np_), dtype=_F32)  # the normalisers
-    cfg = sinkhorn_config(n)
+    cfg = kernel_config("sinkhorn_bwd", n, logits.dtype)
     return [Launch(_k.sinkhorn_bwd_kernel, (triton.cdiv(t, cfg["BLOCK_T"]),),
                    (logits, g, dlogits, scratch, t, eps, LOG_DOMAIN_RANGE),
                    dict(N=n, NP=np_, ITERS=iters, LOG_OK=eps == 0.0, BLOCK_T=cfg["BLOCK_T"]),

@@ -1,0 +1,46 @@
+"""The `inductor` implementation: the reference ops compiled by torch.compile (Inductor).
+
+The same functions as ops.reference (the definition), each compiled as one graph with
+fullgraph=True: Inductor fuses the elementwise work and the Sinkhorn loop into a few
+generated kernels (Triton on CUDA, C++/OpenMP on CPU), and autograd through the graph gives
+the reference's exact gradients. A second GPU path beside the hand-written Triton kernels
+(`impl="triton"`), and a comparator for them in `mhc bench`.
+
+Selecting it: impl="inductor" (connections, models, `get_impl`), or TORCH_MHC_IMPL=inductor.
+Nothing compiles when this module is imported: torch.compile wraps the functions here, and
+the first call of each op (per input shape class, dtype and device) compiles it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference as _ref
+
+__all__ = ["hc_maps", "mhc_maps", "mhc_maps_pre", "post_merge", "pre_aggregate", "sinkhorn"]
+
+
+def _maps_pre(x, phi, alpha, b_pre, b_post, b_res, sinkhorn_iters=20, norm_eps=1e-6,
+              sinkhorn_eps=0.0, pre_eps=0.0):
+    """mhc_maps then pre_aggregate in one graph (the maps' x read fused with the aggregation's)."""
+    h_pre, h_post, h_res = _ref.mhc_maps(x, phi, alpha, b_pre, b_post, b_res, sinkhorn_iters,
+                                         norm_eps, sinkhorn_eps, pre_eps)
+    return h_pre, h_post, h_res, _ref.pre_aggregate(x, h_pre)
+
+
+def _sinkhorn(logits, iters=20, *, eps=0.0):
+    return _ref.sinkhorn(logits, iters, eps=eps)
+
+
+def _compile(fn):
+    # dynamic=None: the first call specialises on shapes, a second token count makes the
+    # token dimension dynamic (decoding changes it every step).
+    return torch.compile(fn, fullgraph=True, dynamic=None)
+
+
+mhc_maps = _compile(_ref.mhc_maps)
+mhc_maps_pre = _compile(_maps_pre)
+hc_maps = _compile(_ref.hc_maps)
+pre_aggregate = _compile(_ref.pre_aggregate)
+post_merge = _compile(_ref.post_merge)
+sinkhorn = _compile(_sinkhorn)
