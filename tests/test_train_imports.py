@@ -1,0 +1,79 @@
+"""What each part imports: the core needs torch only; the trainer's extra is asked for by name.
+
+Each check runs in a fresh interpreter where numpy, tqdm and matplotlib cannot be imported
+(`sys.modules[name] = None` makes `import name` fail, as if they were not installed; torch
+itself runs without numpy), so what the package imports at any depth is what is tested.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+BLOCK = """
+import sys, warnings
+for name in ("numpy", "tqdm", "matplotlib"):
+    sys.modules[name] = None  # not installed
+# torch warns that its numpy bridge failed: an artefact of the blocking (a real install
+# without numpy never tries)
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+"""
+
+
+def test_core_runs_without_numpy_tqdm_matplotlib(run_python):
+    code = BLOCK + textwrap.dedent("""
+        import torch
+        import torch_mhc
+        from torch_mhc import connections, cost, diagnostics, model, ops, recompute, sinkhorn
+        from torch_mhc import config, files, parallel
+        from torch_mhc.model import LM, ModelConfig
+
+        for kind in ("residual", "hc", "mhc"):
+            torch.manual_seed(0)
+            lm = LM(ModelConfig(dim=32, n_layers=1, n_heads=2, max_seq_len=16, residual=kind))
+            x = torch.randint(0, 256, (2, 8))
+            with diagnostics.collect_gains():
+                _, loss = lm(x, x)
+            loss.backward()
+            assert torch.isfinite(loss), kind
+        loaded = [m for m in ("numpy", "tqdm", "matplotlib") if sys.modules.get(m) is not None]
+        assert not loaded, loaded
+        print("ok")
+    """)
+    done = run_python(code)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_config_does_not_import_the_trainer(run_python):
+    done = run_python("import sys, torch_mhc.config, torch_mhc.cli\n"
+                      "print(sorted(m for m in sys.modules if m.startswith('torch_mhc.train')"
+                      " or m in ('torch_mhc.data', 'numpy', 'tqdm')))")
+    assert done.returncode == 0, done.stderr[-3000:]
+    # numpy may come with torch itself; the trainer and the data module must not
+    assert "torch_mhc.train" not in done.stdout and "torch_mhc.data" not in done.stdout
+
+
+def test_commands_without_the_extra_name_it(run_python, tmp_path):
+    commands = [["train", "--steps", "1"], ["compare", "--out", str(tmp_path / "c")],
+                ["generate", "--checkpoint", str(tmp_path)],
+                ["cost", "--preset", "paper-27b", "--json"]]  # torch-only: keeps working
+    code = BLOCK + textwrap.dedent(f"""
+        import contextlib, io, json
+        from torch_mhc.cli import main
+        results = []
+        for argv in {commands!r}:
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                status = main(argv)
+            results.append([status, err.getvalue()])
+        print(json.dumps(results))
+    """)
+    done = run_python(code)
+    assert done.returncode == 0, done.stderr[-3000:]
+    import json
+
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    for argv, (status, err) in zip(commands[:3], results[:3], strict=True):
+        assert status == 2
+        assert err == (f"mhc {argv[0]}: error: numpy is not installed: mhc {argv[0]} needs "
+                       "the training extra, pip install 'torch-mhc[train]'\n")
+    assert results[3] == [0, ""]
