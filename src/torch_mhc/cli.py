@@ -118,6 +118,12 @@ def _add_compare(subparsers) -> None:
     p.add_argument("--preset", default="default", choices=_compare_presets(),
                    help="size of the comparison (default: default, about 6 min on 2 cores)")
     p.add_argument("--config", metavar="FILE.toml", help="TOML file of config keys")
+    p.add_argument("--kinds", default="residual,hc,mhc", metavar="K1,K2,...",
+                   help="connection kinds to train, comma-separated (default: residual,hc,mhc; "
+                   "also mhc-lite, kromhc, mhc-static-res)")
+    p.add_argument("--seeds", type=int, default=1, metavar="K",
+                   help="train every kind on K seeds (seed .. seed+K-1, paired across kinds) "
+                   "and report mean +- sd and 95%% intervals of the differences to residual")
     _config.add_config_flags(p, exclude=_COMPARE_EXCLUDED)
     p.set_defaults(run=_run_compare)
 
@@ -147,9 +153,15 @@ def _run_compare(args: argparse.Namespace) -> int:
             raise ConfigError(f"config file {args.config}: compare sets {clash} itself")
     cfg = _config.build_config(base, args.config,
                                _config.flag_overrides(args, exclude=_COMPARE_EXCLUDED))
-    report = compare(args.out, preset=args.preset, config=cfg)
+    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+    report = compare(args.out, preset=args.preset, config=cfg, kinds=kinds, seeds=args.seeds)
     if not cfg.quiet:
         print(summary_table(report))
+        if args.seeds > 1:
+            from .compare_stats import seeds_table, significance_lines
+
+            print(seeds_table(report["variants"]))
+            print("\n".join(significance_lines(report["variants"])))
         print(f"report: {args.out}/report.md ({report['wall_time_s']:.1f} s)")
     return 0
 

@@ -1,12 +1,17 @@
-"""`mhc compare`: the plain residual, HC and mHC trained side by side, and their report.
+"""`mhc compare`: connection kinds trained side by side, over one or more seeds, and their report.
 
-    report = compare("cmp/")                       # the "default" preset
+    report = compare("cmp/")                       # the "default" preset: residual, hc, mhc
     report = compare("cmp/", preset="stress", steps=200)
+    report = compare("cmp/", kinds=("residual", "mhc", "mhc-lite"), seeds=3)
 
-The three runs share everything except the connection: the same seed (hence the same
+The runs of one seed share everything except the connection: the seed (hence the same
 initial block weights: connections draw no random numbers), the same batches in the same
 order (the sampler is seeded alike), the same steps and schedule. HC and mHC carry the
 connection parameters on top of the residual model's; the report states every budget.
+With seeds=K every kind trains on seeds seed, seed+1, ..., seed+K-1 (paired: the same seed
+gives every kind the same blocks and batches), the report gives each kind's mean +- sd over
+seeds and its paired difference to the residual with a 95% t interval, saying which
+differences are significant (torch_mhc.compare_stats), and the loss plot shows the seed band.
 
 Written to out_dir (created if missing), each file atomically (temp file + rename):
     report.json            one entry per variant (kind, val_loss, val_bpb, tokens_per_s,
@@ -17,7 +22,10 @@ Written to out_dir (created if missing), each file atomically (temp file + renam
     grad_norm.png          gradient norm per step
     composite_gain.png     composite forward / backward Amax gain versus depth, HC vs mHC
     gain_over_training.png the largest composite gain at each measurement
-    <kind>/                each run's metrics.jsonl and final checkpoint (ckpt/)
+    health.png             stream similarity and H_res's distance from the identity against
+                           depth, per kind (final measurement, first seed)
+    <kind>/                each run's metrics.jsonl and final checkpoint (ckpt/);
+                           <kind>/seed<S>/ per seed when seeds > 1
 Running compare again on the same folder replaces all of these.
 
 Presets (`PRESETS`):
@@ -27,11 +35,15 @@ Presets (`PRESETS`):
 - "stress": 24 blocks (48 sublayers) of width 64 at a high learning rate: the setting in
   which the HC paper's unconstrained H_res maps compound, so HC's composite gain can grow by
   orders of magnitude while mHC's doubly stochastic maps keep it near 1.
-"default" and "stress" run torch on one CPU thread (`threads = 1`; `--threads 0` restores
-torch's default). Their matrices are small: on an idle 2-core machine a second thread made a
-step only 1.3-1.8x faster, while on a machine shared with other work a two-thread step
-stalled whenever either thread lost its core, and whole comparisons took 2-3x longer
-(9-17 minutes measured, against 5.6 on one thread).
+- "shakespeare": nanoGPT's CPU recipe for a text file given with --data (tiny Shakespeare:
+  nanoGPT's residual model reaches about 1.88 nats there): 4 layers, 4 heads, width 128,
+  context 64, batch 12, 2000 steps, lr 1e-3 cosine to 1e-4 after 100 warmup steps, beta2
+  0.99, no dropout, the last 10% of the bytes held out. Bytes are characters for ASCII text.
+"default", "stress" and "shakespeare" run torch on one CPU thread (`threads = 1`;
+`--threads 0` restores torch's default). Their matrices are small: on an idle 2-core machine
+a second thread made a step only 1.3-1.8x faster, while on a machine shared with other work
+a two-thread step stalled whenever either thread lost its core, and whole comparisons took
+2-3x longer (9-17 minutes measured, against 5.6 on one thread).
 """
 
 from __future__ import annotations
@@ -47,7 +59,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import plots
+from . import compare_stats, plots
+from .connections import CONNECTION_KINDS
 from .data import bits_per_byte
 from .train import (
     ConfigError,
@@ -59,9 +72,10 @@ from .train import (
     train,
 )
 
-__all__ = ["KINDS", "PRESETS", "compare", "preset_config", "write_report"]
+__all__ = ["DEFAULT_KINDS", "KINDS", "PRESETS", "compare", "preset_config", "write_report"]
 
-KINDS = ("residual", "hc", "mhc")
+KINDS = CONNECTION_KINDS  # what compare accepts
+DEFAULT_KINDS = ("residual", "hc", "mhc")
 
 PRESETS: dict[str, dict] = {
     "tiny": {
@@ -82,6 +96,12 @@ PRESETS: dict[str, dict] = {
         "warmup": 20, "eval_every": 100, "eval_batches": 5, "gain_every": 25,
         "log_every": 10, "threads": 1,
     },
+    "shakespeare": {
+        "dim": 128, "n_layers": 4, "n_heads": 4, "max_seq_len": 64,
+        "seq_len": 64, "batch_size": 12, "steps": 2000, "lr": 1e-3, "min_lr": 1e-4,
+        "warmup": 100, "beta2": 0.99, "val_fraction": 0.1, "eval_every": 500,
+        "eval_batches": 100, "gain_every": 250, "log_every": 50, "threads": 1,
+    },
 }
 
 
@@ -93,14 +113,15 @@ def preset_config(preset: str) -> TrainConfig:
 
 
 def compare(out_dir: str | os.PathLike, preset: str = "default", *,
-            config: TrainConfig | None = None, kinds: tuple[str, ...] = KINDS,
-            **overrides) -> dict:
-    """Train each of `kinds` with the same configuration and write the report to out_dir.
+            config: TrainConfig | None = None, kinds: tuple[str, ...] = DEFAULT_KINDS,
+            seeds: int = 1, **overrides) -> dict:
+    """Train each of `kinds` on `seeds` seeds with the same configuration and write the report
+    to out_dir.
 
-    config: the base configuration (its model.residual is replaced per run); by default the
-    preset's, with `overrides` (TrainConfig or ModelConfig field names) applied. Every run's
-    configuration is validated and the corpus loaded before the first step. Returns the
-    report dict that report.json holds.
+    config: the base configuration (its model.residual and seed are replaced per run); by
+    default the preset's, with `overrides` (TrainConfig or ModelConfig field names) applied.
+    Every run's configuration is validated and the corpus loaded before the first step.
+    Returns the report dict that report.json holds.
     """
     t_start = time.perf_counter()
     out = Path(out_dir)
@@ -108,15 +129,24 @@ def compare(out_dir: str | os.PathLike, preset: str = "default", *,
         raise ConfigError(f"--out {out} exists and is a file, expected a folder (or nothing)")
     base = config if config is not None else preset_config(preset)
     base = base.updated(overrides)
+    kinds = tuple(kinds)
     unknown = [k for k in kinds if k not in KINDS]
-    if unknown or not kinds:
-        raise ConfigError(f"kinds must be a non-empty subset of {KINDS}, got {kinds!r}")
+    if unknown or not kinds or len(set(kinds)) != len(kinds):
+        raise ConfigError(f"kinds must be distinct names from {', '.join(KINDS)}; got "
+                          f"{', '.join(kinds) or 'none'}")
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise ConfigError(f"seeds must be an integer >= 1, got {seeds!r}")
     if base.resume is not False:
         raise ConfigError("compare starts fresh runs: resume is not supported")
+    if preset == "shakespeare" and base.data is None:
+        raise ConfigError("the shakespeare preset trains on a text file given with --data "
+                          "(for example tiny Shakespeare's input.txt); got no --data")
+    seed_list = [base.seed + s for s in range(seeds)]
     configs = {
-        kind: replace(base, model=replace(base.model, residual=kind), out_dir=str(out / kind),
-                      overwrite=True)
-        for kind in kinds
+        (kind, seed): replace(base, seed=seed, model=replace(base.model, residual=kind),
+                              out_dir=str(out / kind if seeds == 1 else
+                                          out / kind / f"seed{seed}"), overwrite=True)
+        for seed in seed_list for kind in kinds
     }
     for cfg in configs.values():
         cfg.validate()
@@ -127,25 +157,34 @@ def compare(out_dir: str | os.PathLike, preset: str = "default", *,
     # page of the memory-mapped corpus read once, so that no run's peak RSS is charged for
     # the pages its random batches happen to fault in first.
     int(np.asarray(corpus.tokens[::4096], dtype=np.int64).sum())
-    train(replace(configs[kinds[0]], steps=1, warmup=0, out_dir=None, eval_batches=1,
-                  quiet=True, progress=False), corpus=corpus)
-    results: dict[str, TrainResult] = {}
-    for kind, cfg in configs.items():
+    train(replace(configs[kinds[0], seed_list[0]], steps=1, warmup=0, out_dir=None,
+                  eval_batches=1, quiet=True, progress=False), corpus=corpus)
+    # seed by seed, every kind within a seed: an interrupted comparison holds whole pairs
+    results: dict[str, list[TrainResult]] = {kind: [] for kind in kinds}
+    for (kind, _), cfg in configs.items():
         try:
-            results[kind] = train(cfg, corpus=corpus)
+            results[kind].append(train(cfg, corpus=corpus))
         except TrainingDiverged as e:  # a finding, not a failure: report what it reached
-            results[kind] = e.result
+            results[kind].append(e.result)
     label = preset if preset in PRESETS and base == preset_config(preset) else f"{preset}, modified"
     report = _report(base, label, results, corpus, time.perf_counter() - t_start)
     write_report(out, report, results)
     return report
 
 
-def _report(base: TrainConfig, preset: str, results: dict[str, TrainResult], corpus,
+def _report(base: TrainConfig, preset: str, results: dict[str, list[TrainResult]], corpus,
             wall_s: float) -> dict:
-    ref = results.get("residual")
+    """Per kind: the first seed's run in full (speed, memory, gains, histories), the validation
+    figures averaged over seeds, the seed statistics and the final connection health."""
+    ref = results["residual"][0] if "residual" in results else None
+    seeds = len(next(iter(results.values())))
+    stats = compare_stats.seed_summary({
+        kind: [{"seed": base.seed + i, "val_loss": r.val_loss, "val_bpb": r.val_bpb}
+               for i, r in enumerate(runs)]
+        for kind, runs in results.items()})
     variants = []
-    for kind, r in results.items():
+    for kind, runs in results.items():
+        r = runs[0]
         ratio = (r.step_time_median_s / ref.step_time_median_s
                  if ref is not None and ref.step_time_median_s > 0 else None)
         final = r.final_gains
@@ -182,11 +221,17 @@ def _report(base: TrainConfig, preset: str, results: dict[str, TrainResult], cor
                               "max_composite_bwd": g["max_composite_bwd"]}
                              for g in r.gain_history],
             "final_gains": final,
+            "health": compare_stats.health_summary(final),
+            **stats[kind],
         })
+        if seeds > 1:
+            _average_over_seeds(variants[-1], runs, base.seed)
     config = base.to_dict()
     config["model"]["residual"] = "varies: " + ", ".join(results)
+    config["seed"] = f"{base.seed} to {base.seed + seeds - 1}" if seeds > 1 else base.seed
     return {
         "preset": preset,
+        "seeds": seeds,
         "wall_time_s": wall_s,
         "corpus": corpus.source_description,
         "train_bytes": int(len(corpus.train)),
@@ -203,22 +248,42 @@ def _report(base: TrainConfig, preset: str, results: dict[str, TrainResult], cor
     }
 
 
+def _average_over_seeds(entry: dict, runs: list[TrainResult], first_seed: int) -> None:
+    """Validation and final training figures as means over seeds; each seed's run kept in
+    entry["seed_runs"] (for the seed band of the loss plot)."""
+    entry["val_loss"], entry["val_bpb"] = entry["val_loss_mean"], entry["val_bpb_mean"]
+    train_losses = [r.final_loss for r in runs]
+    entry["final_train_loss"] = sum(train_losses) / len(train_losses)
+    entry["final_train_bpb"] = bits_per_byte(entry["final_train_loss"])
+    entry["diverged"] = next((r.diverged for r in runs if r.diverged), None)
+    entry["seed_runs"] = [
+        {"seed": first_seed + i, "val_loss": r.val_loss, "val_bpb": r.val_bpb,
+         "final_train_loss": r.final_loss, "steps_completed": r.steps, "diverged": r.diverged,
+         "loss_history": r.loss_history, "val_history": r.val_history}
+        for i, r in enumerate(runs)]
+
+
 def _or_none(x: float) -> float | None:
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
 
 
-def write_report(out: Path, report: dict, results: dict[str, TrainResult]) -> None:
-    """report.json, report.md and the figures, each written atomically."""
+def write_report(out: Path, report: dict, results: dict[str, list[TrainResult]]) -> None:
+    """report.json, report.md and the figures, each written atomically (gains and health:
+    the first seed's runs)."""
     out.mkdir(parents=True, exist_ok=True)
     # Plots first, the report last: a report.json on disk means its figures are there too.
     runs = {v["kind"]: v for v in report["variants"]}
     atomic_write_bytes(out / "loss_curves.png", plots.loss_curves_png(runs))
     atomic_write_bytes(out / "grad_norm.png", plots.grad_norm_png(runs))
-    gains = {k: r.final_gains for k, r in results.items() if r.final_gains}
+    first = {k: rs[0] for k, rs in results.items()}
+    gains = {k: r.final_gains for k, r in first.items() if r.final_gains}
     if gains:
         atomic_write_bytes(out / "composite_gain.png", plots.composite_gain_png(gains))
         atomic_write_bytes(out / "gain_over_training.png", plots.gain_over_training_png(
-            {k: r.gain_history for k, r in results.items() if r.gain_history}))
+            {k: r.gain_history for k, r in first.items() if r.gain_history}))
+        healths = {k: g for k, g in gains.items() if "composite_health" in g}
+        if healths:
+            atomic_write_bytes(out / "health.png", plots.health_png(healths))
     atomic_write_bytes(out / "report.md", format_markdown(report).encode("utf-8"))
     atomic_write_bytes(out / "report.json",
                        (json.dumps(report, indent=1, allow_nan=True) + "\n").encode("utf-8"))
@@ -260,7 +325,8 @@ def format_markdown(report: dict) -> str:
     cfg = report["config"]
     variants = report["variants"]
     lines = [
-        f"# mhc compare: residual vs HC vs mHC (preset {report['preset']})",
+        f"# mhc compare: {' vs '.join(v['kind'] for v in variants)} (preset {report['preset']}"
+        + (f", {report['seeds']} seeds)" if report.get("seeds", 1) > 1 else ")"),
         "",
         summary_table(report),
         "",
@@ -278,8 +344,12 @@ def format_markdown(report: dict) -> str:
         "H_res_l ... H_res_1 (forward: largest absolute row sum; backward: largest absolute "
         "column sum), worst token, deepest product, worst measurement during training, "
         f"measured every {cfg['gain_every']} steps on a fixed validation batch; the plain "
-        "residual has no H_res (n/a).",
+        "residual has no H_res (n/a)."
+        + (f" With {report['seeds']} seeds the validation and train losses are means over "
+           "seeds and everything else is the first seed's run." if report.get("seeds", 1) > 1
+           else ""),
         "",
+        *_seeds_and_health_md(report),
         "## Parameter budgets",
         "",
     ]
@@ -326,4 +396,33 @@ def format_markdown(report: dict) -> str:
     if any(v["final_gains"] for v in variants):
         lines += ["![composite gain versus depth](composite_gain.png)", "",
                   "![composite gain during training](gain_over_training.png)", ""]
+    if any(v.get("health") for v in variants):
+        lines += ["![connection health versus depth](health.png)", ""]
     return "\n".join(lines)
+
+
+def _seeds_and_health_md(report: dict) -> list[str]:
+    """The seed statistics (with the verdicts in words) and the connection-health table."""
+    variants, seeds = report["variants"], report.get("seeds", 1)
+    lines = ["## Seeds and significance", "",
+             compare_stats.seeds_table(variants), "",
+             f"Mean ± sample standard deviation over {seeds} seed(s); Δ is each kind's "
+             "validation figure minus the residual's on the same seed (same initial blocks, same "
+             "batches), averaged over seeds, with a 95% confidence interval from Student's t "
+             f"with {seeds - 1} degrees of freedom; significant when the interval excludes 0.",
+             "", *compare_stats.significance_lines(variants), ""]
+    if any(v.get("health") for v in variants):
+        lines += ["## Connection health (final measurement, first seed)", "",
+                  compare_stats.health_table(variants), "",
+                  "Composite: the product H_res_L ... H_res_1 over all sublayers. Column sums "
+                  "(rows are exact for every kind with a doubly stochastic H_res; a column sum "
+                  "far from 1 starves or floods a stream's gradient), the Frobenius distance "
+                  "of the composite from the identity and from the uniform matrix J/n (0: "
+                  "every stream the mean of all, the streams' collapse), the mean pairwise "
+                  "cosine of the streams entering the last sublayer (1: copies), the largest "
+                  "range (max - min per token) of the logits H_res exponentiates (mHC: "
+                  "Sinkhorn's; mHC-lite: the permutation softmax's) and the share of them whose "
+                  "exp underflows to 0 in float32, and the mean read and write weights "
+                  "H_pre and H_post. Per-layer figures are in report.json and in every run's "
+                  "metrics.jsonl.", ""]
+    return lines
