@@ -48,7 +48,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterable
 
@@ -57,6 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops as _ops
+from .files import atomic_write
 from .model import LM, ModelConfig, rope_angles
 from .recompute import optimal_interval
 from .sinkhorn import sinkhorn, sinkhorn_unrolled
@@ -887,20 +887,7 @@ def _meta(args: argparse.Namespace, argv: list[str]) -> dict:
 
 def _write_json_atomic(path: str, report: dict) -> None:
     """Write to a temporary file beside `path`, then rename over it (never half a file)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".bench-", suffix=".json", dir=folder)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(os.path.abspath(path), (json.dumps(report, indent=2) + "\n").encode())
 
 
 def run_benchmarks(args: argparse.Namespace) -> dict:

@@ -78,7 +78,6 @@ import math
 import os
 import sys
 import sysconfig
-import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +85,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm import tqdm
+
+from .config import BYTE_VOCAB
+from .files import atomic_write, temp_file
 
 __all__ = [
     "SEPARATOR",
@@ -100,7 +102,7 @@ __all__ = [
     "val_batches",
 ]
 
-VOCAB_SIZE = 256
+VOCAB_SIZE = BYTE_VOCAB  # bytes: one definition, in torch_mhc.config
 SEPARATOR = b"\n\n"  # between documents (files, dataset rows)
 
 _FORMAT_VERSION = 1  # bump when the cache layout or the document rules change
@@ -432,8 +434,7 @@ def _build_cache(source: _Source, bin_path: Path, meta_path: Path,
                  max_bytes: int | None) -> dict:
     """Write the corpus to bin_path (+ metadata), atomically; return the metadata."""
     bin_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=bin_path.parent, prefix=f".{bin_path.name}.", suffix=".tmp")
-    tmp_meta = None
+    fd, tmp = temp_file(bin_path)
     try:
         total = source.total_bytes
         if total is not None and max_bytes is not None:
@@ -457,19 +458,13 @@ def _build_cache(source: _Source, bin_path: Path, meta_path: Path,
             "n_bytes": stats.n_bytes,
             "description": _describe(source, stats),
         }
-        mfd, tmp_meta = tempfile.mkstemp(dir=bin_path.parent, prefix=f".{meta_path.name}.",
-                                         suffix=".tmp")
-        with os.fdopen(mfd, "w") as mf:
-            json.dump(meta, mf)
         # the .bin last: a reader trusts a .bin only with a .json that states its exact size
-        os.replace(tmp_meta, meta_path)
+        atomic_write(meta_path, json.dumps(meta).encode())
         os.replace(tmp, bin_path)
         return meta
     except BaseException:
-        for p in (tmp, tmp_meta):
-            if p is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(p)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
         raise
 
 
