@@ -5,6 +5,15 @@ gradients, on awkward shapes (C = 100, n = 3, 4, 8, odd token counts), in fp32 a
 """
 
 import functools
+import hashlib
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +21,7 @@ import torch
 import torch_mhc.ops as ops
 from references import sinkhorn_log_naive
 from torch_mhc import HyperConnection, ManifoldHyperConnection, expand_streams, sinkhorn_unrolled
-from torch_mhc.ops import cpu, cpu_native, reference
+from torch_mhc.ops import cpu, cpu_native, native_build, reference
 from torch_mhc.sinkhorn import LINEAR_RANGE
 
 # Gradients of bf16 tensors are rounded to bf16 (8 bits): allow a few roundings of the
@@ -42,7 +51,7 @@ def maps_inputs(tokens, n, c, dtype, seed=0):
 
 
 def _need_native():
-    if cpu._NATIVE is None:
+    if cpu_native.load() is None:
         pytest.skip("native CPU library unavailable")
 
 
@@ -69,10 +78,10 @@ def clone_inputs(inputs):
 def cpu_path(request, monkeypatch):
     """Run a test on the native loops and again on the pure-torch fallback."""
     if request.param == "native":
-        if cpu._NATIVE is None:
+        if cpu_native.load() is None:
             pytest.skip("native CPU library unavailable (no C compiler, or TORCH_MHC_NATIVE=0)")
     else:
-        monkeypatch.setattr(cpu, "_NATIVE", None)
+        monkeypatch.setattr(cpu, "_native_available", lambda: False)
     return request.param
 
 
@@ -271,7 +280,7 @@ def test_native_maps_split_over_threads_match_reference(kind):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(3)
-        assert cpu._NATIVE.threads_for(200) == 3
+        assert cpu_native.load().threads_for(200) == 3
         out_cpu, grad_cpu = run(fn, clone_inputs(inputs))
     finally:
         torch.set_num_threads(threads)
@@ -448,33 +457,135 @@ def test_native_custom_ops_pass_opcheck(name):
     torch.library.opcheck(getattr(torch.ops.torch_mhc, name).default, args)
 
 
-def test_native_library_builds_into_the_cache(monkeypatch, tmp_path):
+def _fresh_load(monkeypatch, cache):
+    """cpu_native.load() as in a new process, with its cache in `cache`."""
+    monkeypatch.setattr(cpu_native, "_tried", False)
+    monkeypatch.setattr(cpu_native, "_loaded", None)
+    monkeypatch.setenv("TORCH_MHC_CACHE", str(cache))
+    return cpu_native.load
+
+
+def _copying_compiler(tmp_path, library: Path) -> Path:
+    """A stand-in C compiler (a shell script) that writes a copy of `library` to its -o
+    argument and counts its runs in calls.txt: the build logic without a real build."""
+    script = tmp_path / "fake cc"  # a space: CC must be parsed as a shell would
+    script.write_text(
+        "#!/bin/sh\n"
+        f"echo run >> '{tmp_path}/calls.txt'\n"
+        'while [ "$#" -gt 1 ]; do\n'
+        f'  if [ "$1" = "-o" ]; then cp \'{library}\' "$2"; fi\n'
+        "  shift\n"
+        "done\n"
+    )
+    script.chmod(0o755)
+    return script
+
+
+def _calls(tmp_path) -> int:
+    path = tmp_path / "calls.txt"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_native_library_builds_verifies_and_rebuilds_a_truncated_cache(monkeypatch, tmp_path):
     _need_native()
-    monkeypatch.setattr(cpu_native, "_tried", False)
-    monkeypatch.setattr(cpu_native, "_loaded", None)
-    monkeypatch.setenv("TORCH_MHC_CACHE", str(tmp_path))
-    lib = cpu_native.load()
-    assert lib is not None and lib.path.parent == tmp_path and lib.path.exists()
+    real = cpu_native.load().path
+    cc = _copying_compiler(tmp_path, real)
+    monkeypatch.setenv("CC", f"'{cc}' --some-flag")
+    monkeypatch.setenv("CFLAGS", "-DA='1 2' -O2")
+    load = _fresh_load(monkeypatch, tmp_path / "cache")
+    lib = load()
+    assert lib is not None and lib.path.parent == tmp_path / "cache" and _calls(tmp_path) == 1
+    sidecar = lib.path.with_name(lib.path.name + ".sha256")
+    assert sidecar.read_text() == hashlib.sha256(real.read_bytes()).hexdigest()
+    assert not [p for p in lib.path.parent.iterdir() if p.name.endswith(".tmp")]
     x, f, h_pre, h_post, h_res = [t.detach() for t in merge_inputs((200,), 4, 33, torch.float32)]
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(3)  # 200 tokens split into 3 ranges on the thread pool
-        out = lib.merge_fwd(x, f, h_post, h_res)
-    finally:
-        torch.set_num_threads(threads)
-    assert_close(out, reference.post_merge(x, f, h_post, h_res), 1e-6)
+    assert_close(lib.merge_fwd(x, f, h_post, h_res), reference.post_merge(x, f, h_post, h_res),
+                 1e-6)
+    # A second process finds the verified library and builds nothing.
+    assert _fresh_load(monkeypatch, tmp_path / "cache")().path == lib.path
+    assert _calls(tmp_path) == 1
+    # A library cut short (what a crash between write and rename left before fsync) is
+    # rebuilt, never mapped (dlopen of a truncated file can die of SIGBUS).
+    data = lib.path.read_bytes()
+    cut = lib.path.with_name("cut")  # a new file: this process has the old one mapped
+    cut.write_bytes(data[: len(data) // 3])
+    os.replace(cut, lib.path)
+    again = _fresh_load(monkeypatch, tmp_path / "cache")()
+    assert again is not None and _calls(tmp_path) == 2
+    assert again.path.read_bytes() == data
 
 
-def test_native_library_falls_back_when_it_cannot_build(monkeypatch, tmp_path):
-    monkeypatch.setattr(cpu_native, "_tried", False)
-    monkeypatch.setattr(cpu_native, "_loaded", None)
-    monkeypatch.setenv("TORCH_MHC_CACHE", str(tmp_path))
-    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    with pytest.warns(UserWarning, match="native CPU ops unavailable, using pure torch"):
-        assert cpu_native.load() is None
+def test_publish_writes_completely_or_not_at_all(monkeypatch, tmp_path):
+    dest = tmp_path / "lib.so"
+    native_build._publish(b"complete", dest)
+    assert dest.read_bytes() == b"complete"
+
+    def failing_fsync(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(native_build.os, "fsync", failing_fsync)
+    with pytest.raises(OSError, match="disk full"):
+        native_build._publish(b"new content", dest)
+    assert dest.read_bytes() == b"complete"  # the old file is intact
+    assert [p.name for p in tmp_path.iterdir()] == ["lib.so"]  # no temporary file left
+
+
+def test_compiler_and_flags_are_parsed_as_a_shell_would(monkeypatch):
+    monkeypatch.setenv("CC", "ccache 'my gcc' -O2")
+    assert native_build._compiler() == ["ccache", "my gcc", "-O2"]
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv("PATH", "")
+    assert native_build._compiler() is None
+
+
+@pytest.mark.parametrize("cc", ["false", "no-such-compiler-here", None])
+def test_native_library_falls_back_with_one_warning(monkeypatch, tmp_path, cc):
+    if cc is None:  # no compiler at all
+        monkeypatch.delenv("CC", raising=False)
+        monkeypatch.setenv("PATH", "")
+    else:
+        monkeypatch.setenv("CC", cc)
+    load = _fresh_load(monkeypatch, tmp_path)
+    with pytest.warns(RuntimeWarning) as caught:
+        assert load() is None
+        assert load() is None  # asked again: no second warning, no second build
+    assert len(caught) == 1
+    text = str(caught[0].message)
+    assert "pure-torch fallback" in text and "TORCH_MHC_NATIVE=0" in text
+    assert not cpu._use_native(torch.zeros(2, 4, 8))  # the ops take the torch path
     monkeypatch.setattr(cpu_native, "_tried", False)
     monkeypatch.setenv("TORCH_MHC_NATIVE", "0")
-    assert cpu_native.load() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # silenced
+        assert cpu_native.load() is None
+
+
+def test_import_builds_nothing_spawns_nothing_loads_no_library(tmp_path):
+    """`import torch_mhc` in a fresh interpreter: no process started, no shared library
+    mapped (the native one included), nothing written to the cache."""
+    script = textwrap.dedent("""
+        import os, subprocess, torch
+
+        def libraries():
+            return {line.split()[-1] for line in open("/proc/self/maps")
+                    if line.split()[-1].endswith(".so") or ".so." in line.split()[-1]}
+
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"a process was started: {args}")
+
+        before = libraries()
+        subprocess.Popen.__init__ = refuse
+        os.fork = os.posix_spawn = os.posix_spawnp = os.system = refuse
+        import torch_mhc, torch_mhc.ops
+        new = libraries() - before
+        assert not new, new
+        print("clean")
+    """)
+    env = {**os.environ, "TORCH_MHC_CACHE": str(tmp_path / "cache"), "CC": "false"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "clean", done.stderr[-2000:]
+    assert not (tmp_path / "cache").exists()
 
 
 def test_merge_ops_reject_mismatched_shapes():
@@ -579,7 +690,7 @@ def test_get_impl_selection(monkeypatch):
 
 
 def test_unknown_impl_names_are_rejected_with_the_choices():
-    with pytest.raises(ValueError, match=r"'gpu'.*\('auto', 'reference', 'cpu', 'triton'\)"):
+    with pytest.raises(ValueError, match=r"'gpu'.*\('auto', 'reference', 'cpu', 'triton'"):
         ops.get_impl("gpu")
     with pytest.raises(ValueError, match="unknown op implementation"):
         ops.set_default_impl("gpu")
@@ -675,7 +786,7 @@ def test_training_steps_are_identical_with_and_without_the_pool(monkeypatch):
                 conn.zero_grad(set_to_none=True)
         return grads
 
-    blocks = cpu._NATIVE.blocks
+    blocks = cpu_native.load().blocks
     monkeypatch.setattr(blocks, "cap_bytes", 256 << 20)
     pooled = two_steps()
     assert blocks.held > 0
@@ -726,3 +837,72 @@ def test_mhc_maps_with_far_apart_res_logits_match_float64(dtype, cpu_path):
     for got, want in zip([*outs, *grads], [*want_outs, *want_grads], strict=True):
         assert torch.isfinite(got).all()
         assert_close(got, want, tol)
+
+
+# ---------------------------------------------------------------------------------------------
+# After fork: private memory, and threads the child starts itself
+# ---------------------------------------------------------------------------------------------
+
+
+def _wait_for(fd: int, what: str, timeout_s: float = 120.0) -> bytes:
+    """One byte from a pipe, or fail after timeout_s (a hang must fail, not block the run)."""
+    ready, _, _ = select.select([fd], [], [], timeout_s)
+    if not ready:
+        raise AssertionError(f"timed out waiting for {what}")
+    return os.read(fd, 1)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_native_ops_after_fork_are_right_in_parent_and_child():
+    """The repro of a shared pool: parent and child each run an mHC connection (outputs of
+    2 MiB, pooled) after fork, the parent while the child still holds its output. Both must
+    equal the values computed before the fork; the child also runs a native op on 2 of its
+    own threads, which must finish."""
+    _need_native()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(3)
+        conn = _perturbed(ManifoldHyperConnection(256, 4, 0, torch.nn.Identity(), impl="cpu"))
+        xs = [torch.randn(512, 4, 256) for _ in range(3)]
+        with torch.no_grad():
+            want = [conn(x).numpy().tobytes() for x in xs]
+            kept, spare = conn(xs[0]), conn(xs[1])
+            del spare  # the pool now has a block in use and a free one: both sides take it
+        merge_args = [t.detach() for t in merge_inputs((512,), 4, 64, torch.float32)]
+        merged_want = cpu_native.load().merge_fwd(*merge_args[:2], *merge_args[3:])
+        merged_want = merged_want.numpy().tobytes()
+        from_parent, to_child = os.pipe()
+        from_child, to_parent = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: compare bytes (no torch op that could use libgomp's team)
+            code = 1
+            try:
+                with torch.no_grad():
+                    out = conn(xs[1])
+                    os.write(to_parent, b"r")  # ran; the parent now runs its own
+                    _wait_for(from_parent, "the parent")
+                    ok = out.numpy().tobytes() == want[1]
+                    lib = cpu_native.load()
+                    x, f, _, h_post, h_res = merge_args
+                    merged = lib.merge_fwd(x, f, h_post, h_res)  # on two threads of the child's
+                    ok = ok and lib.threads_for(512) == 2 and lib.own_threads
+                    ok = ok and merged.numpy().tobytes() == merged_want
+                os.write(to_parent, b"1" if ok else b"0")
+                code = 0
+            finally:
+                os._exit(code)
+        try:
+            assert _wait_for(from_child, "the child's first run") == b"r"
+            with torch.no_grad():
+                out = conn(xs[2])
+            os.write(to_child, b"g")
+            assert _wait_for(from_child, "the child's check") == b"1"
+        finally:
+            if os.waitpid(pid, os.WNOHANG) == (0, 0):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+        assert out.numpy().tobytes() == want[2]
+        assert kept.numpy().tobytes() == want[0]
+    finally:
+        torch.set_num_threads(threads)

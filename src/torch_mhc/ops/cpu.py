@@ -607,11 +607,17 @@ def _lib() -> _native.NativeOps:
     return _native.load()
 
 
-@torch.compiler.assume_constant_result
 def _native_available() -> bool:
     """Whether the native library is there: built or found in the cache by the first call
-    (not at import). A constant to torch.compile, which then traces no build or lock."""
+    (not at import)."""
     return _native.load() is not None
+
+
+# torch.compile calls it once and takes the answer as a constant, so that a first call
+# inside a trace does not trace the build and its lock. This is the mark that
+# torch.compiler.assume_constant_result sets; set directly because calling that function
+# imports torch._dynamo (3.5 s, at import).
+_native_available._dynamo_marked_constant = True
 
 
 @torch.library.custom_op("torch_mhc::cpu_pre_aggregate_fwd", mutates_args=())

@@ -882,63 +882,116 @@ INLINE void rows_bwd_body(const void* x, const float* wt, const float* dz, const
 }
 
 /* ---------------------------------------------------------------------------------------
-   Exported entry points: name_f32 / name_bf16, pointers first, then t0, t1 and the sizes.
+   Exported entry points: name_f32 / name_bf16, pointers first, then t0, t1, the number of
+   threads and the sizes. Each splits [t0, t1) into contiguous ranges over an OpenMP team of
+   `threads`: built with -fopenmp against libgomp.so.1, which is the runtime torch already
+   loaded, so the team is the one torch's own ops use (its threads are warm, and no second
+   pool competes with them for the cores). Per-thread scratch (partial sums, Sinkhorn's
+   iterates) is a [threads, ...] buffer: thread k uses slice k. Without OpenMP, or with
+   threads = 1, the caller's thread runs the whole range (cpu_native.py also calls ranges
+   from its own threads in a forked child, where libgomp's pool cannot be used).
    --------------------------------------------------------------------------------------- */
 
-#define EXPORT_BOTH(NAME, PARAMS, ARGS)                                 \
-    void NAME##_f32 PARAMS { const int bf = 0; WITH_N(n, NAME##_body ARGS); } \
-    void NAME##_bf16 PARAMS { const int bf = 1; WITH_N(n, NAME##_body ARGS); }
+#ifdef _OPENMP
+#include <omp.h>
+#define PARALLEL_RANGES(T0, T1, THREADS, CALL)                                          \
+    do {                                                                                \
+        const int64_t lo_ = (T0), hi_ = (T1);                                           \
+        const int nt_ = (int)(THREADS);                                                 \
+        /* One copy of CALL (the bodies are large): with if(0) the caller runs alone. */ \
+        _Pragma("omp parallel num_threads(nt_) if(nt_ > 1)")                            \
+        {                                                                               \
+            const int64_t k_ = omp_get_thread_num(), m_ = omp_get_num_threads();        \
+            const int64_t a_ = lo_ + (hi_ - lo_) * k_ / m_;                              \
+            const int64_t b_ = lo_ + (hi_ - lo_) * (k_ + 1) / m_;                        \
+            CALL;                                                                       \
+        }                                                                               \
+    } while (0)
+#else
+#define PARALLEL_RANGES(T0, T1, THREADS, CALL)                                          \
+    do {                                                                                \
+        const int64_t a_ = (T0), b_ = (T1);                                             \
+        const int64_t k_ = 0;                                                           \
+        (void)k_;                                                                       \
+        (void)(THREADS);                                                                \
+        CALL;                                                                           \
+    } while (0)
+#endif
+
+/* 1 when built with OpenMP (cpu_native.py reports it). */
+int native_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#define EXPORT_BOTH(NAME, PARAMS, ARGS)                                                 \
+    void NAME##_f32 PARAMS {                                                            \
+        const int bf = 0;                                                               \
+        PARALLEL_RANGES(t0, t1, threads, WITH_N(n, NAME##_body ARGS));                  \
+    }                                                                                   \
+    void NAME##_bf16 PARAMS {                                                           \
+        const int bf = 1;                                                               \
+        PARALLEL_RANGES(t0, t1, threads, WITH_N(n, NAME##_body ARGS));                  \
+    }
 
 EXPORT_BOTH(merge_fwd,
             (const void* x, const void* f, const float* hp, const float* hr, void* out,
-             int64_t t0, int64_t t1, int64_t n, int64_t C),
-            (x, f, hp, hr, out, t0, t1, N_, C, bf))
+             int64_t t0, int64_t t1, int64_t threads, int64_t n, int64_t C),
+            (x, f, hp, hr, out, a_, b_, N_, C, bf))
 
 EXPORT_BOTH(merge_bwd,
             (const void* x, const void* f, const float* hp, const float* hr, const void* g,
-             void* dx, void* df, float* dhp, float* dhr, int64_t t0, int64_t t1, int64_t n,
-             int64_t C),
-            (x, f, hp, hr, g, dx, df, dhp, dhr, t0, t1, N_, C, bf))
+             void* dx, void* df, float* dhp, float* dhr, int64_t t0, int64_t t1,
+             int64_t threads, int64_t n, int64_t C),
+            (x, f, hp, hr, g, dx, df, dhp, dhr, a_, b_, N_, C, bf))
 
 EXPORT_BOTH(pre_fwd,
-            (const void* x, const float* h, void* a, int64_t t0, int64_t t1, int64_t n,
-             int64_t C),
-            (x, h, a, t0, t1, N_, C, bf))
+            (const void* x, const float* h, void* a, int64_t t0, int64_t t1, int64_t threads,
+             int64_t n, int64_t C),
+            (x, h, a, a_, b_, N_, C, bf))
 
 EXPORT_BOTH(pre_bwd,
             (const void* x, const float* h, const void* da, void* dx, float* dh, int64_t t0,
-             int64_t t1, int64_t n, int64_t C),
-            (x, h, da, dx, dh, t0, t1, N_, C, bf))
+             int64_t t1, int64_t threads, int64_t n, int64_t C),
+            (x, h, da, dx, dh, a_, b_, N_, C, bf))
 
 EXPORT_BOTH(maps_fwd,
             (const void* x, const float* phip, const float* ab, float* lt, float* r,
              float* hpre, float* hpost, float* hres, void* a, int64_t t0, int64_t t1,
-             int64_t n, int64_t C, int64_t M, int64_t MV, int64_t iters, double norm_eps,
-             double sk_eps, double pre_eps),
-            (x, phip, ab, lt, r, hpre, hpost, hres, a, t0, t1, N_, C, M, MV, (int)iters,
+             int64_t threads, int64_t n, int64_t C, int64_t M, int64_t MV, int64_t iters,
+             double norm_eps, double sk_eps, double pre_eps),
+            (x, phip, ab, lt, r, hpre, hpost, hres, a, a_, b_, N_, C, M, MV, (int)iters,
              (float)norm_eps, (float)sk_eps, (float)pre_eps, bf))
 
+/* Per-thread slices: dphi [K, Mp], sk_y [(2 iters - 1)(n n + n) 16], base [8 K]. */
 EXPORT_BOTH(maps_bwd,
             (const void* x, const float* phit, const float* ab, const float* lt,
              const float* r, const float* gpre, const float* gpost, const float* gres,
              const void* ga, const void* glink, void* dx, float* dht, float* dphi, float* sk_y,
-             float* base, int64_t t0, int64_t t1, int64_t n, int64_t C, int64_t M, int64_t MV,
-             int64_t iters, double sk_eps, double pre_eps),
-            (x, phit, ab, lt, r, gpre, gpost, gres, ga, glink, dx, dht, dphi,
-             (v16*)sk_y, base, t0, t1, N_, C, M, MV, (int)iters, (float)sk_eps,
+             float* base, int64_t t0, int64_t t1, int64_t threads, int64_t n, int64_t C,
+             int64_t M, int64_t MV, int64_t iters, double sk_eps, double pre_eps),
+            (x, phit, ab, lt, r, gpre, gpost, gres, ga, glink, dx, dht,
+             dphi + k_ * n * C * MV * WG,
+             (v16*)(sk_y + k_ * (2 * iters - 1) * (n * n + n) * 16),
+             base + k_ * 8 * n * C, a_, b_, N_, C, M, MV, (int)iters, (float)sk_eps,
              (float)pre_eps, bf))
 
-void rows_fwd_f32(const void* x, const float* wp, float* z, float* ss, int64_t r0, int64_t r1,
-                  int64_t K, int64_t MV) { rows_fwd_body(x, wp, z, ss, r0, r1, K, MV, 0); }
-void rows_fwd_bf16(const void* x, const float* wp, float* z, float* ss, int64_t r0,
-                   int64_t r1, int64_t K, int64_t MV) {
-    rows_fwd_body(x, wp, z, ss, r0, r1, K, MV, 1);
-}
-void rows_bwd_f32(const void* x, const float* wt, const float* dz, const float* coef, void* dx,
-                  float* dw, int64_t r0, int64_t r1, int64_t K, int64_t M, int64_t MV) {
-    rows_bwd_body(x, wt, dz, coef, dx, dw, r0, r1, K, M, MV, 0);
-}
-void rows_bwd_bf16(const void* x, const float* wt, const float* dz, const float* coef, void* dx,
-                   float* dw, int64_t r0, int64_t r1, int64_t K, int64_t M, int64_t MV) {
-    rows_bwd_body(x, wt, dz, coef, dx, dw, r0, r1, K, M, MV, 1);
-}
+#define EXPORT_ROWS(NAME, BF)                                                           \
+    void rows_fwd_##NAME(const void* x, const float* wp, float* z, float* ss, int64_t r0,  \
+                         int64_t r1, int64_t threads, int64_t K, int64_t MV) {          \
+        PARALLEL_RANGES(r0, r1, threads, rows_fwd_body(x, wp, z, ss, a_, b_, K, MV, BF)); \
+    }                                                                                   \
+    /* Per-thread slices: dw [K, Mp]. */                                                \
+    void rows_bwd_##NAME(const void* x, const float* wt, const float* dz, const float* coef, \
+                         void* dx, float* dw, int64_t r0, int64_t r1, int64_t threads,  \
+                         int64_t K, int64_t M, int64_t MV) {                            \
+        PARALLEL_RANGES(r0, r1, threads,                                                \
+                        rows_bwd_body(x, wt, dz, coef, dx, dw + k_ * K * MV * WG, a_, b_, \
+                                      K, M, MV, BF));                                   \
+    }
+
+EXPORT_ROWS(f32, 0)
+EXPORT_ROWS(bf16, 1)

@@ -8,85 +8,44 @@ per-token partial sums in vector registers, and handles bfloat16 storage (conver
 in registers). cpu_native.c says what each kernel fuses; benchmarks/NOTES_ops.md has the
 measurements.
 
-The source is plain C11 with GCC/Clang vector extensions and no torch headers: the system C
-compiler builds it in about a second, once per machine and source version, into a cache
-directory ($TORCH_MHC_CACHE, else $XDG_CACHE_HOME/torch_mhc, else ~/.cache/torch_mhc), and
-ctypes loads it. If no compiler is found or the build fails, `load()` returns None and
-ops.cpu uses its pure-torch path. TORCH_MHC_NATIVE=0 disables the native path.
+Building (ops/native_build.py): nothing happens at import. The first native op builds the
+library with the system C compiler (plain C11 with GCC/Clang vector extensions and OpenMP,
+no torch headers; once per machine and source version) into a cache directory, or finds it
+there, and loads it with ctypes. Without a working compiler one warning names the
+pure-torch fallback that ops.cpu then uses; TORCH_MHC_NATIVE=0 turns the native path off
+(and the warning with it).
 
-Calls split the tokens into torch.get_num_threads() contiguous ranges run on a thread pool
-(ctypes releases the GIL during each call). Every function takes [t0, t1), the token range
-to process, and contiguous tensors. Large outputs come from a BlockPool (reused memory,
-capped by TORCH_MHC_CPU_POOL_MB, default 1024 MiB; 0 turns it off).
+Threads: a call splits the tokens into torch.get_num_threads() contiguous ranges over an
+OpenMP team of libgomp, the runtime torch itself uses (cpu_native.c), so the kernels share
+torch's intra-op threads instead of competing with them. ctypes releases the GIL during the
+call. In a process forked after the parent ran a parallel region, libgomp's team cannot be
+used (its threads were not copied; torch's own parallel ops wait forever there too), so
+an at-fork handler switches the child to ranges run on threads it starts itself.
+
+Memory: large outputs come from a BlockPool of private anonymous mappings, reused once no
+tensor holds them (TORCH_MHC_CPU_POOL_MB caps it, default 1024 MiB; 0 turns it off).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import math
 import mmap
 import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
-import warnings
+import threading
+import weakref
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from .native_build import build_library, warn_fallback
+
 __all__ = ["load", "NativeOps"]
 
-_SOURCE_PATH = Path(__file__).with_name("cpu_native.c")
-
-
-_FLAGS = ["-O3", "-march=native", "-std=gnu11", "-ffp-contract=fast", "-shared", "-fPIC"]
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _MIN_TOKENS_PER_THREAD = 64
-
-
-def _cache_dir() -> Path:
-    if os.environ.get("TORCH_MHC_CACHE"):
-        return Path(os.environ["TORCH_MHC_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "torch_mhc"
-
-
-def _cpu_signature() -> str:
-    """What -march=native depends on: the machine and its CPU flags."""
-    flags = ""
-    with_flags = Path("/proc/cpuinfo")
-    if with_flags.exists():
-        for line in with_flags.read_text(errors="replace").splitlines():
-            if line.startswith("flags"):
-                flags = line
-                break
-    return f"{platform.machine()}|{platform.processor()}|{flags}"
-
-
-def _build(compiler: str) -> Path:
-    source = _SOURCE_PATH.read_text()
-    key = hashlib.sha256(
-        "\n".join([source, compiler, " ".join(_FLAGS), _cpu_signature()]).encode()
-    ).hexdigest()[:16]
-    cache = _cache_dir()
-    lib = cache / f"torch_mhc_cpu_{key}.so"
-    if lib.exists():
-        return lib
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        src = Path(tmp) / "torch_mhc_cpu.c"
-        src.write_text(source)
-        out = Path(tmp) / lib.name
-        proc = subprocess.run([compiler, *_FLAGS, str(src), "-o", str(out)],
-                              capture_output=True, text=True, timeout=120)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed:\n{proc.stderr[-2000:]}")
-        os.replace(out, lib)  # atomic: concurrent builders each publish a complete file
-    return lib
 
 
 class BlockPool:
@@ -94,24 +53,22 @@ class BlockPool:
 
     Why: glibc hands large blocks back to the system when they are freed, so every fresh
     output of a training step is faulted in and zeroed by the kernel again, which cost about
-    as much as the merge itself (benchmarks/NOTES_ops.md). The pool keeps the anonymous
-    mappings it made and hands a block out again once no tensor uses it: a tensor made by
-    torch.frombuffer holds a reference to its block, so a block whose reference count is
-    back to the pool's own is free. Blocks are kept up to `cap_bytes` in all (in use or
-    not); beyond that, and below `min_bytes`, outputs are ordinary torch.empty tensors.
-    TORCH_MHC_CPU_POOL_MB sets the cap (default 1024; 0 turns the pool off).
+    as much as the merge itself (benchmarks/NOTES_ops.md). The pool keeps the private
+    anonymous mappings it made (copy-on-write after fork: a child's writes never reach its
+    parent, nor the other way) and lends each out as a tensor over a small ctypes view of
+    the mapping; the tensor's storage holds the view, and when the last tensor (or view of
+    one) goes, the view is freed and its weak-reference callback puts the block back on the
+    free list. Blocks are kept up to `cap_bytes` in all (in use or not); beyond that, and
+    below `min_bytes`, outputs are ordinary torch.empty tensors. TORCH_MHC_CPU_POOL_MB sets
+    the cap (default 1024; 0 turns the pool off).
     """
 
     def __init__(self, cap_bytes: int, min_bytes: int = 1 << 20):
         self.cap_bytes, self.min_bytes = cap_bytes, min_bytes
         self.held = 0  # bytes of all blocks made, in use or not
-        self._blocks: dict[int, list[mmap.mmap]] = {}
-        # A free block's reference count as `empty`'s scan sees it (list, loop variable,
-        # getrefcount's argument), measured on a probe in a loop of the same shape.
-        probe = [mmap.mmap(-1, mmap.PAGESIZE)]
-        for block in probe:
-            self._free_refs = sys.getrefcount(block)
-        probe[0].close()
+        self._free: dict[int, deque] = {}  # size -> mappings no tensor holds
+        self._lent: dict[int, tuple] = {}  # id(view) -> (weakref to the view, its mapping)
+        self._lock = threading.Lock()  # guards held and making blocks (not the callbacks)
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor: a free pooled block, a new one, or torch.empty."""
@@ -119,15 +76,28 @@ class BlockPool:
         nbytes = numel * dtype.itemsize
         if nbytes < self.min_bytes or self.cap_bytes <= 0:
             return torch.empty(shape, dtype=dtype)
-        blocks = self._blocks.setdefault(nbytes, [])
-        for block in blocks:
-            if sys.getrefcount(block) <= self._free_refs:  # no tensor holds it
-                return torch.frombuffer(block, dtype=dtype, count=numel).view(shape)
-        if self.held + nbytes > self.cap_bytes:
-            return torch.empty(shape, dtype=dtype)
-        blocks.append(mmap.mmap(-1, nbytes))
-        self.held += nbytes
-        return torch.frombuffer(blocks[-1], dtype=dtype, count=numel).view(shape)
+        free = self._free.setdefault(nbytes, deque())
+        try:
+            block = free.pop()  # deque.pop / append are atomic: callbacks may run anywhere
+        except IndexError:
+            with self._lock:
+                if self.held + nbytes > self.cap_bytes:
+                    return torch.empty(shape, dtype=dtype)
+                self.held += nbytes
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+            block = mmap.mmap(-1, nbytes, flags=flags)
+        return self._lend(block, nbytes, dtype, numel).view(shape)
+
+    def _lend(self, block: mmap.mmap, nbytes: int, dtype: torch.dtype, numel: int):
+        view = (ctypes.c_char * nbytes).from_buffer(block)
+        key = id(view)
+
+        def give_back(_, free=self._free[nbytes], lent=self._lent, key=key, block=block):
+            lent.pop(key, None)
+            free.append(block)
+
+        self._lent[key] = (weakref.ref(view, give_back), block)
+        return torch.frombuffer(view, dtype=dtype, count=numel)
 
 
 def _pool_cap() -> int:
@@ -139,7 +109,7 @@ def _pool_cap() -> int:
 
 
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
-# Argument types after the pointers, t0 and t1 (cpu_native.c's entry points).
+# Argument types after the pointers, t0, t1 and the thread count (cpu_native.c's exports).
 _SIGNATURES = {
     "merge_fwd": (5, [_I, _I]),  # n, C
     "merge_bwd": (9, [_I, _I]),
@@ -165,7 +135,7 @@ def padded_width(m: int) -> int:
 
 
 class NativeOps:
-    """The loaded library; each method runs one op over all tokens on the thread pool."""
+    """The loaded library; each method runs one op over all tokens on torch's threads."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -173,21 +143,31 @@ class NativeOps:
         for name, (n_ptrs, sizes) in _SIGNATURES.items():
             for suffix in _SUFFIX.values():
                 fn = getattr(self._lib, f"{name}_{suffix}")
-                fn.argtypes = [_P] * n_ptrs + [_I, _I] + sizes
+                fn.argtypes = [_P] * n_ptrs + [_I, _I, _I] + sizes
                 fn.restype = None
+        self.openmp = bool(self._lib.native_openmp())
+        # Threads this process started itself: used where OpenMP cannot be (a forked child,
+        # or a library built without OpenMP). Reset in a forked child (its threads are gone).
+        self.own_threads = not self.openmp
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
         self.blocks = BlockPool(_pool_cap())
+
+    def after_fork_in_child(self) -> None:
+        """libgomp's team and our executor's threads exist only in the parent."""
+        self.own_threads = True
+        self._pool, self._pool_size = None, 0
 
     def threads_for(self, tokens: int) -> int:
         """How many threads a call over `tokens` tokens uses."""
         return max(1, min(torch.get_num_threads(), tokens // _MIN_TOKENS_PER_THREAD))
 
     def _run(self, name: str, dtype: torch.dtype, tensors: list, tokens: int, *sizes):
-        """Call name_<dtype>(pointers..., t0, t1, *sizes) over [0, tokens) on the pool.
+        """Call name_<dtype>(pointers..., t0, t1, threads, *sizes) over [0, tokens).
 
-        A None among tensors passes NULL (an optional operand); a PerThread passes thread
-        k the address of its slice k.
+        A None among tensors passes NULL (an optional operand); a PerThread passes the
+        address of its slice 0 (the library offsets thread k to slice k), or of slice k to
+        the range run by our own thread k.
         """
         fn = getattr(self._lib, f"{name}_{_SUFFIX[dtype]}")
         threads = self.threads_for(tokens)
@@ -197,8 +177,8 @@ class NativeOps:
                     t.tensor[k].data_ptr() if isinstance(t, PerThread) else t.data_ptr()
                     for t in tensors]
 
-        if threads == 1:
-            fn(*pointers(0), 0, tokens, *sizes)
+        if threads == 1 or not self.own_threads:
+            fn(*pointers(0), 0, tokens, threads, *sizes)
             return
         if self._pool is None or self._pool_size != threads:
             if self._pool is not None:
@@ -206,7 +186,7 @@ class NativeOps:
             self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="torch_mhc")
             self._pool_size = threads
         bounds = [tokens * k // threads for k in range(threads + 1)]
-        futures = [self._pool.submit(fn, *pointers(k), bounds[k], bounds[k + 1], *sizes)
+        futures = [self._pool.submit(fn, *pointers(k), bounds[k], bounds[k + 1], 1, *sizes)
                    for k in range(threads)]
         for fut in futures:
             fut.result()
@@ -324,23 +304,46 @@ def supports(x: torch.Tensor) -> bool:
 
 _loaded: NativeOps | None = None
 _tried = False
+_load_lock = threading.Lock()
+_OFF = ("0", "false", "no", "off")
+_hooks: list = []  # the at-fork handler, once registered (it cannot be unregistered)
+
+
+def _after_fork_in_child() -> None:
+    if _loaded is not None:
+        _loaded.after_fork_in_child()
+
+
+def _open() -> NativeOps | None:
+    """Build or find the library and load it; a verified file that still fails to load
+    (say, a dependency missing since it was built) is built once more."""
+    path = build_library()
+    if path is None:
+        return None
+    try:
+        return NativeOps(path)
+    except OSError:
+        path = build_library(rebuild=True)
+    try:
+        return None if path is None else NativeOps(path)
+    except OSError as err:
+        warn_fallback(f"{path} does not load: {err}")
+        return None
 
 
 def load() -> NativeOps | None:
-    """Build (once per machine) and load the library; None if disabled or unavailable."""
+    """The native library, built or found in the cache on the first call; None if disabled
+    (TORCH_MHC_NATIVE=0) or unavailable (ops.cpu then runs its pure-torch fallback, after
+    one warning)."""
     global _loaded, _tried
     if _tried:
         return _loaded
-    _tried = True
-    if os.environ.get("TORCH_MHC_NATIVE", "1").strip() in ("0", "false", "no", "off"):
-        return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") \
-        or shutil.which("clang")
-    if compiler is None or sys.platform == "win32":
-        return None
-    try:
-        _loaded = NativeOps(_build(compiler))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-        warnings.warn(f"torch_mhc: native CPU ops unavailable, using pure torch ({err})",
-                      stacklevel=2)
+    with _load_lock:
+        if not _tried:
+            if os.environ.get("TORCH_MHC_NATIVE", "1").strip().lower() not in _OFF:
+                _loaded = _open()
+                if _loaded is not None and not _hooks:
+                    os.register_at_fork(after_in_child=_after_fork_in_child)
+                    _hooks.append(_after_fork_in_child)
+            _tried = True
     return _loaded
