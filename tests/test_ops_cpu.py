@@ -515,21 +515,6 @@ def test_native_library_builds_verifies_and_rebuilds_a_truncated_cache(monkeypat
     assert again.path.read_bytes() == data
 
 
-def test_publish_writes_completely_or_not_at_all(monkeypatch, tmp_path):
-    dest = tmp_path / "lib.so"
-    native_build._publish(b"complete", dest)
-    assert dest.read_bytes() == b"complete"
-
-    def failing_fsync(fd):
-        raise OSError("disk full")
-
-    monkeypatch.setattr(native_build.os, "fsync", failing_fsync)
-    with pytest.raises(OSError, match="disk full"):
-        native_build._publish(b"new content", dest)
-    assert dest.read_bytes() == b"complete"  # the old file is intact
-    assert [p.name for p in tmp_path.iterdir()] == ["lib.so"]  # no temporary file left
-
-
 def test_compiler_and_flags_are_parsed_as_a_shell_would(monkeypatch):
     monkeypatch.setenv("CC", "ccache 'my gcc' -O2")
     assert native_build._compiler() == ["ccache", "my gcc", "-O2"]

@@ -10,9 +10,9 @@ Nothing here runs at import; `build_library()` is called by the first native op
   ~/.cache/torch_mhc; key = sha256 of the source, the command, the flags and the CPU's
   signature (-march=native depends on it).
 - Publishing: the compiler writes into a private temporary directory; the bytes are copied
-  to a temporary file in the cache, fsynced and renamed over the final name, then the same
-  for a sidecar <name>.sha256 holding the library's hash. Concurrent builders publish
-  identical complete files.
+  to a temporary file in the cache, fsynced and renamed over the final name
+  (files.atomic_write), then the same for a sidecar <name>.sha256 holding the library's
+  hash. Concurrent builders publish identical complete files.
 - Verification: a cached library is used only when its bytes hash to the sidecar. A file cut
   short (a crash or a full disk mid-write, or an older version that renamed without fsync)
   is rebuilt instead of handed to dlopen: mapping a truncated ELF file kills the process
@@ -31,6 +31,8 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
+
+from ..files import atomic_write, fsync_dir
 
 __all__ = ["build_library", "cache_dir", "warn_fallback"]
 
@@ -95,30 +97,6 @@ def _verified(lib: Path) -> bool:
         return False
 
 
-def _publish(data: bytes, dest: Path) -> None:
-    """Write data to dest completely or not at all: temporary file, fsync, rename."""
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    try:  # the rename itself reaches the disk with the directory
-        dir_fd = os.open(dest.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(dir_fd)
-
-
 def _compile(command: list[str], flags: list[str], lib: Path) -> None:
     """Compile the source with command + flags and publish it (and its sidecar) as lib."""
     with tempfile.TemporaryDirectory(prefix="torch_mhc_build_") as tmp:
@@ -128,8 +106,9 @@ def _compile(command: list[str], flags: list[str], lib: Path) -> None:
         if proc.returncode != 0:
             raise RuntimeError(f"{shlex.join(command)} failed: {proc.stderr.strip()[-1500:]}")
         data = out.read_bytes()
-    _publish(data, lib)
-    _publish(hashlib.sha256(data).hexdigest().encode(), lib.with_name(lib.name + ".sha256"))
+    atomic_write(lib, data)  # temporary file, fsync, rename
+    atomic_write(lib.with_name(lib.name + ".sha256"), hashlib.sha256(data).hexdigest().encode())
+    fsync_dir(lib.parent)
 
 
 def _library_path(command: list[str], flags: list[str]) -> Path:
