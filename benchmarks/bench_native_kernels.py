@@ -21,8 +21,8 @@ import sys
 
 import torch
 
-from torch_mhc.bench import time_interleaved
 from torch_mhc.ops import cpu_native
+from torch_mhc.timing import time_interleaved
 
 
 def kernels(tokens: int, n: int, c: int, dtype: torch.dtype) -> dict:

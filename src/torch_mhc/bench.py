@@ -48,7 +48,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable, Iterable
 
 import torch
@@ -60,6 +59,7 @@ from .files import atomic_write
 from .model import LM, ModelConfig, rope_angles
 from .recompute import optimal_interval
 from .sinkhorn import sinkhorn, sinkhorn_unrolled
+from .timing import CLOCKS, time_interleaved
 
 __all__ = [
     "BENCHMARKS",
@@ -79,53 +79,9 @@ __all__ = [
 ]
 
 BENCHMARKS = ("step", "hyper_connections", "saved", "sinkhorn", "decode")
-CLOCKS = ("wall", "process")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Model variants: our three connections, and lucidrains' mHC around the same blocks.
 VARIANTS = ("residual", "hc", "mhc", "lucidrains_mhc")
-
-
-# ---------------------------------------------------------------------------------------------
-# Timing (shared with torch_mhc.ops.benchmark)
-# ---------------------------------------------------------------------------------------------
-
-
-def _sync(device: torch.device | str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-def time_interleaved(
-    steps: dict[str, Callable[[], object]],
-    repeats: int,
-    warmup: int = 1,
-    clock: str = "wall",
-    device: torch.device | str = "cpu",
-) -> dict[str, list[float]]:
-    """Milliseconds per run of each step, over `repeats` rounds that run every step once.
-
-    `warmup` untimed rounds come first (allocator, caches, lazy initialisation). Returns
-    {name: [ms of round 0, round 1, ...]}, so entry r of two lists was measured side by side.
-    """
-    if clock not in CLOCKS:
-        raise ValueError(f"clock must be one of {CLOCKS}, got {clock!r}")
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
-    if not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
-    now = time.process_time if clock == "process" else time.perf_counter
-    for _ in range(warmup):
-        for step in steps.values():
-            step()
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():
-            _sync(device)
-            t0 = now()
-            step()
-            _sync(device)
-            times[name].append((now() - t0) * 1e3)
-    return times
 
 
 def summarize(times: dict[str, list[float]], baseline: str) -> dict[str, dict]:
@@ -154,7 +110,7 @@ def summarize(times: dict[str, list[float]], baseline: str) -> dict[str, dict]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Models and a training step (shared with torch_mhc.ops.benchmark)
+# Models and a training step
 # ---------------------------------------------------------------------------------------------
 
 
