@@ -289,6 +289,11 @@ def test_save_and_load_exactly(tmp_path):
     conn = loaded.model.layers[1].mhc_mlp
     assert (conn.streams, conn.sinkhorn_iters, conn.layer_index) == (3, 7, 3)
     assert torch.equal(_logits(loaded, ids, mask), ref)
+    # transformers' loading options pass through; the connections follow the dtype
+    half = mhc_hf.from_pretrained(out_dir, dtype=torch.bfloat16)
+    phi = half.model.layers[0].mhc_attn.phi
+    assert phi.dtype == torch.bfloat16
+    assert torch.equal(phi, model.model.layers[0].mhc_attn.phi.detach().to(torch.bfloat16))
 
     # saving again over the same folder replaces it
     _perturb_connections(loaded, seed=9)
