@@ -13,7 +13,8 @@ from torch_mhc.cli import main
 from torch_mhc.compare import PRESETS, compare, preset_config
 from torch_mhc.train import ConfigError, load_checkpoint
 
-FIGURES = ("loss_curves.png", "grad_norm.png", "composite_gain.png", "gain_over_training.png")
+FIGURES = ("loss_curves.png", "grad_norm.png", "composite_gain.png", "gain_over_training.png",
+           "health.png")
 
 
 def read_png_size(data: bytes) -> tuple[int, int]:
@@ -133,3 +134,99 @@ def test_presets_are_valid():
     stress = preset_config("stress")
     assert 2 * stress.model.n_layers >= 48
     assert stress.lr > preset_config("default").lr
+
+
+def test_single_seed_report_says_it_cannot_test(tiny_report):
+    out, report = tiny_report
+    assert report["seeds"] == 1
+    variants = {v["kind"]: v for v in report["variants"]}
+    d = variants["mhc"]["vs_residual"]["val_loss"]
+    want = variants["mhc"]["val_loss"] - variants["residual"]["val_loss"]
+    assert d["mean"] == pytest.approx(want)
+    assert d["ci_low"] is None and d["significant"] is None
+    md = (out / "report.md").read_text()
+    assert "- mhc: " in md and "one seed gives no interval" in md
+    # health: a row for each kind with an H_res, none for the residual
+    assert "| mhc | 1.000 | 1.000 |" in md and variants["residual"]["health"] is None
+    assert variants["mhc"]["health"]["max_abs_log_colsum"] >= 0.0
+    assert variants["hc"]["health"]["max_logit_range"] is None  # HC takes no exp
+
+
+@pytest.fixture(scope="module")
+def seeds_report(tmp_path_factory):
+    root = tmp_path_factory.mktemp("seeds")
+    corpus = root / "corpus.txt"
+    corpus.write_text("".join(f"def g{i % 13}(y):\n    return y + {i % 9}\n" for i in range(400)))
+    out = root / "out"
+    report = compare(out, preset="tiny", kinds=("residual", "mhc-lite", "kromhc"), seeds=2,
+                     steps=6, eval_every=3, gain_every=3, data=str(corpus),
+                     cache_dir=str(root / "cache"), val_fraction=0.1, quiet=True,
+                     progress=False, tensorboard=False, device="cpu", dtype="fp32")
+    return out, report
+
+
+def test_seeds_are_paired_and_summarised(seeds_report):
+    out, report = seeds_report
+    assert report["seeds"] == 2 and report["config"]["seed"] == "0 to 1"
+    variants = {v["kind"]: v for v in report["variants"]}
+    for kind, v in variants.items():
+        assert [r["seed"] for r in v["seed_runs"]] == [0, 1] == v["seeds"]
+        for seed in (0, 1):
+            assert (out / kind / f"seed{seed}" / "metrics.jsonl").is_file()
+        losses = [r["val_loss"] for r in v["seed_runs"]]
+        assert v["val_loss"] == v["val_loss_mean"] == pytest.approx(sum(losses) / 2)
+        assert v["val_loss_sd"] == pytest.approx(abs(losses[0] - losses[1]) / math.sqrt(2))
+    res = variants["residual"]["seed_runs"]
+    assert res[0]["loss_history"][0] != res[1]["loss_history"][0]  # another seed, another run
+    for kind in ("mhc-lite", "kromhc"):
+        runs = variants[kind]["seed_runs"]
+        for seed in (0, 1):  # same seed: same blocks, same batch, same start as the residual
+            assert runs[seed]["loss_history"][0] == pytest.approx(
+                res[seed]["loss_history"][0], abs=1e-5)
+        diffs = [runs[s]["val_loss"] - res[s]["val_loss"] for s in (0, 1)]
+        d = variants[kind]["vs_residual"]["val_loss"]
+        mean, sd = sum(diffs) / 2, abs(diffs[0] - diffs[1]) / math.sqrt(2)
+        half = 12.706204736174707 * sd / math.sqrt(2)  # t(0.975, 1 degree of freedom)
+        assert d["mean"] == pytest.approx(mean) and d["sd"] == pytest.approx(sd)
+        assert d["ci_low"] == pytest.approx(mean - half) and d["ci_high"] == pytest.approx(
+            mean + half)
+        assert d["significant"] == (not d["ci_low"] <= 0 <= d["ci_high"])
+
+
+def test_seeds_report_md(seeds_report):
+    out, report = seeds_report
+    md = (out / "report.md").read_text()
+    assert md.startswith("# mhc compare: residual vs mhc-lite vs kromhc (preset tiny, modified, "
+                         "2 seeds)")
+    assert "## Seeds and significance" in md and "Student's t with 1 degrees of freedom" in md
+    v = {v["kind"]: v for v in report["variants"]}["kromhc"]
+    row = next(line for line in md.splitlines() if line.startswith("| kromhc | 2 |"))
+    assert f"{v['val_loss_mean']:.4f} ± {v['val_loss_sd']:.4f}" in row
+    assert "paired seeds (interval" in md
+    width, height = read_png_size((out / "loss_curves.png").read_bytes())
+    assert width > 200 and height > 200
+
+
+def test_compare_rejects_bad_kinds_seeds_and_a_missing_text_file(tmp_path, capsys):
+    with pytest.raises(ConfigError, match="kinds must be distinct names from residual, hc, mhc, "
+                       "mhc-lite, kromhc, mhc-static-res; got residual, lite"):
+        compare(tmp_path / "a", preset="tiny", kinds=("residual", "lite"))
+    with pytest.raises(ConfigError, match="got mhc, mhc"):
+        compare(tmp_path / "a", preset="tiny", kinds=("mhc", "mhc"))
+    with pytest.raises(ConfigError, match="seeds must be an integer >= 1, got 0"):
+        compare(tmp_path / "a", preset="tiny", seeds=0)
+    with pytest.raises(ConfigError, match="shakespeare preset trains on a text file given "
+                       "with --data"):
+        compare(tmp_path / "a", preset="shakespeare")
+    assert main(["compare", "--out", str(tmp_path / "b"), "--preset", "tiny", "--kinds",
+                 "residual,mhc-lite,nope"]) == 2
+    assert "got residual, mhc-lite, nope" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_shakespeare_preset_is_nanogpts_cpu_recipe():
+    cfg = preset_config("shakespeare")
+    m = cfg.model
+    assert (m.n_layers, m.n_heads, m.dim, m.max_seq_len) == (4, 4, 128, 64)
+    assert (cfg.seq_len, cfg.batch_size, cfg.steps) == (64, 12, 2000)
+    assert (cfg.lr, cfg.min_lr, cfg.beta2, cfg.val_fraction) == (1e-3, 1e-4, 0.99, 0.1)
