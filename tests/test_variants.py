@@ -308,3 +308,9 @@ def test_bad_streams_errors():
         KromHC(8, 6, 0, nn.Identity())
     with pytest.raises(ValueError, match=r"ModelConfig.residual must be one of .*got 'lite'"):
         ModelConfig(residual="lite")
+    # checked with the config, before any model is built
+    with pytest.raises(ValueError, match=r"ModelConfig.streams: kromhc .* got n = 5"):
+        ModelConfig(residual="kromhc", streams=5)
+    with pytest.raises(ValueError, match=r"ModelConfig.streams: mhc-lite .* got n = 7"):
+        ModelConfig(residual="mhc-lite", streams=7)
+    ModelConfig(residual="mhc", streams=7)  # any n for the others

@@ -369,8 +369,9 @@ HELP = {
     "n_heads": "attention heads",
     "max_seq_len": "longest sequence the model accepts",
     "mlp_ratio": "MLP width / dim",
-    "residual": "connection kind: residual | hc | mhc",
-    "streams": "residual streams n for hc / mhc",
+    "residual": "connection kind: residual | hc | mhc | mhc-lite | kromhc | mhc-static-res",
+    "streams": "residual streams n for every kind but residual (mhc-lite: n <= 5; kromhc: "
+               "a power of two)",
     "sinkhorn_iters": "Sinkhorn-Knopp iterations of mHC",
     "norm_eps": "RMSNorm epsilon",
     "rope_base": "rotary embedding base",

@@ -35,6 +35,7 @@ from torch import nn
 
 from .connections import CONNECTION_KINDS, expand_streams, make_connection, reduce_streams
 from .recompute import optimal_interval, recompute_streams
+from .variants import check_streams
 
 __all__ = ["ModelConfig", "KVCache", "LM"]
 
@@ -83,6 +84,11 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.residual must be one of {CONNECTION_KINDS}, got {self.residual!r}"
             )
+        if self.residual != "residual":
+            try:
+                check_streams(self.residual, self.streams)
+            except ValueError as e:
+                raise ValueError(f"ModelConfig.streams: {e}") from None
         if self.dim % self.n_heads != 0:
             raise ValueError(
                 f"ModelConfig.dim ({self.dim}) must be divisible by n_heads ({self.n_heads})"

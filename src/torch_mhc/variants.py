@@ -58,6 +58,7 @@ from .connections import _assign, _Connection, _pre_bias
 __all__ = [
     "VARIANT_KINDS",
     "KromHC",
+    "check_streams",
     "MHCLite",
     "MHCStaticRes",
     "kromhc_res",
@@ -230,6 +231,23 @@ class _MhcReadWrite(_Connection):
         return f"{super().extra_repr()}, layer_index={self.layer_index}"
 
 
+def check_streams(kind: str, n: int) -> None:
+    """Raise a ValueError if connection kind `kind` cannot use n streams (a no-op for the
+    kinds that take any n)."""
+    if kind == "mhc-lite" and n > MHC_LITE_MAX_STREAMS:
+        raise ValueError(
+            f"mhc-lite mixes all n! permutation matrices and supports n <= "
+            f"{MHC_LITE_MAX_STREAMS} streams ({math.factorial(MHC_LITE_MAX_STREAMS)} "
+            f"logits per token); got n = {n} ({math.factorial(n):,} permutations)"
+        )
+    if kind == "kromhc" and n & (n - 1):
+        lo = 1 << (n.bit_length() - 1)
+        raise ValueError(
+            f"kromhc builds H_res as a Kronecker product of 2 x 2 factors and needs n a "
+            f"power of two (1, 2, 4, 8, ...); got n = {n} (nearest: {lo} or {2 * lo})"
+        )
+
+
 class MHCLite(_MhcReadWrite):
     """mHC-lite (arXiv 2601.05732): H_res = sum_k softmax(z)_k P_k over all n! permutations."""
 
@@ -239,12 +257,7 @@ class MHCLite(_MhcReadWrite):
         return math.factorial(n)
 
     def _check_streams(self, n: int) -> None:
-        if n > MHC_LITE_MAX_STREAMS:
-            raise ValueError(
-                f"mhc-lite mixes all n! permutation matrices and supports n <= "
-                f"{MHC_LITE_MAX_STREAMS} streams ({math.factorial(MHC_LITE_MAX_STREAMS)} "
-                f"logits per token); got n = {n} ({math.factorial(n):,} permutations)"
-            )
+        check_streams(self.kind, n)
 
     def _init_buffers(self) -> None:
         self.register_buffer("perms", permutation_matrices(self.streams), persistent=False)
@@ -275,12 +288,7 @@ class KromHC(_MhcReadWrite):
         return n.bit_length() - 1
 
     def _check_streams(self, n: int) -> None:
-        if n & (n - 1):
-            lo = 1 << (n.bit_length() - 1)
-            raise ValueError(
-                f"kromhc builds H_res as a Kronecker product of 2 x 2 factors and needs n a "
-                f"power of two (1, 2, 4, 8, ...); got n = {n} (nearest: {lo} or {2 * lo})"
-            )
+        check_streams(self.kind, n)
 
     def _init_buffers(self) -> None:
         self.register_buffer("same", _kron_pattern(self.streams), persistent=False)
