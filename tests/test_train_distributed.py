@@ -117,3 +117,21 @@ def test_two_rank_checkpoint_resumes_in_one_process(single_losses):
     assert len(from_dcp) == len(from_file) == STEPS + 2
     for got, want in zip(from_dcp[STEPS:], from_file[STEPS:], strict=True):
         assert abs(got - want) <= RTOL * abs(want)
+
+
+def test_generate_reads_the_two_rank_checkpoint(single_losses, capsys):
+    """One checkpoint format: `mhc generate` reads what FSDP2 on 2 ranks wrote, and decodes
+    what the single-process run's checkpoint decodes (greedy; the weights agree to rtol)."""
+    from torch_mhc.cli import main
+
+    tmp, _ = single_losses
+    if not (tmp / "run_fsdp" / "ckpt").is_dir():
+        done = _run(_torchrun(_flags(tmp, "run_fsdp", "--parallel", "fsdp")))
+        assert done.returncode == 0, done.stdout[-6000:]
+    texts = []
+    for out in ("run_fsdp", "single"):
+        args = ["generate", "--checkpoint", str(tmp / out), "--prompt", "def ",
+                "--temperature", "0", "--max-new-tokens", "8", "--device", "cpu"]
+        assert main(args) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].startswith("def ")

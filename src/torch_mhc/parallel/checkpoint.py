@@ -34,6 +34,7 @@ file system every rank sees.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import os
@@ -76,6 +77,7 @@ _EXTRA = "extra.pt"
 # Flattened optimizer state keys are parameter names, so the state can be resharded across
 # layouts (the DCP documentation's recipe for pipeline parallelism).
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+_NO_SPACE = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
 class CheckpointError(ValueError):
@@ -92,8 +94,8 @@ def _distributed() -> bool:
 
 def _on_rank0(fn: Callable[[], None]) -> None:
     """Run fn on rank 0 and raise its error on every rank (a plain call in one process).
-    Other ranks get an OSError with the same errno (a full disk stays a full disk) or a
-    RuntimeError naming rank 0's error."""
+    Other ranks get a RuntimeError naming rank 0's error (an OSError with its errno when the
+    disk is full)."""
     if not _distributed():
         fn()
         return
@@ -110,7 +112,7 @@ def _on_rank0(fn: Callable[[], None]) -> None:
         raise caught
     if error[0] is not None:
         message, code = error[0]
-        if code is not None:
+        if code in _NO_SPACE:  # a full disk stays recognisable as one on every rank
             raise OSError(code, f"checkpoint I/O failed on rank 0: {message}")
         raise RuntimeError(f"checkpoint I/O failed on rank 0: {message}")
 
