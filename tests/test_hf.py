@@ -94,6 +94,8 @@ def test_convert_keeps_logits_and_greedy_generation(family):
     conns = [m for m in model.modules() if isinstance(m, torch_mhc.ManifoldHyperConnection)]
     assert len(conns) == 4 and all(c.streams == 4 for c in conns)
     assert [c.layer_index for c in conns] == [0, 1, 2, 3]
+    layer = next(m for m in model.modules() if hasattr(m, "mhc_attn"))
+    assert type(layer).__name__ in model._no_split_modules  # device_map keeps it whole
     out = _logits(model, ids, mask)
     assert _rel(out, ref) <= REL, f"{family}: logits differ by {_rel(out, ref):.2e}"
     assert torch.equal(model.generate(prompt, attention_mask=prompt_mask, **gen), ref_tokens)
@@ -481,6 +483,7 @@ def test_deepseek_v4_acceleration_shares_parameters_and_keeps_logits():
     after = dict(model.named_parameters())
     assert after.keys() == params.keys() and all(after[k] is params[k] for k in params)
     assert list(model.state_dict()) == keys
+    assert "MHCDeepseekV4DecoderLayer" in model._no_split_modules  # device_map keeps it whole
 
     out = model(ids).logits.detach()
     assert _rel(out, ref) <= REL, f"logits differ by {_rel(out, ref):.2e}"

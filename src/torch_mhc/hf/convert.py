@@ -97,13 +97,18 @@ def convert(model: nn.Module, kind: str = "mhc", streams: int = 4, **connection_
         layer.mhc_attn = attn.to(device=p.device, dtype=p.dtype)
         layer.mhc_mlp = mlp.to(device=p.device, dtype=p.dtype)
     # device_map="auto" must not split a layer from its connections (names, not classes).
-    no_split = list(getattr(model, "_no_split_modules", None) or [])
-    model._no_split_modules = [*no_split, new_class.__name__]
+    model._no_split_modules = with_no_split(model, new_class.__name__)
     setattr(model.config, CONFIG_KEY, {
         "kind": kind, "streams": n, "options": dict(connection_kwargs),
         "torch_mhc_version": __version__,
     })
     return model
+
+
+def with_no_split(model: nn.Module, name: str):
+    """model._no_split_modules plus name, in the container type transformers gave it."""
+    current = getattr(model, "_no_split_modules", None) or set()
+    return {*current, name} if isinstance(current, set) else [*current, name]
 
 
 def connection_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:

@@ -22,6 +22,7 @@ from torch import nn
 from ..connections import ManifoldHyperConnection, _Connection
 from ..interop.deepseek_v4 import _column_order
 from ..stream_head import StreamHead
+from .convert import with_no_split
 from .layers import ConversionError
 
 __all__ = ["accelerate_deepseek_v4", "DeepseekV4Connection", "DeepseekV4StreamHead"]
@@ -144,6 +145,6 @@ def accelerate_deepseek_v4(model: nn.Module, impl: str = "auto") -> nn.Module:
         layer.attn_hc = DeepseekV4Connection(layer.attn_hc, 2 * i, layer._mhc_attn_branch, impl)
         layer.ffn_hc = DeepseekV4Connection(layer.ffn_hc, 2 * i + 1, layer._mhc_mlp_branch, impl)
     base.hc_head = DeepseekV4StreamHead(base.hc_head)
-    names = {_accelerated_class(type(base.layers[0])).__name__} if len(base.layers) else set()
-    model._no_split_modules = [*(getattr(model, "_no_split_modules", None) or []), *names]
+    if len(base.layers):  # the layers' class is the accelerated one now
+        model._no_split_modules = with_no_split(model, type(base.layers[0]).__name__)
     return model
