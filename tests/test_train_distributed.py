@@ -104,7 +104,7 @@ def test_impossible_layout_fails_before_training(tmp_path):
 
 def test_two_rank_checkpoint_resumes_in_one_process(single_losses):
     # FSDP2 on 2 ranks saves a DCP checkpoint at step STEPS; plain `mhc train --resume` (no
-    # torchrun) continues it exactly as it continues the single-process run's last.pt
+    # torchrun) continues it exactly as it continues the single-process run's checkpoint
     tmp, _ = single_losses
     done = _run(_torchrun(_flags(tmp, "fsdp_saved", "--parallel", "fsdp")))
     assert done.returncode == 0, done.stdout[-6000:]

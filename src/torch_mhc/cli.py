@@ -2,7 +2,7 @@
 
     mhc train    [--config run.toml] [--residual mhc --steps 2000 ...]
     mhc compare  --out DIR [--preset default|tiny|stress] [--config f.toml] [flags]
-    mhc generate --checkpoint DIR/last.pt [--prompt "def "] [--no-cache]
+    mhc generate --checkpoint RUN_DIR [--prompt "def "] [--no-cache]
     mhc cost     ...   (the analytic cost model: torch_mhc.cost)
     mhc bench    ...   (the benchmark suite: torch_mhc.bench)
 

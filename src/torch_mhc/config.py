@@ -97,7 +97,7 @@ class TrainConfig:
     # output
     out_dir: str | None = None  # None: nothing written (no metrics file, no checkpoints)
     checkpoint_every: int = 0  # 0: a checkpoint only at the end (needs out_dir)
-    resume: bool | str = False  # True: out_dir/last.pt; a str: that checkpoint
+    resume: bool | str = False  # True: out_dir/ckpt (else ckpt.prev); a str: that one
     overwrite: bool = False  # allow a fresh run in an out_dir that holds a checkpoint
     progress: bool = True  # tqdm bar (shown only on a terminal)
     tensorboard: bool = True  # write out_dir/tb when torch.utils.tensorboard works
@@ -129,6 +129,17 @@ class TrainConfig:
             self.model.validate()
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        self._validate_numbers()
+        self._validate_choices()
+        self._validate_paths()
+        try:
+            device = resolve_device(self.device)
+            resolve_dtype(self.dtype, device)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self._validate_parallel()
+
+    def _validate_numbers(self) -> None:
         _check_int(self, "batch_size", 1)
         _check_int(self, "seq_len", 1)
         _check_int(self, "steps", 1)
@@ -156,6 +167,18 @@ class TrainConfig:
                 f"mean stops the run), got {self.spike_factor}"
             )
         _check_number(self, "val_fraction", lo=0.0, hi=1.0, lo_open=True, hi_open=True)
+        if self.seq_len > self.model.max_seq_len:
+            raise ConfigError(
+                f"seq_len {self.seq_len} is longer than the model allows: max_seq_len is "
+                f"{self.model.max_seq_len} (raise max_seq_len or lower seq_len)"
+            )
+        if self.model.vocab_size < BYTE_VOCAB:
+            raise ConfigError(
+                f"the corpora are byte-level: vocab_size must be >= {BYTE_VOCAB}, got "
+                f"{self.model.vocab_size}"
+            )
+
+    def _validate_choices(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.dtype not in DTYPES:
@@ -167,16 +190,8 @@ class TrainConfig:
             raise ConfigError(
                 f"resume must be true/false or a checkpoint path, got {self.resume!r}"
             )
-        if self.seq_len > self.model.max_seq_len:
-            raise ConfigError(
-                f"seq_len {self.seq_len} is longer than the model allows: max_seq_len is "
-                f"{self.model.max_seq_len} (raise max_seq_len or lower seq_len)"
-            )
-        if self.model.vocab_size < BYTE_VOCAB:
-            raise ConfigError(
-                f"the corpora are byte-level: vocab_size must be >= {BYTE_VOCAB}, got "
-                f"{self.model.vocab_size}"
-            )
+
+    def _validate_paths(self) -> None:
         if self.data is not None and (not isinstance(self.data, str) or not self.data.strip()):
             raise ConfigError(f"data must be a path (or unset for the stdlib), got {self.data!r}")
         if self.cache_dir is not None:
@@ -184,13 +199,7 @@ class TrainConfig:
         if self.out_dir is not None:
             _check_folder(self.out_dir, "out_dir")
         elif self.resume is True:
-            raise ConfigError("resume = true resumes out_dir/last.pt: set out_dir too")
-        try:
-            device = resolve_device(self.device)
-            resolve_dtype(self.dtype, device)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        self._validate_parallel()
+            raise ConfigError("resume = true resumes out_dir/ckpt: set out_dir too")
 
     def _validate_parallel(self) -> None:
         """The parallel fields, and the layout for the world size torchrun announces."""
@@ -405,7 +414,7 @@ HELP = {
     "log_every": "write a metrics line every N steps",
     "out_dir": "folder for metrics.jsonl, checkpoints and TensorBoard logs",
     "checkpoint_every": "checkpoint every N steps (0: only at the end)",
-    "resume": "resume out_dir/last.pt, or the checkpoint given",
+    "resume": "resume out_dir/ckpt (ckpt.prev if ckpt is damaged), or the checkpoint given",
     "overwrite": "start afresh in an out_dir that already holds a checkpoint",
     "progress": "show a progress bar (on a terminal)",
     "tensorboard": "also log to TensorBoard when it is installed",

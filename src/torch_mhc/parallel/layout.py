@@ -61,6 +61,23 @@ def validate_layout(
     when given it must be the number the schedule runs (world_size for 1F1B, 2 * world_size
     for DualPipeV), which catches a world size that does not fit a planned stage count.
     """
+    _check_arguments(world_size, parallel, n_layers, batch_size, micro_batches, schedule,
+                     pipeline_stages)
+    if parallel == "pp":
+        problems = _pipeline_problems(world_size, n_layers, batch_size, micro_batches, schedule,
+                                      pipeline_stages)
+    else:
+        problems = _data_parallel_problems(world_size, parallel, batch_size, micro_batches,
+                                           pipeline_stages)
+    if problems:
+        head = (f"impossible parallel layout (parallel={parallel!r}, world_size={world_size}"
+                + (f", schedule={schedule!r}" if parallel == "pp" else "") + "):")
+        raise ValueError("\n  - ".join([head, *problems]))
+
+
+def _check_arguments(world_size, parallel, n_layers, batch_size, micro_batches, schedule,
+                     pipeline_stages) -> None:
+    """Each argument on its own: the right type and range (a ValueError at the first)."""
     for name, value in (("world_size", world_size), ("n_layers", n_layers),
                         ("batch_size", batch_size), ("micro_batches", micro_batches)):
         if not _is_pos_int(value):
@@ -72,6 +89,10 @@ def validate_layout(
     if pipeline_stages is not None and not _is_pos_int(pipeline_stages):
         raise ValueError(f"pipeline_stages must be an integer >= 1, got {pipeline_stages!r}")
 
+
+def _data_parallel_problems(world_size, parallel, batch_size, micro_batches,
+                            pipeline_stages) -> list[str]:
+    """What keeps "none" / "ddp" / "fsdp" from running this layout."""
     problems: list[str] = []
     if parallel == "none":
         if world_size != 1:
@@ -84,57 +105,60 @@ def validate_layout(
                 f"batch_size {batch_size} is not divisible into {micro_batches} "
                 "gradient-accumulation micro-batches"
             )
-    elif parallel in ("ddp", "fsdp"):
-        if pipeline_stages is not None:
-            problems.append(f"pipeline_stages is for parallel='pp', not {parallel!r}")
-        if batch_size % world_size != 0:
+        return problems
+    if pipeline_stages is not None:
+        problems.append(f"pipeline_stages is for parallel='pp', not {parallel!r}")
+    if batch_size % world_size != 0:
+        problems.append(
+            f"global batch_size {batch_size} is not divisible by world_size {world_size} "
+            "(every process takes an equal share)"
+        )
+    elif (batch_size // world_size) % micro_batches != 0:
+        problems.append(
+            f"the per-process batch {batch_size} / {world_size} = {batch_size // world_size} "
+            f"is not divisible into {micro_batches} gradient-accumulation micro-batches"
+        )
+    return problems
+
+
+def _pipeline_problems(world_size, n_layers, batch_size, micro_batches, schedule,
+                       pipeline_stages) -> list[str]:
+    """What keeps a pipeline ("pp") from running this layout."""
+    problems: list[str] = []
+    n_stages = stages_for(world_size, schedule)
+    if world_size < 2:
+        problems.append("parallel='pp' needs at least 2 processes, got world_size 1")
+    if pipeline_stages is not None and pipeline_stages != n_stages:
+        if pipeline_stages % world_size != 0:
             problems.append(
-                f"global batch_size {batch_size} is not divisible by world_size {world_size} "
-                "(every process takes an equal share)"
+                f"world_size {world_size} does not divide pipeline_stages "
+                f"{pipeline_stages}: every process must hold the same number of stages"
             )
-        elif (batch_size // world_size) % micro_batches != 0:
-            problems.append(
-                f"the per-process batch {batch_size} / {world_size} = {batch_size // world_size} "
-                f"is not divisible into {micro_batches} gradient-accumulation micro-batches"
-            )
-    else:  # "pp"
-        n_stages = stages_for(world_size, schedule)
-        if world_size < 2:
-            problems.append("parallel='pp' needs at least 2 processes, got world_size 1")
-        if pipeline_stages is not None and pipeline_stages != n_stages:
-            if pipeline_stages % world_size != 0:
-                problems.append(
-                    f"world_size {world_size} does not divide pipeline_stages "
-                    f"{pipeline_stages}: every process must hold the same number of stages"
-                )
-            per_rank = "1 stage" if schedule == "1f1b" else "2 stages (a V)"
-            problems.append(
-                f"schedule {schedule!r} runs {per_rank} per process: {n_stages} stages on "
-                f"{world_size} processes, but pipeline_stages = {pipeline_stages}"
-            )
-        if n_stages > n_layers:
-            problems.append(
-                f"{n_stages} pipeline stages ({schedule} on {world_size} processes) need at "
-                f"least {n_stages} transformer blocks, the model has n_layers = {n_layers}"
-            )
-        elif n_layers % n_stages != 0:
-            problems.append(
-                f"n_layers = {n_layers} blocks cannot be split into {n_stages} stages of whole, "
-                f"equal block counts ({schedule} on {world_size} processes)"
-            )
-        if batch_size % micro_batches != 0:
-            problems.append(
-                f"batch_size {batch_size} is not divisible into {micro_batches} micro-batches"
-            )
-        if micro_batches < n_stages:
-            problems.append(
-                f"schedule {schedule!r} needs at least as many micro-batches as stages: "
-                f"micro_batches = {micro_batches} < {n_stages} stages"
-            )
-    if problems:
-        head = (f"impossible parallel layout (parallel={parallel!r}, world_size={world_size}"
-                + (f", schedule={schedule!r}" if parallel == "pp" else "") + "):")
-        raise ValueError("\n  - ".join([head, *problems]))
+        per_rank = "1 stage" if schedule == "1f1b" else "2 stages (a V)"
+        problems.append(
+            f"schedule {schedule!r} runs {per_rank} per process: {n_stages} stages on "
+            f"{world_size} processes, but pipeline_stages = {pipeline_stages}"
+        )
+    if n_stages > n_layers:
+        problems.append(
+            f"{n_stages} pipeline stages ({schedule} on {world_size} processes) need at "
+            f"least {n_stages} transformer blocks, the model has n_layers = {n_layers}"
+        )
+    elif n_layers % n_stages != 0:
+        problems.append(
+            f"n_layers = {n_layers} blocks cannot be split into {n_stages} stages of whole, "
+            f"equal block counts ({schedule} on {world_size} processes)"
+        )
+    if batch_size % micro_batches != 0:
+        problems.append(
+            f"batch_size {batch_size} is not divisible into {micro_batches} micro-batches"
+        )
+    if micro_batches < n_stages:
+        problems.append(
+            f"schedule {schedule!r} needs at least as many micro-batches as stages: "
+            f"micro_batches = {micro_batches} < {n_stages} stages"
+        )
+    return problems
 
 
 def stage_block_ranges(n_layers: int, n_stages: int) -> list[tuple[int, int]]:

@@ -311,8 +311,30 @@ def build_pipeline(
     n_microbatches: micro-batches per step (>= number of stages; default: the number of stages).
     loss_fn(logits [b, T, V], targets [b, T]) -> mean loss of one micro-batch.
     """
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleDualPipeV
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleDualPipeV
 
+    n_stages, n_microbatches = _check_pipeline(model_cfg, info, schedule, n_microbatches)
+    ranges = stage_block_ranges(model_cfg.n_layers, n_stages)  # ValueError if uneven
+    model = _whole_model(model_cfg, model, info)
+    ranks = stage_to_rank(info.world_size, schedule)
+    tied_group = _tied_head_group(model_cfg, info, ranks, n_stages)
+    stage_mods, pipe_stages = _my_stages(model_cfg, model, info, ranks, ranges)
+
+    def scaled_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return loss_fn(logits, targets) / n_microbatches  # see "Exactness" above
+
+    kw = {"n_microbatches": n_microbatches, "loss_fn": scaled_loss, "scale_grads": False}
+    if schedule == "1f1b":
+        sched = Schedule1F1B(pipe_stages[0], **kw)
+    else:
+        sched = ScheduleDualPipeV(pipe_stages, **kw)
+    return Pipeline(stage_mods, sched, info, ranges, ranks, tied_group,
+                    model_cfg.tie_embeddings, loss_fn)
+
+
+def _check_pipeline(model_cfg: ModelConfig, info: DistInfo, schedule: str,
+                    n_microbatches: int | None) -> tuple[int, int]:
+    """(stages, micro-batches) of the pipeline, after checking the layout can run it."""
     if not info.distributed:
         raise RuntimeError(
             "build_pipeline needs a running process group: launch with torchrun and call "
@@ -323,14 +345,17 @@ def build_pipeline(
     n_stages = stages_for(info.world_size, schedule)
     if info.world_size < 2:
         raise ValueError("pipeline parallelism needs at least 2 processes, got world_size 1")
-    ranges = stage_block_ranges(model_cfg.n_layers, n_stages)  # ValueError if uneven
     if n_microbatches is None:
         n_microbatches = n_stages
     if n_microbatches < n_stages:
         raise ValueError(
             f"schedule {schedule!r} needs n_microbatches >= {n_stages} stages, got {n_microbatches}"
         )
+    return n_stages, n_microbatches
 
+
+def _whole_model(model_cfg: ModelConfig, model: LM | dict | None, info: DistInfo) -> LM:
+    """The whole LM on info.device with rank 0's values (one initialisation everywhere)."""
     if model is None or isinstance(model, dict):
         state = model
         model = LM(model_cfg)
@@ -342,24 +367,33 @@ def build_pipeline(
         raise ValueError("model.cfg differs from model_cfg")
     model = model.to(info.device)
     broadcast_module(model, src=0)
+    return model
 
-    ranks = stage_to_rank(info.world_size, schedule)
-    mine = sorted(s for s, r in ranks.items() if r == info.rank)
-    tied = model_cfg.tie_embeddings
+
+def _tied_head_group(model_cfg: ModelConfig, info: DistInfo, ranks: dict[int, int],
+                     n_stages: int):
+    """The process group of the first and last stage's ranks, which sum the gradient of a
+    tied embedding and its head copy; None where not needed (or not a member)."""
     first_rank, last_rank = ranks[0], ranks[n_stages - 1]
-    tied_group = None
-    if tied and first_rank != last_rank:
-        # new_group is collective over the default group: every rank creates it.
-        tied_group = dist.new_group([first_rank, last_rank])
-        if info.rank not in (first_rank, last_rank):
-            tied_group = None
+    if not model_cfg.tie_embeddings or first_rank == last_rank:
+        return None
+    # new_group is collective over the default group: every rank creates it.
+    group = dist.new_group([first_rank, last_rank])
+    return group if info.rank in (first_rank, last_rank) else None
 
+
+def _my_stages(model_cfg: ModelConfig, model: LM, info: DistInfo, ranks: dict[int, int],
+               ranges: list[tuple[int, int]]):
+    """This rank's StageModules (the LM's own submodules) and their PipelineStages."""
+    from torch.distributed.pipelining import PipelineStage
+
+    n_stages = len(ranges)
     stage_mods, pipe_stages = [], []
-    for s in mine:
+    for s in sorted(s for s, r in ranks.items() if r == info.rank):
         lm_head = None
         if s == n_stages - 1:
             lm_head = model.lm_head
-            if tied:  # a copy of the embedding, synchronised through its gradient
+            if model_cfg.tie_embeddings:  # a copy of the embedding, synced through its grad
                 lm_head = nn.Linear(model_cfg.dim, model_cfg.vocab_size, bias=False,
                                     device=info.device)
                 lm_head.weight = nn.Parameter(model.tok_emb.weight.detach().clone())
@@ -371,13 +405,4 @@ def build_pipeline(
         )
         stage_mods.append(mod)
         pipe_stages.append(PipelineStage(mod, s, n_stages, info.device))
-
-    def scaled_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return loss_fn(logits, targets) / n_microbatches  # see "Exactness" above
-
-    kw = {"n_microbatches": n_microbatches, "loss_fn": scaled_loss, "scale_grads": False}
-    if schedule == "1f1b":
-        sched = Schedule1F1B(pipe_stages[0], **kw)
-    else:
-        sched = ScheduleDualPipeV(pipe_stages, **kw)
-    return Pipeline(stage_mods, sched, info, ranges, ranks, tied_group, tied, loss_fn)
+    return stage_mods, pipe_stages
