@@ -115,6 +115,24 @@ def test_every_connection_kind_keeps_logits(kind):
     assert _rel(out, ref) <= REL, f"{kind}: logits differ by {_rel(out, ref):.2e}"
 
 
+@pytest.mark.parametrize("family", ["mixtral", "gemma", "olmo"])
+def test_other_pre_norm_families_are_found_structurally(family):
+    """No list of names: any layer whose forward calls norm, attention, norm, MLP converts."""
+    build = {
+        "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **COMMON, num_local_experts=4, num_experts_per_tok=2)),
+        "gemma": lambda: transformers.GemmaForCausalLM(transformers.GemmaConfig(**COMMON,
+                                                                             head_dim=8)),
+        "olmo": lambda: transformers.OlmoForCausalLM(transformers.OlmoConfig(**COMMON)),
+    }[family]
+    torch.manual_seed(0)
+    model = build().eval()
+    ids, mask = _batch()
+    ref = _logits(model, ids, mask)
+    mhc_hf.convert(model, "mhc", streams=4)
+    assert _rel(_logits(model, ids, mask), ref) <= REL
+
+
 def test_output_hidden_states_and_attentions_pass_through():
     model = _model("llama")
     model.config._attn_implementation = "eager"  # attention weights are returned by eager
@@ -341,6 +359,10 @@ def test_unsupported_models_are_refused():
         num_attention_heads=4, num_key_value_heads=2, head_dim=8))
     with pytest.raises(mhc_hf.ConversionError, match=r"Gemma2DecoderLayer.forward calls"):
         mhc_hf.convert(gemma2)  # sandwich norms
+    phi3 = transformers.Phi3ForCausalLM(transformers.Phi3Config(**COMMON))
+    with pytest.raises(mhc_hf.ConversionError, match=r"Phi3DecoderLayer.forward calls the "
+                                                     r"submodules \[.*resid_attn_dropout"):
+        mhc_hf.convert(phi3)  # dropout modules on the residual path
 
 
 def test_bad_arguments_and_converting_twice():
