@@ -23,7 +23,8 @@ SEED = 0
 BATCH, SEQ = 2, 64
 
 
-def model_config(family: str = "llama3", kind: str | None = "mhc", streams: int = 4):
+def model_config(family: str = "llama3", kind: str | None = "mhc", streams: int = 4,
+                 flavor: str = "debugmodel"):
     """torchtitan's debug model config of `family`, converted when kind is not None, with
     causal SDPA as inner attention: FlexAttention has no backward on the CPU, and for
     unpacked sequences (positions 0..T-1) SDPA's causal mask is flex's block-causal one."""
@@ -35,7 +36,7 @@ def model_config(family: str = "llama3", kind: str | None = "mhc", streams: int 
         from torchtitan.models.llama3 import llama3_configs as configs
     else:
         from torchtitan.models.qwen3 import qwen3_configs as configs
-    cfg = configs["debugmodel"](attn_backend="flex")
+    cfg = configs[flavor](attn_backend="flex")
     for layer in cfg.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     return cfg if kind is None else convert_model_config(cfg, kind, streams)
