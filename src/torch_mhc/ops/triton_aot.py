@@ -51,33 +51,39 @@ def _meta(*shape, dtype=torch.float32):
     return torch.empty(*shape, dtype=dtype, device="meta")
 
 
-def op_launches(n: int, dtype: torch.dtype, tokens: int = 8192, channels: int = 4096,
-                iters: int = 20) -> list[tuple[str, object]]:
-    """(op, Launch) for every launch of every custom op at this size, from the ops' own plans.
+def op_args(n: int, dtype: torch.dtype, tokens: int = 8192, channels: int = 4096,
+            iters: int = 20, make=_meta) -> dict[str, tuple]:
+    """Arguments of every custom op at this size; tensors from make(*shape, dtype=...).
 
     Streams and parameters in `dtype` (a model cast to bf16 has bf16 phi); maps, gates and
     their gradients in float32, as the ops pass them.
     """
-    from . import triton_ops as tri
-
     t, c, m = tokens, channels, n * n + 2 * n
-    x, f = _meta(t, n, c, dtype=dtype), _meta(t, c, dtype=dtype)
-    params = (_meta(n * c, m, dtype=dtype), _meta(3, dtype=dtype), _meta(n, dtype=dtype),
-              _meta(n, dtype=dtype), _meta(n, n, dtype=dtype))
-    h_pre, h_post, h_res = _meta(t, n), _meta(t, n), _meta(t, n, n)
-    args = {
+    x, f = make(t, n, c, dtype=dtype), make(t, c, dtype=dtype)
+    params = (make(n * c, m, dtype=dtype), make(3, dtype=dtype), make(n, dtype=dtype),
+              make(n, dtype=dtype), make(n, n, dtype=dtype))
+    h_pre, h_post, h_res = make(t, n), make(t, n), make(t, n, n)
+    return {
         "mhc_maps_fwd": (x, *params, iters, 1e-6, 0.0, 0.0),
-        "mhc_maps_bwd": (x, *params, _meta(t, m), _meta(t), h_pre, h_post, h_res, iters, 0.0),
+        "mhc_maps_bwd": (x, *params, make(t, m), make(t), h_pre, h_post, h_res, iters, 0.0),
         "pre_aggregate_fwd": (x, h_pre),
         "pre_aggregate_bwd": (x, h_pre, f),
         "post_merge_fwd": (x, f, h_post, h_res),
         "post_merge_bwd": (x, f, h_post, h_res, x),
-        "sinkhorn_fwd": (_meta(t, n, n, dtype=dtype), iters, 0.0),
-        "sinkhorn_bwd": (_meta(t, n, n, dtype=dtype), _meta(t, n, n, dtype=dtype), iters, 0.0),
+        "sinkhorn_fwd": (make(t, n, n, dtype=dtype), iters, 0.0),
+        "sinkhorn_bwd": (make(t, n, n, dtype=dtype), make(t, n, n, dtype=dtype), iters, 0.0),
     }
+
+
+def op_launches(n: int, dtype: torch.dtype, tokens: int = 8192, channels: int = 4096,
+                iters: int = 20, make=_meta) -> list[tuple[str, object]]:
+    """(op, Launch) for every launch of every custom op at this size, from the ops' own plans
+    (meta tensors by default: nothing is allocated, nothing runs)."""
+    from . import triton_ops as tri
+
     out = []
-    for op, plan in tri.PLANS.items():
-        launches, _ = plan(*args[op])
+    for op, args in op_args(n, dtype, tokens, channels, iters, make).items():
+        launches, _ = tri.PLANS[op](*args)
         out.extend((op, launch) for launch in launches)
     return out
 
