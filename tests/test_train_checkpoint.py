@@ -84,8 +84,13 @@ def test_crafted_metadata_runs_no_code(tmp_path, trained, reseal, tiny_config, c
         par.load_checkpoint(ckpt, model)
     with pytest.raises(CheckpointError, match="not a type DCP metadata holds"):
         par.read_state_dict(ckpt)
-    code, _, err = run_cli(["generate", "--checkpoint", trained], capsys)
+    shutil.copytree(ckpt, tmp_path / "evil")  # on its own: refused
+    code, _, err = run_cli(["generate", "--checkpoint", tmp_path / "evil"], capsys)
     assert code == 2 and "not a type DCP metadata holds" in one_line(err)
+    # in its run folder: generation falls back to ckpt.prev, saying why
+    code, _, err = run_cli(["generate", "--checkpoint", trained, "--max-new-tokens", "4"],
+                           capsys)
+    assert code == 0 and "not a type DCP metadata holds" in err.splitlines()[0]
     # resume = True: the damaged ckpt falls back to ckpt.prev, with a message
     r = train(tiny_config("mhc", out_dir=str(trained), steps=5, resume=True))
     assert "resuming from the previous checkpoint" in capsys.readouterr().err
@@ -158,6 +163,14 @@ def test_corrupt_last_falls_back_to_prev(trained, tiny_config, capsys):
     err = capsys.readouterr().err
     assert "is corrupt: __0_0.distcp" in err and "resuming from the previous checkpoint" in err
     assert r.steps == 6 and load_checkpoint(trained)["step"] == 6
+    # generate falls back alike
+    raw = bytearray((trained / "ckpt" / "__0_0.distcp").read_bytes())
+    raw[100] ^= 0xFF
+    (trained / "ckpt" / "__0_0.distcp").write_bytes(bytes(raw))
+    code, text, err = run_cli(["generate", "--checkpoint", trained, "--max-new-tokens", "4",
+                               "--temperature", "0"], capsys)
+    assert code == 0 and text.startswith("def ")
+    assert "loading the previous checkpoint" in err.splitlines()[0]
     # the metrics file reads as one run resumed at step 2
     lines = [json.loads(s) for s in (trained / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if x["kind"] == "train"] == [2, 4, 6]

@@ -173,10 +173,21 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     return {**full["extra"], "model": full["model"], "optimizer": full["optim"]}
 
 
-def load_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> LM:
-    """The LM saved in a checkpoint (or a run folder's), in eval mode, for generation."""
+def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", say=print) -> LM:
+    """The LM saved in a checkpoint, in eval mode, for generation. A run folder's ckpt falls
+    back to its ckpt.prev (with a message through `say`) when ckpt is damaged."""
     device = resolve_device(device) if isinstance(device, str) else device
     path = find_checkpoint(path)
-    model = LM(_model_config(read_run_state(path), path))
-    restore(path, model, None)
-    return model.to(device).eval()
+    candidates = [path]
+    if path.name == LAST_CHECKPOINT and _is_checkpoint(path.with_name(PREVIOUS_CHECKPOINT)):
+        candidates.append(path.with_name(PREVIOUS_CHECKPOINT))
+    for i, candidate in enumerate(candidates):
+        try:
+            model = LM(_model_config(read_run_state(candidate), candidate))
+            restore(candidate, model, None)
+            return model.to(device).eval()
+        except CheckpointError as e:
+            if i + 1 == len(candidates):
+                raise
+            say(f"warning: {e}; loading the previous checkpoint {candidates[i + 1]}")
+    raise AssertionError("unreachable")
