@@ -78,8 +78,8 @@ def _add_train(subparsers) -> None:
 
     p = subparsers.add_parser(
         "train", help="train the reference LM (residual, HC or mHC)",
-        description="Train the reference LM. Precedence: defaults < --config file < flags. "
-        "One run per --out-dir (a second one is refused while the first holds its lock).",
+        description="Train the reference LM. Precedence: defaults < --config file < flags.\n"
+        "One run per --out-dir: a second one is refused while the first holds its lock.",
         epilog=EXIT_STATUS, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", metavar="FILE.toml", help="TOML file of config keys")

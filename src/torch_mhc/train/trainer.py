@@ -256,6 +256,7 @@ class Trainer:
     def _open_resume(self) -> tuple[Path | None, dict | None]:
         if self.cfg.resume is False:
             return None, None
+
         def warn(message: str) -> None:  # shown even with quiet: the run changed course
             if par.is_rank0():
                 print(message, file=sys.stderr, flush=True)
