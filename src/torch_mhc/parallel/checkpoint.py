@@ -289,7 +289,10 @@ def _open(path: str | os.PathLike) -> Path:
 def read_extra(path: str | os.PathLike) -> dict:
     """The `extra` dict of the checkpoint at `path` (checked, tensors on the CPU), without
     reading any model state: enough to decide whether the checkpoint fits a run."""
-    where = _open(path)
+    return _extra(_open(path))
+
+
+def _extra(where: Path) -> dict:
     try:
         extra = torch.load(where / _EXTRA, map_location="cpu", weights_only=True)
     except Exception as e:
@@ -312,8 +315,8 @@ def load_checkpoint(
     after apply_fsdp). Returns the `extra` dict that was saved (tensors on the CPU). Raises
     CheckpointError for anything wrong with the files or a state that does not fit.
     """
-    extra = read_extra(path)
-    where = resolve_checkpoint(path)
+    where = _open(path)
+    extra = _extra(where)
     optimizers = [optimizer] if optimizer is not None else []
     # The current state is the template: its keys say what to read, its shardings where to.
     model_sd, optim_sd = get_state_dict(model, optimizers, options=_OPTIONS)
@@ -332,8 +335,8 @@ def load_checkpoint(
 def read_state_dict(path: str | os.PathLike) -> dict:
     """Everything a checkpoint holds as plain CPU values, without a model to load it into:
     {"model": {name: tensor}, "optim": {flattened name: value}, "extra": {...}}."""
-    extra = read_extra(path)
-    where = resolve_checkpoint(path)
+    where = _open(path)
+    extra = _extra(where)
     metadata = _guarded(where, _SafeReader(where).read_metadata)
     flat = {}  # DCP's flattened keys "model.blocks.0.attn.phi": a template of the right shapes
     for key, md in metadata.state_dict_metadata.items():
