@@ -314,3 +314,20 @@ def test_bad_streams_errors():
     with pytest.raises(ValueError, match=r"ModelConfig.streams: mhc-lite .* got n = 7"):
         ModelConfig(residual="mhc-lite", streams=7)
     ModelConfig(residual="mhc", streams=7)  # any n for the others
+
+
+@pytest.mark.parametrize("kind", VARIANT_KINDS)
+def test_lm_recompute_gives_the_same_gradients(kind):
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        lm = LM(ModelConfig(residual=kind, dim=32, n_layers=2, n_heads=2, max_seq_len=16,
+                            recompute=recompute))
+        _perturb(lm, scale=0.05)
+        _, loss = lm(idx, idx)
+        loss.backward()
+        grads.append([p.grad for p in lm.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert any(g.abs().max() > 0 for g in grads[0])
