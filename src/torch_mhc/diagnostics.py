@@ -34,8 +34,11 @@ and per layer only:
                              n x n logits; mHC-lite: the n! softmax logits), per token;
                              {"mean", "max"} over tokens. None where H_res takes no exp.
     exp_underflow            share of those logits z with exp(z - max_token z) == 0 in
-                             float32 (z - max below about -103.97): entries that are 0 and,
-                             through Sinkhorn, get zero gradient.
+                             float32 (z - max below about -103.97): entries an exp-then-
+                             normalise evaluation sets to 0, with zero gradient (mHC-lite's
+                             softmax; a plain Sinkhorn). torch_mhc's Sinkhorn iterates such
+                             matrices in the log domain instead (range above
+                             sinkhorn.LINEAR_RANGE = 32), so for mHC it flags far logits.
     gate_pre, gate_post      mean of H_pre and of H_post over tokens and streams.
 `HealthReport.flat()` gives all of it as one flat {name: float} dict for metrics logs.
 """
