@@ -109,10 +109,10 @@ def _add_compare(subparsers) -> None:
     from . import config as _config
 
     p = subparsers.add_parser(
-        "compare", help="train residual, HC and mHC alike and write a report",
-        description="Train the plain residual, HC and mHC with the same seed, data order and "
-        "steps; write report.json, report.md and PNG figures to --out. Precedence: preset < "
-        "--config file < flags.",
+        "compare", help="train connection kinds alike (residual, HC, mHC, ...) and report",
+        description="Train connection kinds (default: the plain residual, HC and mHC) with the "
+        "same seed, data order and steps, on one or more seeds; write report.json, report.md "
+        "and PNG figures to --out. Precedence: preset < --config file < flags.",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="folder for the report")
     p.add_argument("--preset", default="default", choices=_compare_presets(),
