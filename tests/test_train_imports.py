@@ -19,7 +19,7 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 """
 
 
-def test_core_runs_without_numpy_tqdm_matplotlib(run_python):
+def test_core_and_config_run_without_numpy_tqdm_matplotlib(run_python):
     code = BLOCK + textwrap.dedent("""
         import torch
         import torch_mhc
@@ -37,19 +37,14 @@ def test_core_runs_without_numpy_tqdm_matplotlib(run_python):
             assert torch.isfinite(loss), kind
         loaded = [m for m in ("numpy", "tqdm", "matplotlib") if sys.modules.get(m) is not None]
         assert not loaded, loaded
+        # the configuration and the command line do not import the trainer or the corpora
+        import torch_mhc.cli
+        trainer = [m for m in sys.modules if m.startswith(("torch_mhc.train", "torch_mhc.data"))]
+        assert not trainer, trainer
         print("ok")
     """)
     done = run_python(code)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
-
-
-def test_config_does_not_import_the_trainer(run_python):
-    done = run_python("import sys, torch_mhc.config, torch_mhc.cli\n"
-                      "print(sorted(m for m in sys.modules if m.startswith('torch_mhc.train')"
-                      " or m in ('torch_mhc.data', 'numpy', 'tqdm')))")
-    assert done.returncode == 0, done.stderr[-3000:]
-    # numpy may come with torch itself; the trainer and the data module must not
-    assert "torch_mhc.train" not in done.stdout and "torch_mhc.data" not in done.stdout
 
 
 def test_commands_without_the_extra_name_it(run_python, tmp_path):
