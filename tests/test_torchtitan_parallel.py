@@ -10,11 +10,9 @@ hundredfold margin while a real mistake (a stage missing a block, streams reduce
 connection's gradient not reduced) moves the losses by 1e-3 or more. A resumed run repeats
 the exact operations of the uninterrupted one: equal to the last bit.
 
-TP2 with sequence parallelism: in this CPU harness torchtitan's TP run of the *unconverted*
-model already differs from one process (step-0 loss 8.0225 against 8.2337, from the attention
-onwards), so TP is checked against the unconverted model under the same TP layout: equal
-losses at initialisation (the connections' function and their replicated placements are
-right), both ranks agreeing, and training that moves.
+TP2 with sequence parallelism sums partial products across ranks (row-parallel attention
+output and feed-forward): measured 1.6e-6 relative after 3 steps, for the unconverted model
+as for the converted one; rtol = 1e-5 holds it too.
 """
 
 from __future__ import annotations
@@ -87,12 +85,18 @@ def test_pipeline_of_two_stages_trains_like_one_process(single_losses, tmp_path)
     _close(r0["losses"], single_losses)
 
 
-def test_tensor_parallel_with_sequence_parallel_keeps_the_function(tmp_path):
-    """TP2 + SP: the converted model's step-0 loss is the unconverted model's under the same
-    layout (rtol 1e-5: see test_torchtitan's function-preservation bound), both ranks agree,
-    and 3 steps lower the loss."""
+def test_tensor_parallel_with_sequence_parallel_trains_like_one_process(single_losses,
+                                                                          tmp_path):
+    """TP2 + SP (each rank holds half the heads and half the sequence between blocks, the
+    connections replicated): the single process's losses, and after 3 steps the same
+    connection parameters on both ranks, moved away from their initial values."""
+    import titan_worker as W
+
     r0, r1 = launch("tp", tmp_path)
-    assert r0["losses"] == r1["losses"] and r0["base_losses"] == r1["base_losses"]
-    _close(r0["losses"][:1], r0["base_losses"][:1])
-    assert r0["losses"][-1] < r0["losses"][0] - 0.1
-    assert r0["losses"][1:] != r0["base_losses"][1:]  # the connections do train
+    assert r0["losses"] == r1["losses"]
+    _close(r0["losses"], single_losses)
+    init = W.build_initialised().state_dict()
+    assert len(r0["connections"]) == 2 * 6 * 5
+    for name, value in r0["connections"].items():
+        assert torch.equal(value, r1["connections"][name]), name
+        assert not torch.equal(value, init[name]), f"{name} did not train"

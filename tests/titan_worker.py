@@ -6,10 +6,10 @@ steps under one torchtitan parallelism, on gloo processes.
 
 Scenarios: single, fsdp (FSDP2 over 2 ranks, with a DCP checkpoint saved after SAVE_AT
 steps and resumed into a differently initialised model), tp (TP2 with sequence parallel; the
-unconverted model too), pp (two pipeline stages, 1F1B). Every scenario builds the same model
-(`titan_support`), initialises it on the CPU with one seed, applies torchtitan's own
-parallelize / pipeline functions, then takes STEPS AdamW steps on fixed token batches; rank r
-writes <outdir>/<scenario>_rank<r>.pt with its losses.
+connection parameters returned), pp (two pipeline stages, 1F1B). Every scenario builds the
+same model (`titan_support`), initialises it on the CPU with one seed, applies torchtitan's
+own parallelize / pipeline functions, then takes STEPS AdamW steps on fixed token batches;
+rank r writes <outdir>/<scenario>_rank<r>.pt with its losses.
 
 A small shim lets torchtitan 0.3.0 run on CPU processes: its device type falls back to "cuda"
 without an accelerator (`cpu_shim`), and FSDP's PREMUL_SUM, which gloo lacks, becomes the
@@ -18,6 +18,7 @@ equal plain SUM (`gloo_sum_reduction`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -115,7 +116,9 @@ def parallel_configs(scenario: str):
 
 def run_parallel(scenario: str, outdir: Path) -> dict:
     import torch.distributed as dist
+    from torchtitan.distributed import utils as dist_utils
 
+    dist_utils.set_spmd_backend("spmd_types")  # torchtitan's default, as its trainer sets it
     dims = parallel_dims(scenario, dist.get_world_size())
     training, parallelism, compile_config = parallel_configs(scenario)
     trainer_like = _TrainerLike(training, parallelism)
@@ -125,14 +128,20 @@ def run_parallel(scenario: str, outdir: Path) -> dict:
     model, opt = parallelized(scenario, dims, build_initialised(trainer_like))
     ckpt = outdir / "ckpt" if scenario == "fsdp" else None
     out = {"losses": train(scenario, model, opt, range(STEPS), save_to=ckpt)}
-    if scenario == "tp":  # the unconverted model under the same layout, for comparison
-        model, opt = parallelized(scenario, dims, build_initialised(trainer_like, kind=None))
-        out["base_losses"] = train(scenario, model, opt, range(STEPS))
+    if scenario == "tp":
+        # Replicated over TP: every rank must hold the same connection parameters after
+        # training (their gradients, from each rank's sequence shard, are reduced over TP).
+        out["connections"] = {n: _local(p).detach().clone() for n, p in
+                              model.named_parameters() if "_hc." in n}
     if ckpt is not None:  # resume: other weights, then everything from the checkpoint
         model, opt = parallelized(scenario, dims, build_initialised(trainer_like, seed=99))
         load(ckpt, model, opt)
         out["resumed"] = train(scenario, model, opt, range(SAVE_AT, STEPS))
     return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def parallelized(scenario: str, dims, model):
@@ -144,6 +153,7 @@ def parallelized(scenario: str, dims, model):
                               parallelism=parallelism, compile_config=compile_config,
                               ac_config=None, dump_folder="/tmp")
     gloo_sum_reduction(model)
+    model.parallel_dims_for_test = dims
     return model, torch.optim.AdamW(model.parameters(), lr=LR)
 
 
@@ -159,13 +169,14 @@ def train(scenario: str, model, opt, steps, save_to: Path | None = None) -> list
         if scenario == "fsdp":  # each rank its half of the global batch
             tok, labels = tok.chunk(world)[rank], labels.chunk(world)[rank]
         opt.zero_grad()
-        out = model(tok)
-        if scenario == "tp":
-            out = gather_vocab(out)
-        loss = loss_fn(out, labels)
-        # torchtitan has FSDP sum the gradients (its trainer divides the loss by the global
-        # token count): each rank's mean over half the tokens counts half.
-        (loss / world if scenario == "fsdp" else loss).backward()
+        with spmd_region(model.parallel_dims_for_test, tok, labels) as (tok, labels):
+            out = model(tok)
+            if scenario == "tp":
+                out = gather_vocab(out)
+            loss = loss_fn(out, labels)
+            # torchtitan has FSDP sum the gradients (its trainer divides the loss by the
+            # global token count): each rank's mean over half the tokens counts half.
+            (loss / world if scenario == "fsdp" else loss).backward()
         opt.step()
         if scenario == "fsdp":
             loss = loss.detach().clone()
@@ -173,6 +184,18 @@ def train(scenario: str, model, opt, steps, save_to: Path | None = None) -> list
             loss /= world
         losses.append(loss.item())
     return losses
+
+
+@contextlib.contextmanager
+def spmd_region(dims, tok, labels):
+    """What torchtitan's trainer wraps each step in: the current SPMD mesh (without it no
+    TP collective runs: partial sums stay partial) and the inputs' SPMD types."""
+    from torchtitan.distributed.spmd_types import annotate_input_spmd_types
+    from torchtitan.distributed.utils import get_spmd_context
+
+    with get_spmd_context(parallel_dims=dims)():
+        tok, labels, _ = annotate_input_spmd_types(dims, tok, labels, {})
+        yield tok, labels
 
 
 def save(path: Path, model, opt) -> None:
@@ -231,12 +254,13 @@ def run_pipeline(model, dims, training, parallelism, compile_config) -> list[flo
         tok, labels = batch(step)
         opt.zero_grad()
         step_losses = [] if last else None
-        schedule.step(
-            arg_mbs=[(t,) for t in tok.chunk(MICROBATCHES)] if first else None,
-            kwarg_mbs=[{} for _ in range(MICROBATCHES)],
-            target_mbs=list(labels.chunk(MICROBATCHES)) if last else None,
-            losses=step_losses, loss_kwargs={"global_valid_tokens": labels.numel()},
-            return_outputs=False)
+        with spmd_region(dims, tok, labels) as (tok, labels):
+            schedule.step(
+                arg_mbs=[(t,) for t in tok.chunk(MICROBATCHES)] if first else None,
+                kwarg_mbs=[{} for _ in range(MICROBATCHES)],
+                target_mbs=list(labels.chunk(MICROBATCHES)) if last else None,
+                losses=step_losses, loss_kwargs={"global_valid_tokens": labels.numel()},
+                return_outputs=False)
         opt.step()
         loss = torch.stack(step_losses).sum() if last else torch.zeros(())
         dist.broadcast(loss, src=dist.get_world_size() - 1)
