@@ -75,3 +75,15 @@ def test_needs_a_gpu_without_dry_run(tmp_path):
     with pytest.raises(RuntimeError, match="needs a CUDA device.*--dry-run"):
         gpu_check.run(str(tmp_path))
     assert not (tmp_path / "gpu_check.json").exists()
+
+
+def test_mhc_bench_gpu_and_aot_hand_over_their_options(monkeypatch):
+    from torch_mhc import bench
+    from torch_mhc.ops import triton_aot
+
+    seen = {}
+    monkeypatch.setattr(gpu_check, "main", lambda argv: seen.setdefault("gpu", argv) and 3)
+    monkeypatch.setattr(triton_aot, "main", lambda argv: seen.setdefault("aot", argv) and 4)
+    assert bench.bench_main(["--gpu", "--dry-run", "--out", "x"]) == 3
+    assert bench.bench_main(["--aot", "--n", "2"]) == 4
+    assert seen == {"gpu": ["--dry-run", "--out", "x"], "aot": ["--n", "2"]}

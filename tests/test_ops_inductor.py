@@ -65,3 +65,11 @@ def test_connection_with_inductor_ops_equals_reference():
         results.append([out, *torch.autograd.grad(out, [xi, *conn.parameters()], upstream)])
     for a, e in zip(results[1], results[0], strict=True):
         assert_close(a, e, 2e-5)
+
+
+def test_bench_sinkhorn_compares_the_inductor_ops():
+    from torch_mhc.bench import bench_sinkhorn
+
+    result = bench_sinkhorn(tokens=8, sizes=(3,), iters=3, repeats=1, inductor=True)
+    entry = result["results"][0]["entries"]["ops.inductor"]
+    assert entry["max_abs_diff"] <= 1e-6 and entry["median_ms"] > 0

@@ -304,8 +304,10 @@ def bench_training_steps(
         idx = random_tokens(batch, seq + 1, device=device)  # [B, T + 1]
         steps = {}
         for v in variants:
-            model = build_model(v, dim, layers, streams, seq, dtype=dt, device=device)
-            steps[v] = train_step(model, idx, impl=None if v == "residual" else impl,
+            # mhc_inductor: mHC on the inductor ops (the reference under torch.compile).
+            kind, ops_impl = ("mhc", "inductor") if v == "mhc_inductor" else (v, impl)
+            model = build_model(kind, dim, layers, streams, seq, dtype=dt, device=device)
+            steps[v] = train_step(model, idx, impl=None if v == "residual" else ops_impl,
                                   optimizer=optimizer)
         _log(f"training step d={dim}: {', '.join(variants)}; {warmup} + {r} rounds")
         times = time_interleaved(steps, r, warmup, clock, device)
@@ -427,6 +429,7 @@ def bench_sinkhorn(
     clock: str = "wall",
     device: str = "cpu",
     seed: int = 0,
+    inductor: bool = False,
 ) -> dict:
     """Sinkhorn forward + backward (random upstream gradient) on [tokens, n, n] fp32 logits.
 
@@ -440,6 +443,8 @@ def bench_sinkhorn(
     cpu_sinkhorn = _ops.get_impl("cpu").sinkhorn
     if cpu_sinkhorn is not sinkhorn:
         fns["ops.cpu"] = cpu_sinkhorn
+    if inductor:  # the reference under torch.compile (compiled in the warm-up round)
+        fns["ops.inductor"] = _ops.get_impl("inductor").sinkhorn
     results = []
     for n in sizes:
         g = torch.Generator().manual_seed(seed)
@@ -782,6 +787,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the JSON here (atomically) instead of to stdout")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes and 2 rounds: every benchmark in seconds (a smoke test)")
+    p.add_argument("--inductor", action="store_true",
+                   help="also time the inductor ops (reference under torch.compile): an "
+                        "mhc_inductor step variant and an ops.inductor Sinkhorn entry")
+    p.add_argument("--gpu", action="store_true",
+                   help="run benchmarks/gpu_check.py instead (its own options follow; "
+                        "mhc bench --gpu --help)")
+    p.add_argument("--aot", action="store_true",
+                   help="run the Triton ahead-of-time compile check instead (its own options "
+                        "follow; mhc bench --aot --help)")
     return p
 
 
@@ -863,13 +877,14 @@ def run_benchmarks(args: argparse.Namespace) -> dict:
         # timed once, beside every variant either benchmark needs.
         variants = ["residual"] + (["hc"] if want_step else []) + ["mhc"]
         variants += ["lucidrains_mhc"] if want_hc else []
+        variants += ["mhc_inductor"] if args.inductor and want_step else []
         steps = bench_training_steps(
             args.sizes, variants, layers=args.layers, streams=args.streams, batch=args.batch,
             seq=args.seq, dtype=args.dtype, impl=args.impl, optimizer=args.optimizer,
             repeats=args.repeats, **timing,
         )
         if want_step:
-            out["step"] = _select(steps, ["residual", "hc", "mhc"])
+            out["step"] = _select(steps, ["residual", "hc", "mhc", "mhc_inductor"])
         if want_hc:
             out["hyper_connections"] = _select(steps, ["residual", "mhc", "lucidrains_mhc"])
             out["hyper_connections"]["config"]["hyper_connections_version"] = (
@@ -885,7 +900,8 @@ def run_benchmarks(args: argparse.Namespace) -> dict:
                                    device=args.device, impl=args.impl)
     if "sinkhorn" in only:
         out["sinkhorn"] = bench_sinkhorn(tokens=args.sinkhorn_tokens, sizes=tuple(args.sinkhorn_n),
-                                         repeats=args.repeats or 30, **timing)
+                                         repeats=args.repeats or 30, inductor=args.inductor,
+                                         **timing)
     if "decode" in only:
         out["decode"] = bench_decode(
             dim=args.dim, layers=args.layers, streams=args.streams,
@@ -899,6 +915,15 @@ def run_benchmarks(args: argparse.Namespace) -> dict:
 def bench_main(argv: list[str] | None = None) -> int:
     """`mhc bench`: run, print JSON (or write --json) and markdown; 0 ok, 2 bad input."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--gpu" in argv or "--aot" in argv:  # other tools, with their own options
+        rest = [a for a in argv if a not in ("--gpu", "--aot")]
+        if "--gpu" in argv:
+            from .gpu_check import main as gpu_main
+
+            return gpu_main(rest)
+        from .ops.triton_aot import main as aot_main
+
+        return aot_main(rest)
     try:
         args = build_parser().parse_args(argv)
         _fill_defaults(args)

@@ -122,6 +122,8 @@ def compile_launch(launch, cc: int) -> dict:
     target = GPUTarget("cuda", cc, 32)
     backend = make_backend(target)
     kwargs = dict(launch.constexprs, num_warps=launch.num_warps, num_stages=launch.num_stages)
+    if launch.maxnreg is not None:
+        kwargs["maxnreg"] = launch.maxnreg
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, spec, opts = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, opts)

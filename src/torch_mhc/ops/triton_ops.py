@@ -81,14 +81,16 @@ class Launch:
     constexprs: dict
     num_warps: int = 4
     num_stages: int = 3
+    maxnreg: int | None = None  # ptxas register cap (None: ptxas decides)
 
     @property
     def name(self) -> str:
         return getattr(self.kernel, "__name__", None) or self.kernel.fn.__name__
 
     def run(self) -> None:
+        extra = {} if self.maxnreg is None else {"maxnreg": self.maxnreg}
         self.kernel[self.grid](*self.args, **self.constexprs, num_warps=self.num_warps,
-                               num_stages=self.num_stages)
+                               num_stages=self.num_stages, **extra)
 
 
 _ENV_VAR = "TORCH_MHC_IMPL"
@@ -123,17 +125,26 @@ def kernel_config(kernel: str, n: int, dtype: torch.dtype) -> dict:
     sinkhorn_bwd (BLOCK_T, num_warps); pre_fwd, pre_bwd, merge_fwd, merge_bwd (num_warps).
     """
     np_ = _padded(n)
+    # An explicit cap at the architectural maximum: without one, ptxas sometimes aims at a
+    # lower register count and spills a few bytes (seen at 64-104 registers).
+    common = dict(num_stages=3, maxnreg=255)
     if kernel in ("maps_fwd", "maps_bwd", "dphi"):
-        # fp32 streams: ieee dots run on FMA units with the whole tile in registers.
+        # fp32 streams: ieee dots run on FMA units with the whole tile in registers; n > 8
+        # holds [BLOCK_T, 256]-wide tiles, so fewer tokens per program.
         warps = 8 if (np_ >= 8 or dtype == torch.float32) else 4
-        return dict(BLOCK_T=32, BLOCK_K=64, num_warps=warps, num_stages=3)
+        return dict(BLOCK_T=32 if np_ <= 8 else 16, BLOCK_K=64, num_warps=warps, **common)
     if kernel in ("sinkhorn_fwd", "sinkhorn_bwd"):
-        return dict(BLOCK_T=32 if np_ <= 8 else 16, num_warps=4 if np_ <= 4 else 8, num_stages=3)
+        return dict(BLOCK_T=32 if np_ <= 8 else 16, num_warps=4 if np_ <= 4 else 8, **common)
     if kernel in ("pre_fwd", "pre_bwd", "merge_fwd"):
-        return dict(TILE=2048, num_warps=4, num_stages=3)
+        return dict(TILE=2048, num_warps=4, **common)
     if kernel == "merge_bwd":  # also holds g [BT, NP, BC] and dH_res [BT, NP, NP]
-        return dict(TILE=2048, num_warps=8, num_stages=3)
+        return dict(TILE=2048, num_warps=8, **common)
     raise ValueError(f"unknown kernel {kernel!r}")
+
+
+def _opts(cfg: dict) -> dict:
+    """The compile options of a kernel_config entry, as Launch fields."""
+    return dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], maxnreg=cfg["maxnreg"])
 
 
 def _channel_blocks(n: int, c: int, tile: int = 2048) -> tuple[int, int]:
@@ -177,7 +188,7 @@ def plan_maps_fwd(x, phi, alpha, b_pre, b_post, b_res, iters, norm_eps, sk_eps, 
          t, n * c, norm_eps, sk_eps, pre_eps, LOG_DOMAIN_RANGE),
         dict(N=n, NP=_padded(n), PW=_pp_width(n), ITERS=iters, LOG_OK=sk_eps == 0.0,
              BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], PRECISION=_precision(x.dtype)),
-        cfg["num_warps"], cfg["num_stages"],
+        **_opts(cfg),
     )
     return [launch], (h_pre, h_post, h_res, logits, r)
 
@@ -227,10 +238,11 @@ def plan_maps_bwd(x, phi, alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post,
                 dx, dgate, dz, scratch, t, k, sk_eps, LOG_DOMAIN_RANGE),
                dict(**shape, ITERS=iters, LOG_OK=sk_eps == 0.0, BLOCK_T=cfg["BLOCK_T"],
                     BLOCK_K=cfg["BLOCK_K"], PRECISION=_precision(x.dtype)),
-               cfg["num_warps"], cfg["num_stages"]),
+               **_opts(cfg)),
         Launch(_k.mhc_dphi_kernel, (k_blocks, splits), (x, dz, dphi_parts, t, k, per_split),
                dict(**shape, BLOCK_T=dcfg["BLOCK_T"], BLOCK_K=dcfg["BLOCK_K"],
-                    PRECISION=_precision(x.dtype)), dcfg["num_warps"], dcfg["num_stages"]),
+                    PRECISION=_precision(x.dtype)),
+               **_opts(dcfg)),
     ]
     return launches, (dx, dgate, dphi_parts)
 
@@ -331,7 +343,7 @@ def plan_pre_fwd(x, h):
     return [Launch(_k.pre_fwd_kernel, (triton.cdiv(t, block_t), triton.cdiv(c, block_c)),
                    (x, h, out, t, c),
                    dict(N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c),
-                   cfg["num_warps"])], out
+                   **_opts(cfg))], out
 
 
 @torch.library.custom_op("torch_mhc::pre_aggregate_fwd", mutates_args=())
@@ -354,7 +366,7 @@ def plan_pre_bwd(x, h, da):
     block_t, block_c = _channel_blocks(n, c, cfg["TILE"])
     return [Launch(_k.pre_bwd_kernel, (triton.cdiv(t, block_t),), (x, h, da, dx, dh, t, c),
                    dict(N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t,
-                        BLOCK_C=block_c), cfg["num_warps"])], (dx, dh)
+                        BLOCK_C=block_c), **_opts(cfg))], (dx, dh)
 
 
 @torch.library.custom_op("torch_mhc::pre_aggregate_bwd", mutates_args=())
@@ -407,7 +419,7 @@ def plan_merge_fwd(x, f, h_post, h_res):
     return [Launch(_k.merge_fwd_kernel, (triton.cdiv(t, block_t), triton.cdiv(c, block_c)),
                    (x, f, h_post, h_res, out, t, c),
                    dict(N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c),
-                   cfg["num_warps"])], out
+                   **_opts(cfg))], out
 
 
 @torch.library.custom_op("torch_mhc::post_merge_fwd", mutates_args=())
@@ -432,7 +444,7 @@ def plan_merge_bwd(x, f, h_post, h_res, g):
     return [Launch(_k.merge_bwd_kernel, (triton.cdiv(t, block_t),),
                    (x, f, h_post, h_res, g, dx, df, dh_post, dh_res, t, c),
                    dict(N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c),
-                   cfg["num_warps"])], \
+                   **_opts(cfg))], \
         (dx, df, dh_post, dh_res)
 
 
@@ -496,7 +508,7 @@ def plan_sinkhorn_fwd(logits, iters, eps):
     return [Launch(_k.sinkhorn_fwd_kernel, (triton.cdiv(t, cfg["BLOCK_T"]),),
                    (logits, out, t, eps, LOG_DOMAIN_RANGE),
                    dict(N=n, NP=triton.next_power_of_2(n), ITERS=iters, LOG_OK=eps == 0.0,
-                        BLOCK_T=cfg["BLOCK_T"]), cfg["num_warps"])], out
+                        BLOCK_T=cfg["BLOCK_T"]), **_opts(cfg))], out
 
 
 @torch.library.custom_op("torch_mhc::sinkhorn_fwd", mutates_args=())
@@ -520,7 +532,7 @@ def plan_sinkhorn_bwd(logits, g, iters, eps):
     return [Launch(_k.sinkhorn_bwd_kernel, (triton.cdiv(t, cfg["BLOCK_T"]),),
                    (logits, g, dlogits, scratch, t, eps, LOG_DOMAIN_RANGE),
                    dict(N=n, NP=np_, ITERS=iters, LOG_OK=eps == 0.0, BLOCK_T=cfg["BLOCK_T"]),
-                   cfg["num_warps"])], dlogits
+                   **_opts(cfg))], dlogits
 
 
 @torch.library.custom_op("torch_mhc::sinkhorn_bwd", mutates_args=())
