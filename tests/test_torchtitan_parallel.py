@@ -100,3 +100,16 @@ def test_tensor_parallel_with_sequence_parallel_trains_like_one_process(single_l
     for name, value in r0["connections"].items():
         assert torch.equal(value, r1["connections"][name]), name
         assert not torch.equal(value, init[name]), f"{name} did not train"
+
+
+def test_connections_stay_float32_under_bf16_fsdp(tmp_path):
+    """torchtitan's default FSDP casts parameters to bf16. The connections are FSDP units of
+    their own in float32, so the converted model's initial loss is the unconverted model's
+    under the same bf16 layout (measured: equal to the last bit; bound 1e-6 relative). Left
+    in their block's bf16 unit, the rounded biases move it by 4e-6 relative (measured), which
+    this bound would catch."""
+    r0, r1 = launch("fsdp_bf16", tmp_path)
+    assert r0 == r1
+    assert r0["fp32_dtype"] == "torch.float32" and r0["bf16_dtype"] == "torch.bfloat16"
+    assert abs(r0["fp32_mhc"] - r0["fp32_None"]) <= 1e-6 * r0["fp32_None"]
+    assert abs(r0["bf16_mhc"] - r0["bf16_None"]) > 1e-6 * r0["bf16_None"]

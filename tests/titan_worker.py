@@ -6,7 +6,8 @@ steps under one torchtitan parallelism, on gloo processes.
 
 Scenarios: single, fsdp (FSDP2 over 2 ranks, with a DCP checkpoint saved after SAVE_AT
 steps and resumed into a differently initialised model), tp (TP2 with sequence parallel; the
-connection parameters returned), pp (two pipeline stages, 1F1B). Every scenario builds the
+connection parameters returned), pp (two pipeline stages, 1F1B), fsdp_bf16 (FSDP with bf16
+parameters: step-0 losses of converted and unconverted models). Every scenario builds the
 same model (`titan_support`), initialises it on the CPU with one seed, applies torchtitan's
 own parallelize / pipeline functions, then takes STEPS AdamW steps on fixed token batches;
 rank r writes <outdir>/<scenario>_rank<r>.pt with its losses.
@@ -91,7 +92,7 @@ def parallel_dims(scenario: str, world: int):
     from torchtitan.models.llama3 import parallelize_llama  # noqa: F401
 
     degrees = dict(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1)
-    degrees[{"fsdp": "dp_shard", "tp": "tp", "pp": "pp"}[scenario]] = world
+    degrees[{"fsdp": "dp_shard", "fsdp_bf16": "dp_shard", "tp": "tp", "pp": "pp"}[scenario]] = world
     dims = ParallelDims(**degrees, world_size=world)
     dims.build_mesh()
     return dims
@@ -100,11 +101,13 @@ def parallel_dims(scenario: str, world: int):
 def parallel_configs(scenario: str):
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 
+    # FSDP computes in float32, but in fsdp_bf16 (torchtitan's default bf16 parameters).
+    param_dtype = "bfloat16" if scenario == "fsdp_bf16" else "float32"
     training = TrainingConfig(local_batch_size=GLOBAL_BATCH, seq_len=SEQ, steps=STEPS,
-                              mixed_precision_param="float32",
+                              mixed_precision_param=param_dtype,
                               mixed_precision_reduce="float32")
     parallelism = ParallelismConfig(
-        data_parallel_shard_degree=2 if scenario == "fsdp" else 1,
+        data_parallel_shard_degree=2 if scenario.startswith("fsdp") else 1,
         tensor_parallel_degree=2 if scenario == "tp" else 1,
         enable_sequence_parallel=scenario == "tp",
         pipeline_parallel_degree=2 if scenario == "pp" else 1,
@@ -125,6 +128,8 @@ def run_parallel(scenario: str, outdir: Path) -> dict:
     if scenario == "pp":
         model = build_initialised(trainer_like)
         return {"losses": run_pipeline(model, dims, training, parallelism, compile_config)}
+    if scenario == "fsdp_bf16":
+        return run_bf16(dims, trainer_like)
     model, opt = parallelized(scenario, dims, build_initialised(trainer_like))
     ckpt = outdir / "ckpt" if scenario == "fsdp" else None
     out = {"losses": train(scenario, model, opt, range(STEPS), save_to=ckpt)}
@@ -137,6 +142,36 @@ def run_parallel(scenario: str, outdir: Path) -> dict:
         model, opt = parallelized(scenario, dims, build_initialised(trainer_like, seed=99))
         load(ckpt, model, opt)
         out["resumed"] = train(scenario, model, opt, range(SAVE_AT, STEPS))
+    return out
+
+
+def run_bf16(dims, trainer_like) -> dict:
+    """Step-0 losses of the converted and the unconverted model under FSDP with bf16
+    parameters, with the connections in float32 FSDP units (the integration's choice) and,
+    for comparison, left in their block's bf16 unit; and the dtype a connection computes in."""
+    from torch_mhc.integrations.torchtitan import blocks
+
+    tok, labels = batch(0)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    tok, labels = tok.chunk(world)[rank], labels.chunk(world)[rank]
+    out, fp32_units = {}, blocks.fp32_fsdp_units
+    for units in ("fp32", "bf16"):
+        blocks.fp32_fsdp_units = fp32_units if units == "fp32" else (lambda *a: None)
+        for kind in ("mhc", None):
+            model, _ = parallelized("fsdp_bf16", dims,
+                                    build_initialised(trainer_like, kind=kind))
+            seen = []
+            if kind is not None:
+                conn = model.layers["0"].attention_hc
+                conn.register_forward_pre_hook(
+                    lambda m, a, seen=seen: seen.append(m.b_pre.dtype))
+            with torch.no_grad(), spmd_region(dims, tok, labels) as (t, y):
+                loss = loss_fn(model(t), y)
+            torch.distributed.all_reduce(loss)
+            out[f"{units}_{kind}"] = (loss / world).item()
+            if seen:
+                out[f"{units}_dtype"] = str(seen[0])
+    blocks.fp32_fsdp_units = fp32_units
     return out
 
 

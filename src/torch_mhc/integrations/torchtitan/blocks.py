@@ -43,6 +43,15 @@ class _HyperBlock:
             self.ffn_hc.declare_replicated(layout)
         self.hc_streams, self.hc_first, self.hc_last = n, config.hc_first, config.hc_last
 
+    def parallelize(self, parallel_dims) -> None:
+        """torchtitan's parallelisation of the block's modules (TP placements), then each
+        connection as an FSDP unit of its own with float32 parameters: FSDP casts the
+        parameters of a unit to one dtype, and in bf16 the connections' biases round (b_pre
+        = logit(0.625) by 3e-4), so the initial maps would no longer add F(x) exactly once.
+        The block's own unit, applied later by torchtitan, leaves them to these units."""
+        super().parallelize(parallel_dims)
+        fp32_fsdp_units(parallel_dims, [self.attention_hc, self.ffn_hc])
+
     def _attention_branch(self, h, attention_masks, positions):
         return self.attention(self.attention_norm(h), attention_masks, positions)
 
@@ -55,6 +64,25 @@ class _HyperBlock:
         x = self.attention_hc(x, self._attention_branch, attention_masks, positions)
         x = self.ffn_hc(x, self._ffn_branch)
         return reduce_streams(x) if self.hc_last else x  # [B, T, C] after the last block
+
+
+def fp32_fsdp_units(parallel_dims, modules) -> None:
+    """fully_shard each module on torchtitan's data-parallel mesh, parameters kept float32
+    (gathered, computed and reduced in float32; activations keep their dtype)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if parallel_dims.spmd_backend in ("full_dtensor", "spmd_types"):
+        from torchtitan.distributed.full_dtensor import resolve_fsdp_mesh
+
+        mesh, mesh_dims = resolve_fsdp_mesh(parallel_dims)
+    else:  # the DTensor backend: torchtitan's own choice of mesh (parallelize_llama)
+        names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+        mesh, mesh_dims = parallel_dims.get_mesh(names), None
+    policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                  cast_forward_inputs=False)
+    extra = {} if mesh_dims is None else {"dp_mesh_dims": mesh_dims}
+    for module in modules:
+        fully_shard(module, mesh=mesh, mp_policy=policy, **extra)
 
 
 def _hc_fields(cls):
