@@ -85,24 +85,23 @@ def fp32_fsdp_units(parallel_dims, modules) -> None:
         fully_shard(module, mesh=mesh, mp_policy=policy, **extra)
 
 
-def _hc_fields(cls):
-    """The connection settings every converted block's Config carries."""
-    cls.__annotations__ = {
-        "hc_kind": str, "hc_streams": int, "hc_layer": int, "hc_first": bool,
-        "hc_last": bool, "hc_options": dict,
-    }
-    cls.hc_kind, cls.hc_streams, cls.hc_layer = "mhc", 4, 0
-    cls.hc_first = cls.hc_last = False
-    cls.hc_options = field(default_factory=dict)
-    return dataclass(kw_only=True, slots=True)(cls)
+# Every converted block's Config carries these fields (set by the converter): connection kind
+# and streams, the block's index, whether it expands / reduces the streams, and keyword
+# arguments of the connection class. Written out in each Config below, since torchtitan
+# requires each Config to be its own @dataclass(kw_only=True, slots=True).
 
 
 class HyperLlama3Block(_HyperBlock, Llama3TransformerBlock):
     """Llama3TransformerBlock with HC / mHC connections."""
 
-    @_hc_fields
+    @dataclass(kw_only=True, slots=True)
     class Config(Llama3TransformerBlock.Config):
-        pass
+        hc_kind: str = "mhc"
+        hc_streams: int = 4
+        hc_layer: int = 0
+        hc_first: bool = False
+        hc_last: bool = False
+        hc_options: dict = field(default_factory=dict)
 
     def __init__(self, config: Config):
         Llama3TransformerBlock.__init__(self, config)
@@ -114,9 +113,14 @@ class HyperLlama3Block(_HyperBlock, Llama3TransformerBlock):
 class HyperQwen3Block(_HyperBlock, Qwen3TransformerBlock):
     """Qwen3TransformerBlock (dense: no MoE) with HC / mHC connections."""
 
-    @_hc_fields
+    @dataclass(kw_only=True, slots=True)
     class Config(Qwen3TransformerBlock.Config):
-        pass
+        hc_kind: str = "mhc"
+        hc_streams: int = 4
+        hc_layer: int = 0
+        hc_first: bool = False
+        hc_last: bool = False
+        hc_options: dict = field(default_factory=dict)
 
     def __init__(self, config: Config):
         Qwen3TransformerBlock.__init__(self, config)
