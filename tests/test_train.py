@@ -195,8 +195,8 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch, ti
     snapshot = {}
     real_save = C.save_checkpoint
 
-    def save_and_snapshot(out_dir, model, optimizer, state):
-        path = real_save(out_dir, model, optimizer, state)
+    def save_and_snapshot(out_dir, model, optimizer, state, **kwargs):
+        path = real_save(out_dir, model, optimizer, state, **kwargs)
         snapshot[state["step"]] = _folder_bytes(path)
         return path
 

@@ -185,6 +185,17 @@ def test_another_model_is_refused_before_any_tensor_is_read(trained, tiny_config
         train(tiny_config("mhc", out_dir=str(trained), steps=6, resume=True, dim=64))
 
 
+def test_overwrite_never_leaves_two_runs_side_by_side(trained, tiny_config):
+    """A fresh run with overwrite replaces ckpt and ckpt.prev of the run it overwrites once
+    its own first checkpoint is complete; from then on ckpt.prev is its own."""
+    train(tiny_config("mhc", out_dir=str(trained), steps=2, seed=1, overwrite=True))
+    assert not (trained / "ckpt.prev").exists()
+    state = load_checkpoint(trained)
+    assert state["step"] == 2 and state["train_config"]["seed"] == 1
+    train(tiny_config("mhc", out_dir=str(trained), steps=3, seed=1, resume=True))
+    assert load_checkpoint(trained / "ckpt.prev")["train_config"]["seed"] == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # A full disk: exit 3, the previous checkpoint intact, nothing half-written left
 

@@ -14,7 +14,9 @@ be read falls back to `ckpt.prev` with a message; one made for another model is 
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -45,23 +47,30 @@ _RESUME_KEYS = ("sampler", "rng", "history", "spike")
 
 
 def save_checkpoint(out_dir: str | os.PathLike, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer | None, state: dict) -> Path:
+                    optimizer: torch.optim.Optimizer | None, state: dict,
+                    keep_previous: bool = True) -> Path:
     """Write out_dir/ckpt (every rank calls it); the checkpoint it replaces becomes ckpt.prev.
 
     model: what the step runs (bare, DDP, FSDP2, a pipeline's module). state: the run's own
-    plain values and tensors. A full disk is a DiskFullError; the previous checkpoint is
-    then untouched and no partial one is left.
+    plain values and tensors. keep_previous=False: the checkpoints already there belong to
+    another run (an overwritten one): both are deleted once the new one is complete, so
+    ckpt and ckpt.prev are always of one run. A full disk is a DiskFullError; the previous
+    checkpoint is then untouched and no partial one is left.
     """
     out = Path(out_dir)
     try:
-        return par.save_checkpoint(out / LAST_CHECKPOINT, model, optimizer, extra=state,
-                                   previous=out / PREVIOUS_CHECKPOINT)
+        path = par.save_checkpoint(out / LAST_CHECKPOINT, model, optimizer, extra=state,
+                                   previous=out / PREVIOUS_CHECKPOINT if keep_previous else None)
     except BaseException as e:
         if isinstance(e, KeyboardInterrupt) or not is_disk_full(e):
             raise
         raise DiskFullError(
-            28, f"no space left on the device writing the checkpoint {out / LAST_CHECKPOINT}; "
-            "the previous one is intact (free space, then resume)") from None
+            errno.ENOSPC, f"no space left on the device writing the checkpoint "
+            f"{out / LAST_CHECKPOINT}; the previous one is intact (free space, then resume)"
+        ) from None
+    if not keep_previous and par.is_rank0() and (out / PREVIOUS_CHECKPOINT).exists():
+        shutil.rmtree(out / PREVIOUS_CHECKPOINT)
+    return path
 
 
 def find_checkpoint(path: str | os.PathLike) -> Path:

@@ -437,7 +437,10 @@ class Trainer:
             "spike": self.ctx.guard.state_dict(),
             "history": {key: getattr(self.result, key) for key in _HISTORIES},
         }
-        path = ckpt.save_checkpoint(self.cfg.out_dir, self.saved_model, self.optimizer, state)
+        # a fresh run's first save replaces what an overwritten run left, ckpt.prev included
+        own = self.saved_step is not None
+        path = ckpt.save_checkpoint(self.cfg.out_dir, self.saved_model, self.optimizer, state,
+                                    keep_previous=own)
         self.result.checkpoint = str(path)
         self.saved_step = step
 
