@@ -97,6 +97,7 @@ def test_convert_keeps_logits_and_greedy_generation(family):
     layer = next(m for m in model.modules() if hasattr(m, "mhc_attn"))
     assert type(layer).__name__ in model._no_split_modules  # device_map keeps it whole
     out = _logits(model, ids, mask)
+    print(f"{family} mhc n=4: max |logit diff| / max |logit| = {_rel(out, ref):.1e}")
     assert _rel(out, ref) <= REL, f"{family}: logits differ by {_rel(out, ref):.2e}"
     assert torch.equal(model.generate(prompt, attention_mask=prompt_mask, **gen), ref_tokens)
 
@@ -112,6 +113,7 @@ def test_every_connection_kind_keeps_logits(kind):
     mhc_hf.convert(model, kind, streams=4)
     assert model.config.mhc_conversion["kind"] == kind
     out = _logits(model, ids, mask)
+    print(f"llama {kind} n=4: max |logit diff| / max |logit| = {_rel(out, ref):.1e}")
     assert _rel(out, ref) <= REL, f"{kind}: logits differ by {_rel(out, ref):.2e}"
 
 
@@ -508,6 +510,7 @@ def test_deepseek_v4_acceleration_shares_parameters_and_keeps_logits():
     assert "MHCDeepseekV4DecoderLayer" in model._no_split_modules  # device_map keeps it whole
 
     out = model(ids).logits.detach()
+    print(f"DeepSeek-V4 fp32: max |logit diff| / max |logit| = {_rel(out, ref):.1e}")
     assert _rel(out, ref) <= REL, f"logits differ by {_rel(out, ref):.2e}"
     assert torch.equal(model.generate(ids[:, :6], **gen), ref_tokens)
     loss = model(ids, labels=ids).loss
@@ -535,6 +538,7 @@ def test_deepseek_v4_acceleration_float64(monkeypatch):
     assert ref.dtype == torch.float64
     mhc_hf.accelerate_deepseek_v4(model)
     out = model(ids).logits.detach()
+    print(f"DeepSeek-V4 float64: max |logit diff| / max |logit| = {_rel(out, ref):.1e}")
     assert _rel(out, ref) <= 1e-12, f"float64 logits differ by {_rel(out, ref):.2e}"
 
 
