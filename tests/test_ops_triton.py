@@ -142,6 +142,30 @@ def test_sinkhorn_matches_unrolled_autograd(n, iters, eps, dtype):
     assert_close(g_tri.cpu(), g_ref, 1e-5 if dtype == torch.float32 else TOL[dtype])
 
 
+@kernel_test
+@pytest.mark.skipif(ON_GPU, reason="counts interpreted calls of the kernels' helpers")
+@pytest.mark.parametrize("iters", [3, 8])
+def test_sinkhorn_backward_is_linear_in_the_iterations(iters, monkeypatch):
+    """Passes over the matrices, counted in the interpreter: the forward's 2*iters - 1
+    normalisations, the backward's recomputed 2*iters - 1 plus 2*iters - 1 reversed."""
+    counts = {}
+    for name in ("_normalise", "_reverse_step", "_col_softmax"):
+        inner = getattr(tri._k, name).fn
+
+        def counted(*args, _inner=inner, _name=name, **kwargs):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _inner(*args, **kwargs)
+
+        monkeypatch.setattr(tri._k, name, counted)
+    x = torch.randn(4, 3, 3).requires_grad_()
+    out = tri.sinkhorn(x, iters)
+    assert counts == {"_col_softmax": 1, "_normalise": 2 * iters - 1}
+    counts.clear()
+    torch.autograd.grad(out, x, torch.randn_like(out))
+    assert counts == {"_col_softmax": 2, "_normalise": 2 * iters - 1,
+                      "_reverse_step": 2 * iters - 1}
+
+
 # Far-apart logits (torch_mhc.sinkhorn's design): per matrix, a logit range above LINEAR_RANGE
 # runs the same unrolled function in the log domain; held to a float64 log-domain evaluation.
 FAR_CASES = {

@@ -125,20 +125,26 @@ def kernel_config(kernel: str, n: int, dtype: torch.dtype) -> dict:
     sinkhorn_bwd (BLOCK_T, num_warps); pre_fwd, pre_bwd, merge_fwd, merge_bwd (num_warps).
     """
     np_ = _padded(n)
-    # An explicit cap at the architectural maximum: without one, ptxas sometimes aims at a
-    # lower register count and spills a few bytes (seen at 64-104 registers).
-    common = dict(num_stages=3, maxnreg=255)
+    fp32 = dtype == torch.float32
+    # maxnreg: an explicit register cap. Without one, ptxas sometimes aims at a low register
+    # count and spills a few bytes (seen at 64-128 registers); with one it also uses more
+    # registers where it could do with fewer, so caps are set only where the check needs them.
     if kernel in ("maps_fwd", "maps_bwd", "dphi"):
         # fp32 streams: ieee dots run on FMA units with the whole tile in registers; n > 8
         # holds [BLOCK_T, 256]-wide tiles, so fewer tokens per program.
-        warps = 8 if (np_ >= 8 or dtype == torch.float32) else 4
-        return dict(BLOCK_T=32 if np_ <= 8 else 16, BLOCK_K=64, num_warps=warps, **common)
+        cap = {"maps_fwd": not fp32 or np_ >= 16, "maps_bwd": np_ >= 8,
+               "dphi": np_ >= 16 or (fp32 and np_ >= 8)}[kernel]
+        return dict(BLOCK_T=32 if np_ <= 8 else 16,
+                    BLOCK_K=32 if (fp32 and np_ >= 16) else 64,
+                    num_warps=8 if (np_ >= 8 or fp32) else 4, num_stages=3,
+                    maxnreg=255 if cap else None)
     if kernel in ("sinkhorn_fwd", "sinkhorn_bwd"):
-        return dict(BLOCK_T=32 if np_ <= 8 else 16, num_warps=4 if np_ <= 4 else 8, **common)
+        return dict(BLOCK_T=32 if np_ <= 8 else 16, num_warps=4 if np_ <= 4 else 8, num_stages=3,
+                    maxnreg=255 if (kernel == "sinkhorn_bwd" and np_ >= 16) else None)
     if kernel in ("pre_fwd", "pre_bwd", "merge_fwd"):
-        return dict(TILE=2048, num_warps=4, **common)
+        return dict(TILE=2048, num_warps=4, num_stages=3, maxnreg=None)
     if kernel == "merge_bwd":  # also holds g [BT, NP, BC] and dH_res [BT, NP, NP]
-        return dict(TILE=2048, num_warps=8, **common)
+        return dict(TILE=2048, num_warps=8, num_stages=3, maxnreg=128)
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
