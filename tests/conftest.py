@@ -1,6 +1,7 @@
 """Shared test helpers, given to the tests as fixtures (no test module imports another).
 
-- `corpus`: a small, very regular text corpus (~14 KB) a tiny model learns in a few dozen steps;
+- `corpus`: a small, very regular text corpus (~14 KB) a tiny model learns in a few dozen steps
+  (`corpus_writer(path)` writes it elsewhere);
 - `tiny_config(residual="mhc", **overrides)`: a TrainConfig of a 2-block, width-32 LM on it,
   fp32 on the CPU, quiet, a few steps (seconds); `tiny_config_under(root, ...)` the same for
   module-wide fixtures;
@@ -36,6 +37,12 @@ def write_corpus(path: Path, n_lines: int = 400) -> Path:
 @pytest.fixture
 def corpus(tmp_path) -> Path:
     return write_corpus(tmp_path / "corpus.txt")
+
+
+@pytest.fixture(scope="session")
+def corpus_writer():
+    """write_corpus(path) for fixtures wider than a test."""
+    return write_corpus
 
 
 @pytest.fixture

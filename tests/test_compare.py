@@ -30,10 +30,9 @@ def read_png_size(data: bytes) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def tiny_report(tmp_path_factory):
+def tiny_report(tmp_path_factory, corpus_writer):
     root = tmp_path_factory.mktemp("compare")
-    corpus = root / "corpus.txt"
-    corpus.write_text("".join(f"def f{i % 17}(x):\n    return x * {i % 7}\n" for i in range(400)))
+    corpus = corpus_writer(root / "corpus.txt")
     out = root / "out" / "nested"  # created if missing
     argv = ["compare", "--out", str(out), "--preset", "tiny", "--data", str(corpus),
             "--cache-dir", str(root / "cache"), "--val-fraction", "0.1", "--quiet",

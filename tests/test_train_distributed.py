@@ -33,10 +33,7 @@ STEPS = 4
 
 
 def _flags(tmp_path: Path, out: str, *extra: str, steps: int = STEPS) -> list[str]:
-    corpus = tmp_path / "corpus.txt"
-    if not corpus.exists():
-        lines = [f"def f{i % 17}(x):\n    return x * {i % 7} + {i % 5}\n" for i in range(400)]
-        corpus.write_text("".join(lines))
+    corpus = tmp_path / "corpus.txt"  # written by the single_losses fixture
     return [
         "train", "--data", str(corpus), "--cache-dir", str(tmp_path / "cache"),
         "--val-fraction", "0.1", "--dim", "32", "--n-layers", "2", "--n-heads", "2",
@@ -65,8 +62,9 @@ def _train_losses(out_dir: Path) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def single_losses(tmp_path_factory) -> tuple[Path, list[float]]:
+def single_losses(tmp_path_factory, corpus_writer) -> tuple[Path, list[float]]:
     tmp = tmp_path_factory.mktemp("train_dist")
+    corpus_writer(tmp / "corpus.txt")
     done = _run([sys.executable, "-m", "torch_mhc", *_flags(tmp, "single")])
     assert done.returncode == 0, done.stdout[-4000:]
     losses = _train_losses(tmp / "single")
@@ -92,7 +90,7 @@ def test_parallel_train_logs_the_single_process_losses(single_losses, mode):
     assert (tmp / out / "ckpt" / "meta.json").is_file()  # the DCP checkpoint is complete
 
 
-def test_impossible_layout_fails_before_training(tmp_path):
+def test_impossible_layout_fails_before_training(tmp_path, corpus):
     # batch 4 cannot be split into 3 micro-batches
     done = _run(_torchrun(_flags(tmp_path, "bad", "--parallel", "pp", "--micro-batches", "3")))
     assert done.returncode != 0
