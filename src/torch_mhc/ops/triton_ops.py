@@ -133,7 +133,7 @@ def kernel_config(kernel: str, n: int, dtype: torch.dtype) -> dict:
         # fp32 streams: ieee dots run on FMA units with the whole tile in registers; n > 8
         # holds [BLOCK_T, 256]-wide tiles, so fewer tokens per program.
         cap = {"maps_fwd": not fp32 or np_ >= 16, "maps_bwd": np_ >= 8,
-               "dphi": np_ >= 16 or (fp32 and np_ >= 8)}[kernel]
+               "dphi": np_ >= 8}[kernel]
         return dict(BLOCK_T=32 if np_ <= 8 else 16,
                     BLOCK_K=32 if (fp32 and np_ >= 16) else 64,
                     num_warps=8 if (np_ >= 8 or fp32) else 4, num_stages=3,
@@ -144,7 +144,7 @@ def kernel_config(kernel: str, n: int, dtype: torch.dtype) -> dict:
     if kernel in ("pre_fwd", "pre_bwd", "merge_fwd"):
         return dict(TILE=2048, num_warps=4, num_stages=3, maxnreg=None)
     if kernel == "merge_bwd":  # also holds g [BT, NP, BC] and dH_res [BT, NP, NP]
-        return dict(TILE=2048, num_warps=8, num_stages=3, maxnreg=128)
+        return dict(TILE=2048, num_warps=8, num_stages=3, maxnreg=128 if np_ <= 8 else 255)
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
