@@ -17,6 +17,13 @@ streams (whose values TF32 holds exactly; phi is rounded to TF32's 10-bit mantis
 
 The kernels need CUDA tensors, or CPU tensors when triton_kernels was imported with
 TRITON_INTERPRET=1 (Triton's interpreter; how the tests run without a GPU).
+
+Each custom op builds its launches with a `plan_*` function (outputs, grid, arguments,
+constexprs and compile options from `kernel_config`) and runs them; ops/triton_aot.py calls
+the same plans on meta tensors to compile every launch ahead of time for sm_80 / sm_90 and
+check registers and spills, so the check and the launcher cannot drift apart. A kernel that
+fails to compile or launch raises a RuntimeError naming the kernel, the op, the input shapes
+and dtypes, and the other implementations to select.
 """
 
 from __future__ import annotations
