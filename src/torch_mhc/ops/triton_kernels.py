@@ -22,8 +22,9 @@ Each tile is one tl.dot against the matching columns of phi.
 Sinkhorn runs per token on the [NP, NP] matrix in registers (paper Eq. 9, eps as DeepSeek-V4).
 Its backward is the exact reverse of the unrolled loop in time linear in the iterations: it
 reruns the forward once, writing each step's normaliser vector (NP floats) to scratch, then
-walks the steps backwards. Every step multiplies rows or columns by a vector, so the step's
-input is its output times the stored normaliser, and with w = g * y (the upstream gradient
+(after a barrier: other threads of the program read them) walks the steps backwards. Every
+step multiplies rows or columns by a vector, so the step's input is its output times the
+stored normaliser, and with w = g * y (the upstream gradient
 times the step's output) the reverse of y = m / d along one axis is
     w <- w - sum_axis(w) * y,   y <- y * d.
 Counted in O(n^2) passes over a matrix: forward 2*ITERS - 1 normalisations; backward
@@ -197,6 +198,8 @@ def _sinkhorn_bwd(h, g, ok, t, t_ok, eps, log_range, scratch_ptr, ITERS: tl.cons
         big = t < 0  # no token
     keep = t_ok & (big == 0)
     y = _sinkhorn_exp(h, ok, eps, scratch_ptr, t, keep, ITERS, NP, True)
+    # The reverse reads what other threads of this program wrote: make it visible to them.
+    tl.debug_barrier()
     w, y = _reverse(tl.where(ok, g * y, 0.0), y, ok, scratch_ptr, t, keep, 1, ITERS, NP, False)
     # y is back to softmax + eps; w = g_0 * y with g_0 the gradient of the softmax's output.
     p0 = _col_softmax(h, ok)
@@ -205,6 +208,7 @@ def _sinkhorn_bwd(h, g, ok, t, t_ok, eps, log_range, scratch_ptr, ITERS: tl.cons
     if LOG_OK:
         if tl.max(big.to(tl.int32), axis=0) > 0:
             z = _sinkhorn_log(h, ok, scratch_ptr, t, big, ITERS, NP, True)
+            tl.debug_barrier()
             e = tl.where(ok, tl.exp(z), 0.0)
             w_log, z = _reverse(tl.where(ok, g * e, 0.0), z, ok, scratch_ptr, t, big, 0, ITERS,
                                 NP, True)
