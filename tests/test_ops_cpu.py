@@ -798,12 +798,15 @@ def test_sinkhorn_far_apart_logits_are_exact():
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mhc_maps_with_far_apart_res_logits_match_float64(dtype, cpu_path):
+@pytest.mark.parametrize("dtype, tokens, threads", [(torch.float32, 45, 1),
+                                                    (torch.bfloat16, 45, 1),
+                                                    (torch.float32, 200, 3)])
+def test_mhc_maps_with_far_apart_res_logits_match_float64(dtype, tokens, threads, cpu_path):
     """Gates so large that the Sinkhorn logits of some tokens span more than LINEAR_RANGE
     (log domain) and of others less (linear domain), in one call: maps and all gradients
-    against the reference evaluated in float64."""
-    tokens, n, c = 45, 4, 24  # 45 tokens: two full lane groups of 16 and a partial one
+    against the reference evaluated in float64. 45 tokens: two full lane groups of 16 and a
+    partial one; 200 tokens on 3 threads: each thread's own scratch for the log domain."""
+    n, c = 4, 24
     inputs = maps_inputs((tokens,), n, c, dtype, seed=9)
     with torch.no_grad():
         inputs[2][2] = 9.0  # alpha_res
@@ -813,7 +816,12 @@ def test_mhc_maps_with_far_apart_res_logits_match_float64(dtype, cpu_path):
     spans = res.amax(1) - res.amin(1)
     assert (spans > LINEAR_RANGE).sum() >= 5 and (spans <= LINEAR_RANGE).sum() >= 5
     fn = functools.partial(cpu.mhc_maps_pre, sinkhorn_iters=20)
-    outs, grads = run(fn, inputs)
+    old_threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        outs, grads = run(fn, inputs)
+    finally:
+        torch.set_num_threads(old_threads)
     wide = [t.detach().double().requires_grad_() for t in inputs]
     want_outs, want_grads = run(functools.partial(ops.get_impl("reference").mhc_maps_pre,
                                                   sinkhorn_iters=20), wide,
@@ -891,3 +899,23 @@ def test_native_ops_after_fork_are_right_in_parent_and_child():
         assert kept.numpy().tobytes() == want[0]
     finally:
         torch.set_num_threads(threads)
+
+
+def test_mhc_maps_with_rows_hundreds_apart_are_finite_and_exact(cpu_path):
+    """Static biases putting H_res's rows hundreds apart: in float32's linear domain a whole
+    row underflows after the first column step and 0 / 0 follows (NaN); the log domain gives
+    the float64 reference's maps and gradients."""
+    tokens, n, c = 40, 4, 24
+    inputs = maps_inputs((tokens,), n, c, torch.float32, seed=4)
+    with torch.no_grad():
+        inputs[5].copy_(torch.tensor([100.0, -100.0, 0.0, 50.0]).unsqueeze(1).expand(n, n))
+    h = inputs[5].detach().unsqueeze(0)
+    linear = torch.softmax(h, dim=-2)
+    assert not torch.isfinite(linear / linear.sum(-1, keepdim=True)).all()  # would be NaN
+    outs, grads = run(functools.partial(cpu.mhc_maps_pre, sinkhorn_iters=20), inputs)
+    wide = [t.detach().double().requires_grad_() for t in inputs]
+    want_outs, want_grads = run(functools.partial(ops.get_impl("reference").mhc_maps_pre,
+                                                  sinkhorn_iters=20), wide)
+    for got, want in zip([*outs, *grads], [*want_outs, *want_grads], strict=True):
+        assert torch.isfinite(got).all()
+        assert_close(got, want, 2e-5)
