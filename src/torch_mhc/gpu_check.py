@@ -8,7 +8,7 @@ one global time budget (--budget-s, default 270 s; a section that would start af
 recorded as skipped), results written after every section (JSON and markdown, each written
 to a temporary file and renamed):
 
-    correctness  every op of the `triton` implementation (and `inductor`), forward and
+    correctness  every op of the `triton` implementation, forward and
                  gradients with random upstream gradients, against ops.reference run in
                  float32 on the same device from the same rounded inputs: fp32 and bf16,
                  n = 2, 4, 8, an awkward C, far-apart Sinkhorn logits included
@@ -20,6 +20,9 @@ to a temporary file and renamed):
                  1024): residual, HC, mHC, mHC + recompute, as ratios to the residual, with
                  peak memory
     decode       KV-cached greedy generation tokens/s, residual vs HC vs mHC
+    inductor     the correctness check for the `inductor` ops (n = 4; last, as Inductor
+                 compiles a graph per op and dtype; skipped in the dry run, where
+                 tests/test_ops_inductor.py covers them)
 
 --dry-run: tiny shapes on CPU (TRITON_INTERPRET=1 must be set before triton is imported),
 so that the script is exercised by the test suite (tests/test_gpu_check.py) and cannot rot.
@@ -41,7 +44,7 @@ import torch
 
 from . import ops as _ops
 
-SECTIONS = ("correctness", "kernels", "sinkhorn", "step", "decode")
+SECTIONS = ("correctness", "kernels", "sinkhorn", "step", "decode", "inductor")
 # Relative max error allowed (|a - e| <= tol * max|e|), as tests/test_ops_triton.py.
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -49,14 +52,15 @@ FULL = dict(device="cuda", dtypes=(torch.float32, torch.bfloat16), ns=(2, 4, 8),
             channels=1000, big_tokens=8192, big_channels=(4096, 7168), kernel_n=4, repeats=20,
             sk_tokens=65536, step=dict(dim=2048, layers=16, batch=8, seq=1024, repeats=5),
             decode=dict(dim=2048, layers=16, batches=(1, 8), prompt=128, new_tokens=64),
-            impls=("triton", "inductor"), sk_impls=("triton", "inductor", "reference"))
+            impls=("triton",), sk_impls=("triton", "inductor", "reference"),
+            inductor=dict(impls=("inductor",), ns=(4,)))
 DRY = dict(device="cpu", dtypes=(torch.float32, torch.float16), ns=(2, 4), tokens=5,
            channels=9, big_tokens=16, big_channels=(24,), kernel_n=4, repeats=2, sk_tokens=16,
            step=dict(dim=64, layers=1, batch=1, seq=8, repeats=1),
            decode=dict(dim=64, layers=1, batches=(1,), prompt=4, new_tokens=3),
            # Inductor compiles C++ on a CPU (seconds a graph): tests/test_ops_inductor.py
            # checks it there.
-           impls=("triton",), sk_impls=("triton", "reference"))
+           impls=("triton",), sk_impls=("triton", "reference"), inductor=dict(impls=()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,6 +163,7 @@ def _fwd_bwd(fn, ops, inputs, ups=None, as_fp32=False):
 
 
 def check_correctness(cfg: dict) -> dict:
+    """Every op of cfg["impls"] for cfg["dtypes"] x cfg["ns"] against the reference."""
     device, rows, impls = cfg["device"], [], cfg["impls"]
     ref = _ops.get_impl("reference")
     for impl in impls:
@@ -351,6 +356,7 @@ def markdown(report: dict) -> str:
     cols = {
         "correctness": ["impl", "op", "dtype", "n", "shape", "max_rel_err", "tol", "pass",
                         "error"],
+        "inductor": ["impl", "op", "dtype", "n", "shape", "max_rel_err", "tol", "pass", "error"],
         "kernels": ["op", "kernel", "tokens", "channels", "ms", "bytes", "gb_per_s", "copy_ms",
                     "fraction_of_copy", "error"],
         "sinkhorn": ["impl", "n", "tokens", "fwd_ms", "bwd_ms", "bwd_over_fwd", "error"],
@@ -412,7 +418,9 @@ def run(out_dir: str, budget_s: float = 270.0, dry_run: bool = False,
     bf16 = torch.float32 if dry_run else torch.bfloat16
     jobs = {"correctness": lambda: check_correctness(cfg), "kernels": lambda: bench_kernels(cfg),
             "sinkhorn": lambda: bench_sinkhorn(cfg), "step": lambda: bench_step(cfg, bf16),
-            "decode": lambda: bench_decode(cfg, bf16)}
+            "decode": lambda: bench_decode(cfg, bf16),
+            # Last: Inductor compiles a graph per op, dtype and n (minutes on a first run).
+            "inductor": lambda: check_correctness({**cfg, **cfg["inductor"]})}
     for name in only:
         elapsed = time.perf_counter() - start
         if elapsed > budget_s:
@@ -450,5 +458,6 @@ def main(argv: list[str] | None = None) -> int:
     report = run(args.out, args.budget_s, args.dry_run, only)
     print(markdown(report))
     failed = [n for n, sec in report["sections"].items() if "error" in sec]
-    bad = report["sections"].get("correctness", {}).get("result", {}).get("all_pass") is False
+    bad = any(report["sections"].get(n, {}).get("result", {}).get("all_pass") is False
+              for n in ("correctness", "inductor"))
     return 1 if failed or bad else 0
