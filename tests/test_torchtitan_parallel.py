@@ -2,6 +2,8 @@
 
 Each test launches tests/titan_worker.py with torchrun (about 30 s on 2 busy cores) and
 compares its losses with the same 3 AdamW steps in one process (`titan_worker.run_single`).
+Every parallel run also has torchtitan's selective activation checkpointing on, as its debug
+configuration does.
 
 Tolerance. FSDP2 and the pipeline compute the same sums in another order (gradients reduced
 over ranks, the batch split into halves or micro-batches); measured on 2026-11-30: losses equal

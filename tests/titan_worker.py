@@ -9,8 +9,8 @@ steps and resumed into a differently initialised model), tp (TP2 with sequence p
 connection parameters returned), pp (two pipeline stages, 1F1B), fsdp_bf16 (FSDP with bf16
 parameters: step-0 losses of converted and unconverted models). Every scenario builds the
 same model (`titan_support`), initialises it on the CPU with one seed, applies torchtitan's
-own parallelize / pipeline functions, then takes STEPS AdamW steps on fixed token batches;
-rank r writes <outdir>/<scenario>_rank<r>.pt with its losses.
+own parallelize / pipeline functions (with selective activation checkpointing), then takes
+STEPS AdamW steps on fixed token batches; rank r writes <outdir>/<scenario>_rank<r>.pt.
 
 A small shim lets torchtitan 0.3.0 run on CPU processes: its device type falls back to "cuda"
 without an accelerator (`cpu_shim`), and FSDP's PREMUL_SUM, which gloo lacks, becomes the
@@ -136,8 +136,8 @@ def run_parallel(scenario: str, outdir: Path) -> dict:
     if scenario == "tp":
         # Replicated over TP: every rank must hold the same connection parameters after
         # training (their gradients, from each rank's sequence shard, are reduced over TP).
-        out["connections"] = {n: _local(p).detach().clone() for n, p in
-                              model.named_parameters() if "_hc." in n}
+        out["connections"] = {_plain_name(n): _local(p).detach().clone()
+                              for n, p in model.named_parameters() if "_hc." in n}
     if ckpt is not None:  # resume: other weights, then everything from the checkpoint
         model, opt = parallelized(scenario, dims, build_initialised(trainer_like, seed=99))
         load(ckpt, model, opt)
@@ -175,18 +175,25 @@ def run_bf16(dims, trainer_like) -> dict:
     return out
 
 
+def _plain_name(name: str) -> str:
+    """A parameter name without activation checkpointing's wrapper module."""
+    return name.replace("._checkpoint_wrapped_module", "")
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
 def parallelized(scenario: str, dims, model):
-    """torchtitan's parallelize_llama (TP plan, FSDP2) on an initialised model, and AdamW."""
+    """torchtitan's parallelize_llama (TP plan, selective activation checkpointing as in
+    its debug configuration, FSDP2) on an initialised model, and AdamW."""
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
     from torchtitan.models.llama3 import parallelize_llama
 
     training, parallelism, compile_config = parallel_configs(scenario)
     model = parallelize_llama(model, parallel_dims=dims, training=training,
                               parallelism=parallelism, compile_config=compile_config,
-                              ac_config=None, dump_folder="/tmp")
+                              ac_config=SelectiveAC.Config(), dump_folder="/tmp")
     gloo_sum_reduction(model)
     model.parallel_dims_for_test = dims
     return model, torch.optim.AdamW(model.parameters(), lr=LR)
@@ -269,6 +276,7 @@ def run_pipeline(model, dims, training, parallelism, compile_config) -> list[flo
     embedding and the expansion to streams, layers 3-5 with the reduction, norm and head)
     and runs 1F1B over MICROBATCHES micro-batches; the last stage broadcasts the losses."""
     import torch.distributed as dist
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
     from torchtitan.models.llama3 import parallelize_llama
 
@@ -278,7 +286,7 @@ def run_pipeline(model, dims, training, parallelism, compile_config) -> list[flo
 
     schedule, parts, first, last = pipeline_llm(
         model, parallel_dims=dims, training=training, parallelism=parallelism,
-        compile_config=compile_config, ac_config=None, dump_folder="/tmp",
+        compile_config=compile_config, ac_config=SelectiveAC.Config(), dump_folder="/tmp",
         device=torch.device("cpu"), model_config=model.config,
         parallelize_fn=parallelize_llama, loss_fn=pp_loss)
     for part in parts:

@@ -82,7 +82,11 @@ def fp32_fsdp_units(parallel_dims, modules) -> None:
                                   cast_forward_inputs=False)
     extra = {} if mesh_dims is None else {"dp_mesh_dims": mesh_dims}
     for module in modules:
-        fully_shard(module, mesh=mesh, mp_policy=policy, **extra)
+        # Kept gathered from forward to backward (a few small tensors): a re-gather inside
+        # a region that activation checkpointing recomputes is an op the recomputation
+        # did not see in the forward, which selective AC refuses.
+        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=False,
+                    **extra)
 
 
 # Every converted block's Config carries these fields (set by the converter): connection kind
