@@ -774,7 +774,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--impl", default="auto",
-                   help="op implementation for HC and mHC: auto, reference, cpu, triton")
+                   help="op implementation for HC and mHC: auto, reference, cpu, triton, inductor")
     p.add_argument("--optimizer", action="store_true",
                    help="step: include an AdamW step in the timed training step")
     p.add_argument("--sinkhorn-tokens", type=_positive, default=None,
