@@ -54,6 +54,7 @@ from torch import nn
 
 from . import ops as _ops
 from .connections import _assign, _Connection, _pre_bias
+from .sinkhorn import compute_dtype as _maps_dtype
 
 __all__ = [
     "VARIANT_KINDS",
@@ -70,10 +71,6 @@ __all__ = [
 
 VARIANT_KINDS = ("mhc-lite", "kromhc", "mhc-static-res")
 MHC_LITE_MAX_STREAMS = 5
-
-
-def _maps_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 # ---------------------------------------------------------------------------------------------
