@@ -128,8 +128,9 @@ def kernel_config(kernel: str, n: int, dtype: torch.dtype) -> dict:
     compile check (ops/triton_aot.py, table in benchmarks/README.md) so that no kernel spills
     on sm_80 or sm_90 and registers stay well below 255.
 
-    kernel: maps_fwd, maps_bwd, dphi (BLOCK_T, BLOCK_K, num_warps, num_stages); sinkhorn_fwd,
-    sinkhorn_bwd (BLOCK_T, num_warps); pre_fwd, pre_bwd, merge_fwd, merge_bwd (num_warps).
+    kernel: maps_fwd, maps_bwd, dphi (BLOCK_T, BLOCK_K); sinkhorn_fwd, sinkhorn_bwd (BLOCK_T);
+    pre_fwd, pre_bwd, merge_fwd, merge_bwd (TILE: elements per [BLOCK_T, NP, BLOCK_C] tile);
+    each also num_warps, num_stages and maxnreg (None: no register cap).
     """
     np_ = _padded(n)
     fp32 = dtype == torch.float32
