@@ -140,11 +140,13 @@ class NativeOps:
     def __init__(self, path: Path):
         self.path = path
         self._lib = ctypes.CDLL(str(path))
+        self._fns = {}  # (name, dtype) -> the entry point
         for name, (n_ptrs, sizes) in _SIGNATURES.items():
-            for suffix in _SUFFIX.values():
+            for dtype, suffix in _SUFFIX.items():
                 fn = getattr(self._lib, f"{name}_{suffix}")
                 fn.argtypes = [_P] * n_ptrs + [_I, _I, _I] + sizes
                 fn.restype = None
+                self._fns[name, dtype] = fn
         self.openmp = bool(self._lib.native_openmp())
         # Threads this process started itself: used where OpenMP cannot be (a forked child,
         # or a library built without OpenMP). Reset in a forked child (its threads are gone).
@@ -160,6 +162,8 @@ class NativeOps:
 
     def threads_for(self, tokens: int) -> int:
         """How many threads a call over `tokens` tokens uses."""
+        if tokens < 2 * _MIN_TOKENS_PER_THREAD:  # decoding: skip the query
+            return 1
         return max(1, min(torch.get_num_threads(), tokens // _MIN_TOKENS_PER_THREAD))
 
     def _run(self, name: str, dtype: torch.dtype, tensors: list, tokens: int, *sizes):
@@ -169,7 +173,7 @@ class NativeOps:
         address of its slice 0 (the library offsets thread k to slice k), or of slice k to
         the range run by our own thread k.
         """
-        fn = getattr(self._lib, f"{name}_{_SUFFIX[dtype]}")
+        fn = self._fns[name, dtype]
         threads = self.threads_for(tokens)
 
         def pointers(k):
