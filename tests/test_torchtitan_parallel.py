@@ -66,9 +66,11 @@ def _close(got: list[float], ref: list[float], rtol: float = RTOL) -> None:
 
 
 def test_fsdp2_trains_like_one_process_and_resumes_from_dcp(single_losses, tmp_path):
-    """FSDP2 over 2 ranks (each on half of every batch): the single process's losses; the
-    DCP checkpoint saved after 1 step, loaded into a differently initialised sharded model
-    (keys checked first), continues with the uninterrupted run's losses."""
+    """FSDP2 over 2 ranks (each on half of every batch) with torchtitan's per-block
+    compile (fullgraph, aot_eager backend; connections converted with fp32=False, which that
+    compile needs): the single process's losses; the DCP checkpoint saved after 1 step,
+    loaded into a differently initialised sharded model (keys checked first), continues with
+    the uninterrupted run's losses."""
     import titan_worker as W
 
     r0, r1 = launch("fsdp", tmp_path)
@@ -106,10 +108,10 @@ def test_tensor_parallel_with_sequence_parallel_trains_like_one_process(single_l
 
 def test_connections_stay_float32_under_bf16_fsdp(tmp_path):
     """torchtitan's default FSDP casts parameters to bf16. The connections are FSDP units of
-    their own in float32, so the converted model's initial loss is the unconverted model's
-    under the same bf16 layout (measured: equal to the last bit; bound 1e-6 relative). Left
-    in their block's bf16 unit, the rounded biases move it by 4e-6 relative (measured), which
-    this bound would catch."""
+    their own in float32 (the converter's fp32=True), so the converted model's initial loss
+    is the unconverted model's under the same bf16 layout (measured: equal to the last bit;
+    bound 1e-6 relative). Left in their block's bf16 unit (fp32=False), the rounded biases
+    move it by 4e-6 relative (measured), which this bound would catch."""
     r0, r1 = launch("fsdp_bf16", tmp_path)
     assert r0 == r1
     assert r0["fp32_dtype"] == "torch.float32" and r0["bf16_dtype"] == "torch.bfloat16"

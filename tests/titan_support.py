@@ -24,7 +24,7 @@ BATCH, SEQ = 2, 64
 
 
 def model_config(family: str = "llama3", kind: str | None = "mhc", streams: int = 4,
-                 flavor: str = "debugmodel"):
+                 flavor: str = "debugmodel", fp32: bool = True):
     """torchtitan's debug model config of `family`, converted when kind is not None, with
     causal SDPA as inner attention: FlexAttention has no backward on the CPU, and for
     unpacked sequences (positions 0..T-1) SDPA's causal mask is flex's block-causal one."""
@@ -39,7 +39,7 @@ def model_config(family: str = "llama3", kind: str | None = "mhc", streams: int 
     cfg = configs[flavor](attn_backend="flex")
     for layer in cfg.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    return cfg if kind is None else convert_model_config(cfg, kind, streams)
+    return cfg if kind is None else convert_model_config(cfg, kind, streams, fp32=fp32)
 
 
 def build(cfg, seed: int = SEED):

@@ -4,13 +4,14 @@ steps under one torchtitan parallelism, on gloo processes.
     torchrun --standalone --nproc-per-node 2 tests/titan_worker.py <scenario> <outdir>
     python tests/titan_worker.py single <outdir>       # the one-process reference
 
-Scenarios: single, fsdp (FSDP2 over 2 ranks, with a DCP checkpoint saved after SAVE_AT
-steps and resumed into a differently initialised model), tp (TP2 with sequence parallel; the
-connection parameters returned), pp (two pipeline stages, 1F1B), fsdp_bf16 (FSDP with bf16
-parameters: step-0 losses of converted and unconverted models). Every scenario builds the
-same model (`titan_support`), initialises it on the CPU with one seed, applies torchtitan's
-own parallelize / pipeline functions (with selective activation checkpointing), then takes
-STEPS AdamW steps on fixed token batches; rank r writes <outdir>/<scenario>_rank<r>.pt.
+Scenarios: single; fsdp (FSDP2 over 2 ranks and torchtitan's per-block compile, with a DCP
+checkpoint saved after SAVE_AT steps and resumed into a differently initialised model); tp
+(TP2 with sequence parallel; the connection parameters returned); pp (two pipeline stages,
+1F1B); fsdp_bf16 (FSDP with bf16 parameters: step-0 losses of converted and unconverted
+models). Every scenario builds the same model (`titan_support`), initialises it on the CPU
+with one seed, applies torchtitan's own parallelize / pipeline functions (with selective
+activation checkpointing), then takes STEPS AdamW steps on fixed token batches; rank r writes
+<outdir>/<scenario>_rank<r>.pt.
 
 A small shim lets torchtitan 0.3.0 run on CPU processes: its device type falls back to "cuda"
 without an accelerator (`cpu_shim`), and FSDP's PREMUL_SUM, which gloo lacks, becomes the
@@ -52,12 +53,13 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
-def build_initialised(trainer_like=None, seed: int = S.SEED, kind: str | None = "mhc"):
+def build_initialised(trainer_like=None, seed: int = S.SEED, kind: str | None = "mhc",
+                      fp32: bool = True):
     """The converted llama3 debug model, built and initialised on the CPU (not meta): every
     parallel layout then starts from the very same weights as the single process. With a
     trainer-like config, torchtitan first declares every module's placements, as its trainer
     does before building."""
-    cfg = S.model_config("llama3", kind)
+    cfg = S.model_config("llama3", kind, fp32=fp32)
     if trainer_like is not None:
         cfg.update_from_config(config=trainer_like)
     return S.build(cfg, seed)
@@ -114,7 +116,11 @@ def parallel_configs(scenario: str):
         pipeline_parallel_schedule="1F1B",
         pipeline_parallel_microbatch_size=GLOBAL_BATCH // MICROBATCHES,
     )
-    return training, parallelism, CompileConfig(enable=False)
+    # fsdp: torchtitan's per-block compile (fullgraph; the aot_eager backend, since inductor
+    # would take minutes on 2 CPU cores), hence connections without float32 units (blocks.py).
+    compile_config = CompileConfig(enable=scenario == "fsdp", backend="aot_eager",
+                                   components=["model"])
+    return training, parallelism, compile_config
 
 
 def run_parallel(scenario: str, outdir: Path) -> dict:
@@ -130,7 +136,8 @@ def run_parallel(scenario: str, outdir: Path) -> dict:
         return {"losses": run_pipeline(model, dims, training, parallelism, compile_config)}
     if scenario == "fsdp_bf16":
         return run_bf16(dims, trainer_like)
-    model, opt = parallelized(scenario, dims, build_initialised(trainer_like))
+    fp32 = scenario != "fsdp"  # see parallel_configs
+    model, opt = parallelized(scenario, dims, build_initialised(trainer_like, fp32=fp32))
     ckpt = outdir / "ckpt" if scenario == "fsdp" else None
     out = {"losses": train(scenario, model, opt, range(STEPS), save_to=ckpt)}
     if scenario == "tp":
@@ -139,7 +146,8 @@ def run_parallel(scenario: str, outdir: Path) -> dict:
         out["connections"] = {_plain_name(n): _local(p).detach().clone()
                               for n, p in model.named_parameters() if "_hc." in n}
     if ckpt is not None:  # resume: other weights, then everything from the checkpoint
-        model, opt = parallelized(scenario, dims, build_initialised(trainer_like, seed=99))
+        model, opt = parallelized(scenario, dims,
+                                  build_initialised(trainer_like, seed=99, fp32=fp32))
         load(ckpt, model, opt)
         out["resumed"] = train(scenario, model, opt, range(SAVE_AT, STEPS))
     return out
@@ -147,22 +155,19 @@ def run_parallel(scenario: str, outdir: Path) -> dict:
 
 def run_bf16(dims, trainer_like) -> dict:
     """Step-0 losses of the converted and the unconverted model under FSDP with bf16
-    parameters, with the connections in float32 FSDP units (the integration's choice) and,
-    for comparison, left in their block's bf16 unit; and the dtype a connection computes in."""
-    from torch_mhc.integrations.torchtitan import blocks
-
+    parameters, with the connections in float32 FSDP units (fp32=True, the default) and in
+    their block's bf16 unit (fp32=False); and the dtype a connection computes in."""
     tok, labels = batch(0)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     tok, labels = tok.chunk(world)[rank], labels.chunk(world)[rank]
-    out, fp32_units = {}, blocks.fp32_fsdp_units
+    out = {}
     for units in ("fp32", "bf16"):
-        blocks.fp32_fsdp_units = fp32_units if units == "fp32" else (lambda *a: None)
         for kind in ("mhc", None):
-            model, _ = parallelized("fsdp_bf16", dims,
-                                    build_initialised(trainer_like, kind=kind))
+            model, _ = parallelized("fsdp_bf16", dims, build_initialised(
+                trainer_like, kind=kind, fp32=units == "fp32"))
             seen = []
             if kind is not None:
-                conn = model.layers["0"].attention_hc
+                conn = model.layers["0"]._checkpoint_wrapped_module.attention_hc
                 conn.register_forward_pre_hook(
                     lambda m, a, seen=seen: seen.append(m.b_pre.dtype))
             with torch.no_grad(), spmd_region(dims, tok, labels) as (t, y):
@@ -171,7 +176,6 @@ def run_bf16(dims, trainer_like) -> dict:
             out[f"{units}_{kind}"] = (loss / world).item()
             if seen:
                 out[f"{units}_dtype"] = str(seen[0])
-    blocks.fp32_fsdp_units = fp32_units
     return out
 
 

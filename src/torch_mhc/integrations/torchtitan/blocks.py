@@ -42,15 +42,20 @@ class _HyperBlock:
             self.attention_hc.declare_replicated(layout)
             self.ffn_hc.declare_replicated(layout)
         self.hc_streams, self.hc_first, self.hc_last = n, config.hc_first, config.hc_last
+        self.hc_fp32 = config.hc_fp32
 
     def parallelize(self, parallel_dims) -> None:
         """torchtitan's parallelisation of the block's modules (TP placements), then each
         connection as an FSDP unit of its own with float32 parameters: FSDP casts the
         parameters of a unit to one dtype, and in bf16 the connections' biases round (b_pre
         = logit(0.625) by 3e-4), so the initial maps would no longer add F(x) exactly once.
-        The block's own unit, applied later by torchtitan, leaves them to these units."""
+        The block's own unit, applied later by torchtitan, leaves them to these units.
+        torchtitan's per-block compile (fullgraph) cannot trace FSDP hooks inside a block:
+        with --compile.enable, convert with fp32=False (the connections then share their
+        block's FSDP dtype)."""
         super().parallelize(parallel_dims)
-        fp32_fsdp_units(parallel_dims, [self.attention_hc, self.ffn_hc])
+        if self.hc_fp32:
+            fp32_fsdp_units(parallel_dims, [self.attention_hc, self.ffn_hc])
 
     def _attention_branch(self, h, attention_masks, positions):
         return self.attention(self.attention_norm(h), attention_masks, positions)
@@ -90,9 +95,9 @@ def fp32_fsdp_units(parallel_dims, modules) -> None:
 
 
 # Every converted block's Config carries these fields (set by the converter): connection kind
-# and streams, the block's index, whether it expands / reduces the streams, and keyword
-# arguments of the connection class. Written out in each Config below, since torchtitan
-# requires each Config to be its own @dataclass(kw_only=True, slots=True).
+# and streams, the block's index, whether it expands / reduces the streams, keyword arguments
+# of the connection class, and float32 FSDP units or not. Written out in each Config below,
+# since torchtitan requires each Config to be its own @dataclass(kw_only=True, slots=True).
 
 
 class HyperLlama3Block(_HyperBlock, Llama3TransformerBlock):
@@ -106,6 +111,7 @@ class HyperLlama3Block(_HyperBlock, Llama3TransformerBlock):
         hc_first: bool = False
         hc_last: bool = False
         hc_options: dict = field(default_factory=dict)
+        hc_fp32: bool = True
 
     def __init__(self, config: Config):
         Llama3TransformerBlock.__init__(self, config)
@@ -125,6 +131,7 @@ class HyperQwen3Block(_HyperBlock, Qwen3TransformerBlock):
         hc_first: bool = False
         hc_last: bool = False
         hc_options: dict = field(default_factory=dict)
+        hc_fp32: bool = True
 
     def __init__(self, config: Config):
         Qwen3TransformerBlock.__init__(self, config)

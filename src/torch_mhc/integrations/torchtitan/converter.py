@@ -32,7 +32,8 @@ class MhcConverter(ModelConfigConverter):
 
     kind: "mhc" (Manifold-Constrained Hyper-Connections) or "hc" (Hyper-Connections);
     streams: n >= 1; options: keyword arguments of the connection class (e.g.
-    sinkhorn_iters, gate_init for mHC; dynamic for HC).
+    sinkhorn_iters, gate_init for mHC; dynamic for HC); fp32: each connection an FSDP unit
+    with float32 parameters (blocks.py; set False with torchtitan's per-block compile).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -40,13 +41,15 @@ class MhcConverter(ModelConfigConverter):
         kind: str = "mhc"
         streams: int = 4
         options: dict = field(default_factory=dict)
+        fp32: bool = True
 
     def __init__(self, config: Config):
         check_settings(config.kind, config.streams, config.options)
-        self.kind, self.streams, self.options = config.kind, config.streams, config.options
+        self.config = config
 
     def convert(self, model_config):
-        return convert_model_config(model_config, self.kind, self.streams, self.options)
+        c = self.config
+        return convert_model_config(model_config, c.kind, c.streams, c.options, c.fp32)
 
 
 def check_settings(kind, streams, options) -> None:
@@ -59,7 +62,7 @@ def check_settings(kind, streams, options) -> None:
 
 
 def convert_model_config(model_config, kind: str = "mhc", streams: int = 4,
-                         options: dict | None = None):
+                         options: dict | None = None, fp32: bool = True):
     """Replace each block config of a torchtitan Decoder config (in place); return it."""
     options = dict(options or {})
     check_settings(kind, streams, options)
@@ -76,7 +79,7 @@ def convert_model_config(model_config, kind: str = "mhc", streams: int = 4,
         values = {f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)}
         layers[i] = CONVERTIBLE[type(layer)](
             **values, hc_kind=kind, hc_streams=streams, hc_layer=i, hc_first=i == 0,
-            hc_last=i == n_layers - 1, hc_options=dict(options),
+            hc_last=i == n_layers - 1, hc_options=dict(options), hc_fp32=fp32,
         )
     return model_config
 
@@ -101,6 +104,7 @@ def _check_block(i: int, layer) -> None:
 
 
 @override(target=Decoder.Config, description="HC / mHC connections around every sublayer")
-def mhc_override(model_config, kind: str = "mhc", streams: int = 4, options: dict | None = None):
+def mhc_override(model_config, kind: str = "mhc", streams: int = 4,
+                 options: dict | None = None, fp32: bool = True):
     """The converter as a torchtitan override (`--override.imports`): same settings."""
-    return convert_model_config(model_config, kind, streams, options)
+    return convert_model_config(model_config, kind, streams, options, fp32)
