@@ -56,6 +56,7 @@ class _HyperBlock:
         super().parallelize(parallel_dims)
         if self.hc_fp32:
             fp32_fsdp_units(parallel_dims, [self.attention_hc, self.ffn_hc])
+            self.hc_units = True
 
     def _attention_branch(self, h, attention_masks, positions):
         return self.attention(self.attention_norm(h), attention_masks, positions)
@@ -63,7 +64,15 @@ class _HyperBlock:
     def _ffn_branch(self, h):
         return self.feed_forward(self.ffn_norm(h))
 
+    hc_units = False  # the connections are float32 FSDP units (parallelize)
+
     def forward(self, x: torch.Tensor, attention_masks, positions: torch.Tensor | None = None):
+        if self.hc_units and torch.compiler.is_compiling():
+            raise RuntimeError(
+                "a block whose HC / mHC connections are float32 FSDP units cannot be compiled "
+                "(Dynamo does not trace FSDP hooks); convert with MhcConverter.Config("
+                "fp32=False) when torchtitan compiles blocks (--compile.enable)"
+            )
         if self.hc_first:
             x = expand_streams(x, self.hc_streams)  # [B, T, C] -> [B, T, n, C]
         x = self.attention_hc(x, self._attention_branch, attention_masks, positions)
