@@ -224,7 +224,12 @@ def test_compare_rejects_bad_kinds_seeds_and_a_missing_text_file(tmp_path, capsy
 
 
 def test_shakespeare_preset_is_nanogpts_cpu_recipe():
+    from torch_mhc.compare import preset_label
+
     cfg = preset_config("shakespeare")
+    assert preset_label("shakespeare", cfg.updated({"data": "input.txt"})) == "shakespeare"
+    assert preset_label("shakespeare", cfg.updated({"steps": 10})) == "shakespeare, modified"
+    assert preset_label("tiny", preset_config("tiny").updated({"data": "x"})) == "tiny, modified"
     m = cfg.model
     assert (m.n_layers, m.n_heads, m.dim, m.max_seq_len) == (4, 4, 128, 64)
     assert (cfg.seq_len, cfg.batch_size, cfg.steps) == (64, 12, 2000)

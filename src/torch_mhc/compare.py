@@ -166,10 +166,21 @@ def compare(out_dir: str | os.PathLike, preset: str = "default", *,
             results[kind].append(train(cfg, corpus=corpus))
         except TrainingDiverged as e:  # a finding, not a failure: report what it reached
             results[kind].append(e.result)
-    label = preset if preset in PRESETS and base == preset_config(preset) else f"{preset}, modified"
-    report = _report(base, label, results, corpus, time.perf_counter() - t_start)
+    report = _report(base, preset_label(preset, base), results, corpus,
+                     time.perf_counter() - t_start)
     write_report(out, report, results)
     return report
+
+
+def preset_label(preset: str, base: TrainConfig) -> str:
+    """The preset's name, with ", modified" when base differs from it (shakespeare's --data,
+    which the preset requires, does not count)."""
+    if preset not in PRESETS:
+        return f"{preset}, modified"
+    ref = preset_config(preset)
+    if preset == "shakespeare":
+        ref = replace(ref, data=base.data)
+    return preset if base == ref else f"{preset}, modified"
 
 
 def _report(base: TrainConfig, preset: str, results: dict[str, list[TrainResult]], corpus,
