@@ -111,9 +111,12 @@ def test_connections_stay_float32_under_bf16_fsdp(tmp_path):
     their own in float32 (the converter's fp32=True), so the converted model's initial loss
     is the unconverted model's under the same bf16 layout (measured: equal to the last bit;
     bound 1e-6 relative). Left in their block's bf16 unit (fp32=False), the rounded biases
-    move it by 4e-6 relative (measured), which this bound would catch."""
+    move it by 4e-6 relative (measured), which this bound would catch. Built in torchtitan's
+    order (meta device, parallelize, to_empty, init_states), the sharded connections get
+    their documented initial values exactly (reset_parameters on DTensor shards)."""
     r0, r1 = launch("fsdp_bf16", tmp_path)
     assert r0 == r1
     assert r0["fp32_dtype"] == "torch.float32" and r0["bf16_dtype"] == "torch.bfloat16"
     assert abs(r0["fp32_mhc"] - r0["fp32_None"]) <= 1e-6 * r0["fp32_None"]
     assert abs(r0["bf16_mhc"] - r0["bf16_None"]) > 1e-6 * r0["bf16_None"]
+    assert r0["meta_init_mismatch"] == []

@@ -8,10 +8,10 @@ Scenarios: single; fsdp (FSDP2 over 2 ranks and torchtitan's per-block compile, 
 checkpoint saved after SAVE_AT steps and resumed into a differently initialised model); tp
 (TP2 with sequence parallel; the connection parameters returned); pp (two pipeline stages,
 1F1B); fsdp_bf16 (FSDP with bf16 parameters: step-0 losses of converted and unconverted
-models). Every scenario builds the same model (`titan_support`), initialises it on the CPU
-with one seed, applies torchtitan's own parallelize / pipeline functions (with selective
-activation checkpointing), then takes STEPS AdamW steps on fixed token batches; rank r writes
-<outdir>/<scenario>_rank<r>.pt.
+models; a meta-device build initialised after sharding). Every scenario builds the same model
+(`titan_support`), initialises it on the CPU with one seed, applies torchtitan's own
+parallelize / pipeline functions (with selective activation checkpointing), then takes STEPS
+AdamW steps on fixed token batches; rank r writes <outdir>/<scenario>_rank<r>.pt.
 
 A small shim lets torchtitan 0.3.0 run on CPU processes: its device type falls back to "cuda"
 without an accelerator (`cpu_shim`), and FSDP's PREMUL_SUM, which gloo lacks, becomes the
@@ -176,7 +176,32 @@ def run_bf16(dims, trainer_like) -> dict:
             out[f"{units}_{kind}"] = (loss / world).item()
             if seen:
                 out[f"{units}_dtype"] = str(seen[0])
+    out["meta_init_mismatch"] = meta_init_mismatch(dims, trainer_like)
     return out
+
+
+def meta_init_mismatch(dims, trainer_like) -> list[str]:
+    """torchtitan's own order: build on the meta device, parallelize (connections sharded
+    over the 2 ranks as float32 FSDP units), to_empty, init_states. The names of connection
+    parameters whose gathered values differ from an eagerly built model's."""
+    from torch.distributed.tensor import DTensor
+
+    cfg = S.model_config("llama3", "mhc")
+    cfg.update_from_config(config=trainer_like)
+    with torch.device("meta"):
+        model = cfg.build()
+    model, _ = parallelized("fsdp_bf16", dims, model)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_states(buffer_device=torch.device("cpu"))
+    eager = build_initialised(trainer_like).state_dict()
+    bad = []
+    for name, p in model.named_parameters():
+        if "_hc." in name:
+            assert isinstance(p, DTensor), name  # really sharded
+            if not torch.equal(p.full_tensor(), eager[_plain_name(name)]):
+                bad.append(name)
+    return bad
 
 
 def _plain_name(name: str) -> str:
