@@ -19,59 +19,25 @@ import pytest
 import torch
 
 import torch_mhc.ops as ops
+from op_cases import (
+    TOL,
+    Branch,
+    assert_close,
+    clone_inputs,
+    maps_inputs,
+    merge_inputs,
+    perturbed,
+    run,
+)
 from references import sinkhorn_log_naive
 from torch_mhc import HyperConnection, ManifoldHyperConnection, expand_streams, sinkhorn_unrolled
 from torch_mhc.ops import cpu, cpu_native, native_build, reference
 from torch_mhc.sinkhorn import LINEAR_RANGE
 
-# Gradients of bf16 tensors are rounded to bf16 (8 bits): allow a few roundings of the
-# largest entry. fp32: both sides compute the same float32 maths in a different order.
-TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float64: 1e-12}
-
-
-def assert_close(actual, expected, tol):
-    """|actual - expected| <= tol * max|expected|, elementwise (scale-aware for bf16)."""
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    a, e = actual.double(), expected.double()
-    scale = e.abs().max().clamp_min(1e-30)
-    err = (a - e).abs().max() / scale
-    assert err <= tol, f"relative max error {err.item():.3g} > {tol}"
-
-
-def maps_inputs(tokens, n, c, dtype, seed=0):
-    """Streams x [*tokens, n, C] and mHC parameters with O(1) logits (all requiring grad)."""
-    g = torch.Generator().manual_seed(seed)
-    m = n * n + 2 * n
-    x = torch.randn(*tokens, n, c, generator=g).to(dtype)
-    phi = torch.randn(n * c, m, generator=g) / (n * c) ** 0.5
-    alpha = torch.tensor([0.8, 1.1, 1.5])
-    b_pre, b_post = torch.randn(n, generator=g) * 0.5, torch.randn(n, generator=g) * 0.5
-    b_res = torch.randn(n, n, generator=g) * 0.5
-    return [t.requires_grad_() for t in (x, phi, alpha, b_pre, b_post, b_res)]
-
 
 def _need_native():
     if cpu_native.load() is None:
         pytest.skip("native CPU library unavailable")
-
-
-def run(fn, inputs, seed=1, upstream_dtype=None):
-    """Outputs of fn(*inputs) and grads of all inputs for random upstream gradients.
-
-    upstream_dtype rounds the upstream gradients first (to compare a half-precision run
-    with a float32 reference on the same values).
-    """
-    outs = fn(*inputs)
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    g = torch.Generator().manual_seed(seed)
-    grads_out = [torch.randn(o.shape, generator=g).to(upstream_dtype or o.dtype).to(o.dtype)
-                 for o in outs]
-    grads_in = torch.autograd.grad(outs, inputs, grads_out)
-    return [o.detach() for o in outs], grads_in
-
-
-def clone_inputs(inputs):
-    return [t.detach().clone().requires_grad_() for t in inputs]
 
 
 @pytest.fixture(params=["native", "torch"])
@@ -294,7 +260,7 @@ def test_inference_path_equals_autograd_path_and_sees_parameter_updates(cpu_path
     cached copy of phi: same values as with autograd, and an in-place update is seen."""
     c, n = 40, 4
     torch.manual_seed(3)
-    conn = _perturbed(ManifoldHyperConnection(c, n, 1, Branch(c), impl="cpu"))
+    conn = perturbed(ManifoldHyperConnection(c, n, 1, Branch(c), impl="cpu"))
     ref = ManifoldHyperConnection(c, n, 1, Branch(c), impl="reference")
     x = torch.randn(2, 5, n, c)
     with_grad = conn(x.clone().requires_grad_()).detach()
@@ -376,16 +342,6 @@ def test_sinkhorn_rejects_bad_shapes():
 # ---------------------------------------------------------------------------------------------
 # (b) pre-aggregation, (c) post-and-merge
 # ---------------------------------------------------------------------------------------------
-
-
-def merge_inputs(tokens, n, c, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*tokens, n, c, generator=g).to(dtype)
-    f = torch.randn(*tokens, c, generator=g).to(dtype)
-    h_pre = torch.rand(*tokens, n, generator=g)
-    h_post = 2 * torch.rand(*tokens, n, generator=g)
-    h_res = torch.softmax(torch.randn(*tokens, n, n, generator=g), dim=-1)
-    return [t.requires_grad_() for t in (x, f, h_pre, h_post, h_res)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -588,23 +544,6 @@ def test_merge_ops_reject_mismatched_shapes():
 # ---------------------------------------------------------------------------------------------
 
 
-class Branch(torch.nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.lin = torch.nn.Linear(c, c)
-
-    def forward(self, h):
-        return torch.tanh(self.lin(h))
-
-
-def _perturbed(conn, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in conn.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.3)
-    return conn
-
-
 @pytest.mark.parametrize("kind", ["mhc", "hc"])
 def test_connection_cpu_equals_reference(kind, cpu_path):
     c, n = 100, 4
@@ -613,7 +552,7 @@ def test_connection_cpu_equals_reference(kind, cpu_path):
         conns = [ManifoldHyperConnection(c, n, 1, Branch(c), impl=i) for i in ("cpu", "reference")]
     else:
         conns = [HyperConnection(c, n, 1, Branch(c), impl=i) for i in ("cpu", "reference")]
-    _perturbed(conns[0])
+    perturbed(conns[0])
     conns[1].load_state_dict(conns[0].state_dict())
     x = torch.randn(3, 7, n, c)
     upstream = torch.randn(3, 7, n, c)
@@ -632,7 +571,7 @@ def test_connection_cpu_equals_reference(kind, cpu_path):
 def test_connection_cpu_compiles_fullgraph(cpu_path):
     c, n = 16, 4
     torch.manual_seed(1)
-    conn = _perturbed(ManifoldHyperConnection(c, n, 0, Branch(c), impl="cpu"))
+    conn = perturbed(ManifoldHyperConnection(c, n, 0, Branch(c), impl="cpu"))
     x = torch.randn(2, 7, n, c, requires_grad=True)
     compiled = torch.compile(conn, fullgraph=True, backend="aot_eager")
     out_c, out_e = compiled(x), conn(x)
@@ -754,7 +693,7 @@ def test_training_steps_are_identical_with_and_without_the_pool(monkeypatch):
     _need_native()
     c, n = 256, 4
     torch.manual_seed(5)
-    conns = [_perturbed(ManifoldHyperConnection(c, n, i, Branch(c), impl="cpu"), seed=i)
+    conns = [perturbed(ManifoldHyperConnection(c, n, i, Branch(c), impl="cpu"), seed=i)
              for i in range(3)]
     x0 = torch.randn(2, 512, n, c)  # [T, n, C] outputs of 4 MiB: pooled
 
@@ -856,7 +795,7 @@ def test_native_ops_after_fork_are_right_in_parent_and_child():
     torch.set_num_threads(2)
     try:
         torch.manual_seed(3)
-        conn = _perturbed(ManifoldHyperConnection(256, 4, 0, torch.nn.Identity(), impl="cpu"))
+        conn = perturbed(ManifoldHyperConnection(256, 4, 0, torch.nn.Identity(), impl="cpu"))
         xs = [torch.randn(512, 4, 256) for _ in range(3)]
         with torch.no_grad():
             want = [conn(x).numpy().tobytes() for x in xs]

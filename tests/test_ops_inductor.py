@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import torch_mhc.ops as ops
+from op_cases import Branch, assert_close, perturbed
 from references import sinkhorn_log_naive
-from test_ops_cpu import Branch, _perturbed, assert_close
 from torch_mhc import ManifoldHyperConnection
 from torch_mhc.ops import reference
 
@@ -52,7 +52,7 @@ def test_connection_with_inductor_ops_equals_reference():
     gradient (streams and parameters)."""
     c, n = 12, 4
     torch.manual_seed(0)
-    conn_ref = _perturbed(ManifoldHyperConnection(c, n, 1, Branch(c), sinkhorn_iters=3,
+    conn_ref = perturbed(ManifoldHyperConnection(c, n, 1, Branch(c), sinkhorn_iters=3,
                                                   impl="reference"))
     conn_ind = ManifoldHyperConnection(c, n, 1, Branch(c), sinkhorn_iters=3, impl="inductor")
     conn_ind.load_state_dict(conn_ref.state_dict())

@@ -23,16 +23,16 @@ import torch
 pytest.importorskip("triton")
 
 import torch_mhc.ops as ops  # noqa: E402
-from references import sinkhorn_log_naive  # noqa: E402
-from test_ops_cpu import (  # noqa: E402
+from op_cases import (  # noqa: E402
     Branch,
-    _perturbed,
     assert_close,
     clone_inputs,
     maps_inputs,
     merge_inputs,
+    perturbed,
     run,
 )
+from references import sinkhorn_log_naive  # noqa: E402
 from torch_mhc import ManifoldHyperConnection, sinkhorn_unrolled  # noqa: E402
 from torch_mhc.ops import reference  # noqa: E402
 
@@ -340,7 +340,7 @@ def test_custom_ops_pass_opcheck(name):
 def test_connection_triton_equals_reference_and_compiles_fullgraph():
     c, n = 20, 4
     torch.manual_seed(0)
-    conn_ref = _perturbed(ManifoldHyperConnection(c, n, 1, Branch(c), sinkhorn_iters=5,
+    conn_ref = perturbed(ManifoldHyperConnection(c, n, 1, Branch(c), sinkhorn_iters=5,
                                                   impl="reference"))
     conn_tri = ManifoldHyperConnection(c, n, 1, Branch(c), sinkhorn_iters=5, impl="triton")
     conn_tri.load_state_dict(conn_ref.state_dict())
