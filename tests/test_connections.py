@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import torch_mhc
+from branches import MLP, Attention, perturb
 from references import hc_layer_naive, mhc_layer_naive
 from torch_mhc import (
     HyperConnection,
@@ -20,46 +21,8 @@ from torch_mhc import (
     reduce_streams,
 )
 
-
-class MLP(nn.Module):
-    """Pre-norm MLP branch [..., C] -> [..., C]."""
-
-    def __init__(self, c, std=0.02):
-        super().__init__()
-        self.norm = nn.RMSNorm(c)
-        self.up, self.down = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
-        for p in (self.up.weight, self.down.weight):
-            nn.init.normal_(p, std=std)
-
-    def forward(self, h):
-        return self.down(F.gelu(self.up(self.norm(h))))
-
-
-class Attention(nn.Module):
-    """Pre-norm causal self-attention branch [B, T, C] -> [B, T, C]."""
-
-    def __init__(self, c, heads=4, std=0.02):
-        super().__init__()
-        self.norm, self.heads = nn.RMSNorm(c), heads
-        self.qkv, self.proj = nn.Linear(c, 3 * c), nn.Linear(c, c)
-        for p in (self.qkv.weight, self.proj.weight):
-            nn.init.normal_(p, std=std)
-
-    def forward(self, h):
-        b, t, c = h.shape
-        q, k, v = self.qkv(self.norm(h)).view(b, t, 3, self.heads, -1).unbind(2)
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
-
-
-def _perturb(module, scale=0.5, seed=0):
-    """Move every parameter away from its initial value (in place)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
+# The core kinds and mHC's successors: every one starts as the Pre-Norm residual network.
+ALL_KINDS = ["hc", "mhc", "mhc-lite", "kromhc", "mhc-static-res"]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
@@ -68,7 +31,7 @@ def test_mhc_layer_equals_paper_equations(n):
     c, tokens = 6, 5
     branch = nn.Sequential(nn.Linear(c, c), nn.Tanh()).double()
     conn = ManifoldHyperConnection(c, n, layer_index=1, branch=branch).double()
-    _perturb(conn)
+    perturb(conn)
     x = torch.randn(tokens, n, c, dtype=torch.float64, requires_grad=True)
     out = conn(x)
     ref = mhc_layer_naive(x, conn.phi, conn.alpha, conn.b_pre, conn.b_post, conn.b_res, branch)
@@ -86,7 +49,7 @@ def test_hc_layer_equals_hc_paper_equations(n):
     c, tokens = 6, 5
     branch = nn.Sequential(nn.Linear(c, c), nn.Tanh()).double()
     conn = HyperConnection(c, n, layer_index=2, branch=branch).double()
-    _perturb(conn)
+    perturb(conn)
     x = torch.randn(tokens, n, c, dtype=torch.float64, requires_grad=True)
     out = conn(x)
     # The HC paper's notation: A_m = static_pre as a column, B = static_post as a row,
@@ -119,7 +82,7 @@ def test_gradcheck_whole_mhc_layer():
     c, n = 3, 4
     branch = nn.Linear(c, c).double()
     conn = ManifoldHyperConnection(c, n, 0, branch, sinkhorn_iters=6).double()
-    _perturb(conn, scale=0.3)
+    perturb(conn, scale=0.3)
     x = torch.randn(2, n, c, dtype=torch.float64, requires_grad=True)
     names, params = zip(*conn.named_parameters(), strict=True)
 
@@ -159,7 +122,7 @@ def _run(conns, h, n):
     return reduce_streams(x)
 
 
-@pytest.mark.parametrize("kind", ["hc", "mhc"])
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_initialised_network_computes_the_residual_network(kind):
     # 8 transformer blocks = 16 pre-norm sublayers (attention, MLP), GPT-2 style init, inputs
     # of unit scale. HC's init is exact (one-hot reads, identity mixing); mHC's initial weights
@@ -185,7 +148,7 @@ def test_mhc_initial_maps():
     assert conn.alpha.tolist() == pytest.approx([0.01] * 3)
 
 
-@pytest.mark.parametrize("kind", ["hc", "mhc"])
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_streams_diverge_during_training(kind):
     torch.manual_seed(1)
     c, n = 32, 4
@@ -214,7 +177,9 @@ def test_streams_diverge_during_training(kind):
         opt.step()
     # Measured: relative spread 0.11 (HC) and 2.7e-3 (mHC) after 10 steps; mHC's init mixes
     # half of every stream into the average each layer, so its streams separate more slowly.
-    assert spread() > 1e-3, f"streams still identical after 10 steps (spread {spread()})"
+    # The successors (mHC's read/write maps, other H_res) are held to separating at all.
+    least = 1e-3 if kind in ("hc", "mhc") else 1e-4
+    assert spread() > least, f"streams still identical after 10 steps (spread {spread()})"
 
 
 def test_branch_receives_extra_arguments():
@@ -236,7 +201,7 @@ def test_compile_fullgraph_matches_eager():
     torch.manual_seed(2)
     c, n = 16, 4
     conn = ManifoldHyperConnection(c, n, 1, MLP(c, std=0.2))
-    _perturb(conn, scale=0.1)
+    perturb(conn, scale=0.1)
     x = torch.randn(2, 7, n, c, requires_grad=True)
     compiled = torch.compile(conn, fullgraph=True, backend="inductor")
     out_c, out_e = compiled(x), conn(x)
@@ -307,7 +272,7 @@ def test_public_api_importable():
 
 def test_deepcopy_and_state_dict_roundtrip():
     conn = ManifoldHyperConnection(8, 4, 3, nn.Linear(8, 8))
-    _perturb(conn)
+    perturb(conn)
     twin = ManifoldHyperConnection(8, 4, 0, copy.deepcopy(conn.branch))
     twin.load_state_dict(conn.state_dict())
     x = torch.randn(3, 4, 8)

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 import torch_mhc as tm
+from branches import MLP, Attention, perturb
 from torch_mhc.bench import saved_bytes
 from torch_mhc.model import LM, ModelConfig
 from torch_mhc.recompute import optimal_interval, recompute_streams
@@ -13,8 +14,7 @@ from torch_mhc.recompute import optimal_interval, recompute_streams
 @pytest.mark.parametrize("impl", ["reference", "cpu"])
 @pytest.mark.parametrize("kind", ["hc", "mhc"])
 @pytest.mark.parametrize("interval", [1, 2, 3, 6])
-def test_gradients_equal_without_recomputation(impl, kind, interval, branch_modules):
-    MLP, Attention, perturb = branch_modules
+def test_gradients_equal_without_recomputation(impl, kind, interval):
     torch.manual_seed(0)
     c, n = 16, 4
     blocks = [m for _ in range(3) for m in (Attention(c), MLP(c, std=0.2))]

@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from torch_mhc import expand_streams, make_connection, param_groups, reduce_streams
+from branches import perturb
+from torch_mhc import make_connection, param_groups
 from torch_mhc.model import LM, ModelConfig
 from torch_mhc.variants import VARIANT_KINDS, KromHC, MHCLite, MHCStaticRes
 
@@ -70,19 +71,11 @@ STREAMS = {"mhc-lite": [1, 2, 3, 4, 5], "kromhc": [1, 2, 4, 8], "mhc-static-res"
 CASES = [(kind, n) for kind in VARIANT_KINDS for n in STREAMS[kind]]
 
 
-def _perturb(module, scale=0.5, seed=0):
-    """Move every parameter away from its initial value (in place)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
-
-
 def _random_variant(kind, n, c=6, dtype=torch.float64, scale=0.5, seed=0):
     torch.manual_seed(seed)
     conn = make_connection(kind, c, n, 1, nn.Sequential(nn.Linear(c, c), nn.Tanh()))
     conn.to(dtype)
-    _perturb(conn, scale=scale, seed=seed)
+    perturb(conn, scale=scale, seed=seed)
     with torch.no_grad():
         conn.alpha.fill_(2.0)  # large dynamic part: maps far from the initial ones
     return conn
@@ -170,59 +163,11 @@ def test_initial_maps():
 
 
 @pytest.mark.parametrize("kind", VARIANT_KINDS)
-def test_initialised_network_computes_the_residual_network(kind, branch_modules):
-    # The same property and blocks as the core kinds' test in test_connections.py.
-    MLP, Attention, _ = branch_modules
-    torch.manual_seed(0)
-    c, n = 64, 4
-    blocks = [m for _ in range(8) for m in (Attention(c), MLP(c))]
-    h = torch.randn(4, 33, c)
-    ref = h
-    for b in blocks:
-        ref = ref + b(ref)
-    x = expand_streams(h, n)
-    for i, b in enumerate(blocks):
-        x = make_connection(kind, c, n, i, b)(x)
-    assert (reduce_streams(x) - ref).abs().max() <= 1e-6
-
-
-@pytest.mark.parametrize("kind", VARIANT_KINDS)
-def test_streams_diverge_during_training(kind, branch_modules):
-    MLP, Attention, _ = branch_modules
-    torch.manual_seed(1)
-    c, n = 32, 4
-    blocks = [m for _ in range(2) for m in (Attention(c), MLP(c, std=0.2))]
-    conns = nn.ModuleList([make_connection(kind, c, n, i, b) for i, b in enumerate(blocks)])
-    head = nn.Linear(c, 1)
-    opt = torch.optim.AdamW(param_groups(nn.ModuleList([conns, head])), lr=1e-2)
-    h, target = torch.randn(8, 16, c), torch.randn(8, 16, 1)
-
-    def streams():
-        x = expand_streams(h, n)
-        for conn in conns:
-            x = conn(x)
-        return x
-
-    def spread():
-        with torch.no_grad():
-            x = streams()
-        return ((x - x.mean(-2, keepdim=True)).norm() / x.norm()).item()
-
-    assert spread() < 1e-6
-    for _ in range(10):
-        loss = torch.nn.functional.mse_loss(head(reduce_streams(streams())), target)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    assert spread() > 1e-4, f"streams still identical after 10 steps (spread {spread()})"
-
-
-@pytest.mark.parametrize("kind", VARIANT_KINDS)
 def test_reset_parameters_and_meta_device(kind):
     torch.manual_seed(0)
     fresh = make_connection(kind, 8, 4, 3, nn.Linear(8, 8))
     moved = make_connection(kind, 8, 4, 3, nn.Linear(8, 8))
-    _perturb(moved)
+    perturb(moved)
     moved.reset_parameters()
     with torch.device("meta"):
         meta = make_connection(kind, 8, 4, 3, nn.Linear(8, 8))
@@ -324,7 +269,7 @@ def test_lm_recompute_gives_the_same_gradients(kind):
         torch.manual_seed(0)
         lm = LM(ModelConfig(residual=kind, dim=32, n_layers=2, n_heads=2, max_seq_len=16,
                             recompute=recompute))
-        _perturb(lm, scale=0.05)
+        perturb(lm, scale=0.05)
         _, loss = lm(idx, idx)
         loss.backward()
         grads.append([p.grad for p in lm.parameters()])
