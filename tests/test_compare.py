@@ -234,3 +234,17 @@ def test_shakespeare_preset_is_nanogpts_cpu_recipe():
     assert (m.n_layers, m.n_heads, m.dim, m.max_seq_len) == (4, 4, 128, 64)
     assert (cfg.seq_len, cfg.batch_size, cfg.steps) == (64, 12, 2000)
     assert (cfg.lr, cfg.min_lr, cfg.beta2, cfg.val_fraction) == (1e-3, 1e-4, 0.99, 0.1)
+
+
+def test_interval_near_zero_is_not_printed_as_zero():
+    from torch_mhc.compare_stats import seeds_table, significance_lines
+
+    d = {"mean": -0.0176, "sd": 0.007, "n": 3, "ci_low": -0.0352, "ci_high": 2.1e-05,
+         "significant": False}
+    v = {"kind": "hc", "seeds": [0, 1, 2], "val_loss_mean": 1.7574, "val_loss_sd": 0.0086,
+         "val_bpb_mean": 2.5354, "val_bpb_sd": 0.0125, "vs_residual": {"val_loss": d,
+                                                                       "val_bpb": None}}
+    assert "| -0.0176 [-0.0352, +2.1e-05] | n/a | no |" in seeds_table([v])
+    assert significance_lines([v]) == [
+        "- hc: 0.0176 nats lower than the residual, not significant over 3 paired seeds "
+        "(interval -0.0352 to +2.1e-05 includes 0)."]

@@ -26,7 +26,7 @@ def _finite(x) -> bool:
 
 def seed_summary(per_seed: dict[str, list[dict]]) -> dict[str, dict]:
     """per_seed[kind]: [{"seed", "val_loss", "val_bpb"}, ...], the same seeds in the same order
-    for every kind. Returns {kind: {"seeds", "<metric>s", "<metric>_mean", "<metric>_sd",
+    for every kind. Returns {kind: {"seeds", "<metric>_per_seed", "<metric>_mean", "<metric>_sd",
     "vs_residual": {metric: paired_difference dict} or None}}; a kind with a non-finite value
     (a stopped run) gets None for its statistics."""
     base = per_seed.get("residual")
@@ -35,7 +35,7 @@ def seed_summary(per_seed: dict[str, list[dict]]) -> dict[str, dict]:
         entry: dict = {"seeds": [r["seed"] for r in runs], "vs_residual": None}
         for m in METRICS:
             values = [r[m] for r in runs]
-            entry[f"{m}s"] = values
+            entry[f"{m}_per_seed"] = values
             ok = all(_finite(v) for v in values)
             mean, sd = mean_sd(values) if ok else (None, None)
             entry[f"{m}_mean"] = mean
@@ -57,12 +57,18 @@ def _pm(mean, sd, spec: str = ".4f") -> str:
     return format(mean, spec) + ("" if sd is None else f" ± {sd:{spec}}")
 
 
+def _signed(x: float) -> str:
+    """+0.0123; a nonzero value that 4 decimals would show as 0 in scientific notation (an
+    interval ending at +2.1e-05 must not read as ending at 0)."""
+    return f"{x:+.4f}" if x == 0 or abs(x) >= 5e-5 else f"{x:+.1e}"
+
+
 def _diff(d: dict | None) -> str:
     if d is None:
         return "n/a"
     if d["ci_low"] is None:
-        return f"{d['mean']:+.4f}"
-    return f"{d['mean']:+.4f} [{d['ci_low']:+.4f}, {d['ci_high']:+.4f}]"
+        return _signed(d["mean"])
+    return f"{_signed(d['mean'])} [{_signed(d['ci_low'])}, {_signed(d['ci_high'])}]"
 
 
 def _verdict(d: dict | None) -> str:
@@ -107,11 +113,11 @@ def significance_lines(variants: list[dict]) -> list[str]:
         elif d["significant"]:
             lines.append(f"- {v['kind']}: {abs(d['mean']):.4f} nats {word} than the residual, "
                          f"significant at 95% over {d['n']} paired seeds (interval "
-                         f"{d['ci_low']:+.4f} to {d['ci_high']:+.4f} excludes 0).")
+                         f"{_signed(d['ci_low'])} to {_signed(d['ci_high'])} excludes 0).")
         else:
             lines.append(f"- {v['kind']}: {abs(d['mean']):.4f} nats {word} than the residual, "
                          f"not significant over {d['n']} paired seeds (interval "
-                         f"{d['ci_low']:+.4f} to {d['ci_high']:+.4f} includes 0).")
+                         f"{_signed(d['ci_low'])} to {_signed(d['ci_high'])} includes 0).")
     return lines
 
 
