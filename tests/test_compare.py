@@ -248,3 +248,24 @@ def test_interval_near_zero_is_not_printed_as_zero():
     assert significance_lines([v]) == [
         "- hc: 0.0176 nats lower than the residual, not significant over 3 paired seeds "
         "(interval -0.0352 to +2.1e-05 includes 0)."]
+
+
+def test_loss_plot_zooms_on_the_second_half():
+    from matplotlib.figure import Figure
+
+    from torch_mhc import plots
+
+    # A run whose loss falls linearly from 10 to 1 over 100 steps, validated every 25 steps.
+    losses = [10 - 9 * i / 99 for i in range(100)]
+    run = {"loss_history": losses,
+           "val_history": [{"step": s, "val_loss": 10 - 9 * (s - 1) / 99 + 0.5}
+                           for s in (25, 50, 75, 100)]}
+    ax = Figure().add_subplot()
+    plots._loss_lines(ax, "mhc", run)
+    plots._zoom_to_second_half(ax)
+    assert ax.get_xlim() == (50, 100)
+    # y spans the solid and dashed lines from step 50 on (running means from 5.55 down to
+    # about 1.05, validation 6.05 at step 50), padded by 5% of the range: never the first
+    # half's 10.
+    low, high = ax.get_ylim()
+    assert 0.5 < low < 1.0 and 5.5 < high < 6.5

@@ -52,40 +52,61 @@ def _running_mean(values: list[float], window: int) -> list[float]:
 
 
 def loss_curves_png(runs: dict[str, dict]) -> bytes:
-    """Training loss (faint: per step; solid: running mean) and validation loss, per variant.
+    """Training loss (faint: per step; solid: running mean) and validation loss, per variant:
+    the whole run on the left, its second half zoomed on the right (where the kinds differ).
 
     A run with "seed_runs" (more than one seed, each with its loss_history and val_history)
     is drawn as the mean over seeds with a band from the lowest to the highest seed.
     """
-    fig = Figure(figsize=(8, 4.5))
-    ax = fig.add_subplot()
-    seeds = 1
-    for kind, run in runs.items():
-        per_seed = run.get("seed_runs") or [run]
-        seeds = max(seeds, len(per_seed))
-        if len(per_seed) > 1:
-            _seed_band(ax, kind, per_seed)
-            continue
-        losses = run["loss_history"]
-        if not losses:
-            continue
+    fig = Figure(figsize=(12, 4.5))
+    whole, tail = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    seeds = max(len(run.get("seed_runs") or [run]) for run in runs.values()) if runs else 1
+    for ax in (whole, tail):
+        for kind, run in runs.items():
+            _loss_lines(ax, kind, run)
+        ax.set_xlabel("step")
+        ax.set_ylabel("cross-entropy (nats per byte)")
+        ax.grid(alpha=0.3)
+    whole.set_title("Loss" + (f" (mean of {seeds} seeds; bands: lowest to highest seed)"
+                              if seeds > 1 else ""))
+    whole.legend(fontsize=8)
+    _zoom_to_second_half(tail)
+    tail.set_title("Second half of training")
+    return _png(fig)
+
+
+def _loss_lines(ax, kind: str, run: dict) -> None:
+    per_seed = run.get("seed_runs") or [run]
+    if len(per_seed) > 1:
+        _seed_band(ax, kind, per_seed)
+        return
+    losses = run["loss_history"]
+    color = COLORS.get(kind)
+    if losses:
         steps = list(range(1, len(losses) + 1))
         window = max(1, len(losses) // 50)
-        color = COLORS.get(kind)
         ax.plot(steps, losses, color=color, alpha=0.2, linewidth=0.8)
         ax.plot(steps, _running_mean(losses, window), color=color, linewidth=1.5,
                 label=f"{LABELS.get(kind, kind)} train (mean of {window})")
-        val = run.get("val_history") or []
-        if val:
-            ax.plot([v["step"] for v in val], [v["val_loss"] for v in val], color=color,
-                    linestyle="--", marker="o", markersize=3, label=f"{LABELS.get(kind, kind)} val")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats per byte)")
-    ax.set_title("Loss" + (f" (mean of {seeds} seeds; bands: lowest to highest seed)"
-                           if seeds > 1 else ""))
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _png(fig)
+    val = run.get("val_history") or []
+    if val:
+        ax.plot([v["step"] for v in val], [v["val_loss"] for v in val], color=color,
+                linestyle="--", marker="o", markersize=3, label=f"{LABELS.get(kind, kind)} val")
+
+
+def _zoom_to_second_half(ax) -> None:
+    """Limit ax to the second half of its steps, and y to the solid lines' range there."""
+    lines = [line for line in ax.get_lines() if line.get_alpha() is None]  # not the faint ones
+    last = max((max(line.get_xdata(), default=0) for line in lines), default=0)
+    if last <= 1:
+        return
+    start = last / 2
+    ys = [y for line in lines for x, y in zip(line.get_xdata(), line.get_ydata(), strict=True)
+          if x >= start]
+    ax.set_xlim(start, last)
+    if ys:
+        pad = 0.05 * (max(ys) - min(ys)) or 0.01
+        ax.set_ylim(min(ys) - pad, max(ys) + pad)
 
 
 def _seed_band(ax, kind: str, per_seed: list[dict]) -> None:
