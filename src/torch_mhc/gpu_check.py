@@ -36,13 +36,13 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 
 import torch
 
 from . import ops as _ops
+from .files import atomic_write
 
 SECTIONS = ("correctness", "kernels", "sinkhorn", "step", "decode", "inductor")
 # Relative max error allowed (|a - e| <= tol * max|e|), as tests/test_ops_triton.py.
@@ -69,15 +69,7 @@ DRY = dict(device="cpu", dtypes=(torch.float32, torch.float16), ns=(2, 4), token
 
 
 def _atomic_write(path: str, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".gpu_check-", dir=os.path.dirname(os.path.abspath(path)))
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, text.encode())
 
 
 def write_report(report: dict, out_dir: str) -> None:

@@ -34,6 +34,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
+from ..files import atomic_write
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FULL = dict(cc=(80, 90), dtypes=("fp32", "bf16", "fp16"), n=(2, 3, 4, 5, 8, 12, 16))
 # Register file, shared memory per SM (bytes, what one SM can give its blocks), warps per SM.
@@ -144,10 +146,7 @@ def compile_launch(launch, cc: int) -> dict:
                shared=kernel.metadata.shared, num_warps=launch.num_warps,
                occupancy=occupancy(regs, kernel.metadata.shared, launch.num_warps, cc),
                compile_s=round(time.perf_counter() - started, 2))
-    tmp_path = f"{path}.{os.getpid()}.tmp"
-    with open(tmp_path, "w") as fh:
-        json.dump(row, fh)
-    os.replace(tmp_path, path)
+    atomic_write(path, json.dumps(row).encode())
     return row
 
 
@@ -227,10 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = run_matrix(args.cc, args.dtypes, args.n, args.tokens, args.channels, args.iters,
                       args.jobs)
     if args.json:
-        tmp = f"{args.json}.tmp"
-        with open(tmp, "w") as fh:
-            json.dump(rows, fh, indent=1)
-        os.replace(tmp, args.json)
+        atomic_write(args.json, json.dumps(rows, indent=1).encode())
     print(markdown(rows))
     bad = failures(rows)
     for line in bad:
