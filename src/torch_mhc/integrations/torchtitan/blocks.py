@@ -103,17 +103,17 @@ def fp32_fsdp_units(parallel_dims, modules) -> None:
                     **extra)
 
 
-# Every converted block's Config carries these fields (set by the converter): connection kind
-# and streams, the block's index, whether it expands / reduces the streams, keyword arguments
-# of the connection class, and float32 FSDP units or not. Written out in each Config below,
-# since torchtitan requires each Config to be its own @dataclass(kw_only=True, slots=True).
+def _hyper_config(base: type, owner: str) -> type:
+    """`base` (a block's Config) plus the `hc_*` fields, as the Config of class `owner`.
 
-
-class HyperLlama3Block(_HyperBlock, Llama3TransformerBlock):
-    """Llama3TransformerBlock with HC / mHC connections."""
+    The fields (set by the converter): connection kind and streams, the block's index, whether
+    it expands / reduces the streams, keyword arguments of the connection class, and float32
+    FSDP units or not. A fresh @dataclass(kw_only=True, slots=True) per block class, as
+    torchtitan requires of each Config (a shared slotted base cannot be mixed in).
+    """
 
     @dataclass(kw_only=True, slots=True)
-    class Config(Llama3TransformerBlock.Config):
+    class Config(base):
         hc_kind: str = "mhc"
         hc_streams: int = 4
         hc_layer: int = 0
@@ -121,6 +121,15 @@ class HyperLlama3Block(_HyperBlock, Llama3TransformerBlock):
         hc_last: bool = False
         hc_options: dict = field(default_factory=dict)
         hc_fp32: bool = True
+
+    Config.__qualname__ = f"{owner}.Config"  # where pickle and torchtitan's logs find it
+    return Config
+
+
+class HyperLlama3Block(_HyperBlock, Llama3TransformerBlock):
+    """Llama3TransformerBlock with HC / mHC connections."""
+
+    Config = _hyper_config(Llama3TransformerBlock.Config, "HyperLlama3Block")
 
     def __init__(self, config: Config):
         Llama3TransformerBlock.__init__(self, config)
@@ -132,15 +141,7 @@ class HyperLlama3Block(_HyperBlock, Llama3TransformerBlock):
 class HyperQwen3Block(_HyperBlock, Qwen3TransformerBlock):
     """Qwen3TransformerBlock (dense: no MoE) with HC / mHC connections."""
 
-    @dataclass(kw_only=True, slots=True)
-    class Config(Qwen3TransformerBlock.Config):
-        hc_kind: str = "mhc"
-        hc_streams: int = 4
-        hc_layer: int = 0
-        hc_first: bool = False
-        hc_last: bool = False
-        hc_options: dict = field(default_factory=dict)
-        hc_fp32: bool = True
+    Config = _hyper_config(Qwen3TransformerBlock.Config, "HyperQwen3Block")
 
     def __init__(self, config: Config):
         Qwen3TransformerBlock.__init__(self, config)
