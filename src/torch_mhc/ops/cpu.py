@@ -779,17 +779,6 @@ def pre_aggregate(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
     return _PreAggregate.apply(x.reshape(-1, n, c), h).reshape(*lead, c)
 
 
-def _shape_error(x, f, h_post, h_res):
-    lead, (n, c) = tuple(x.shape[:-2]), x.shape[-2:]
-    expected = {"f": (*lead, c), "h_post": (*lead, n), "h_res": (*lead, n, n)}
-    for name, tensor in (("f", f), ("h_post", h_post), ("h_res", h_res)):
-        if tuple(tensor.shape) != expected[name]:
-            raise ValueError(
-                f"post_merge expects {name} of shape {expected[name]} for x of shape "
-                f"{tuple(x.shape)}, got {tuple(tensor.shape)}"
-            )
-
-
 def post_merge(
     x: torch.Tensor, f: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor, *,
     linked: bool = False,
@@ -804,7 +793,7 @@ def post_merge(
     lead, (n, c) = x.shape[:-2], x.shape[-2:]
     if f.shape[:-1] != lead or h_post.shape[:-1] != lead or h_res.shape[:-2] != lead \
             or f.shape[-1] != c or h_post.shape[-1] != n or h_res.shape[-2:] != (n, n):
-        _shape_error(x, f, h_post, h_res)
+        _ref.check_merge_shapes(x, f, h_post, h_res)
     native = _use_native(x)
     maps_dtype = torch.float32 if native else x.dtype
     args = (

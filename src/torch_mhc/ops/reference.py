@@ -36,16 +36,28 @@ def mhc_maps(
     Returns H_pre [..., n], H_post [..., n], H_res [..., n, n] in float32.
     """
     n = x.shape[-2]
+    h_pre, h_post, rest = read_write_maps(x, phi, alpha, b_pre, b_post, norm_eps)
+    res_logits = rest.unflatten(-1, (n, n)) + b_res.to(rest.dtype)  # [..., n, n]
+    h_res = sinkhorn(res_logits, sinkhorn_iters, eps=sinkhorn_eps)
+    return h_pre + pre_eps, h_post, h_res
+
+
+def read_write_maps(x, phi, alpha, b_pre, b_post, norm_eps=1e-6):
+    """mHC's H_pre [..., n], H_post [..., n] and the remaining scaled logits [..., R]
+    (no pre_eps; shared by mhc_maps and mHC's successors in torch_mhc.variants).
+
+    x: [..., n, C]; phi: [n*C, 2n + R]; alpha: [2] or [3] (the third scales the res logits).
+    """
+    n = x.shape[-2]
     dt = _maps_dtype(x.dtype)
     v = x.flatten(-2).to(dt)  # [..., n*C]
     r = torch.sqrt(v.square().mean(dim=-1, keepdim=True) + norm_eps)  # [..., 1] RMS over n*C
-    logits = (v @ phi.to(dt)) / r  # [..., n*n + 2n], one matmul, divide after
+    logits = (v @ phi.to(dt)) / r  # [..., 2n + R], one matmul, divide after
     a = alpha.to(dt)
-    h_pre = torch.sigmoid(a[0] * logits[..., :n] + b_pre.to(dt)) + pre_eps
+    h_pre = torch.sigmoid(a[0] * logits[..., :n] + b_pre.to(dt))
     h_post = 2.0 * torch.sigmoid(a[1] * logits[..., n : 2 * n] + b_post.to(dt))
-    res_logits = a[2] * logits[..., 2 * n :].unflatten(-1, (n, n)) + b_res.to(dt)
-    h_res = sinkhorn(res_logits, sinkhorn_iters, eps=sinkhorn_eps)
-    return h_pre, h_post, h_res
+    rest = a[2] * logits[..., 2 * n :] if a.numel() > 2 else logits[..., 2 * n :]
+    return h_pre, h_post, rest
 
 
 def hc_maps(
@@ -97,3 +109,17 @@ def post_merge(
 ) -> torch.Tensor:
     """H_res x + H_post^T f: [..., n, C], [..., C], [..., n], [..., n, n] -> [..., n, C]."""
     return h_res.to(x.dtype) @ x + h_post.to(x.dtype).unsqueeze(-1) * f.unsqueeze(-2)
+
+
+def check_merge_shapes(
+    x: torch.Tensor, f: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor
+) -> None:
+    """Raise one clear ValueError when post_merge's operands do not fit x [..., n, C]."""
+    lead, (n, c) = tuple(x.shape[:-2]), x.shape[-2:]
+    expected = {"f": (*lead, c), "h_post": (*lead, n), "h_res": (*lead, n, n)}
+    for name, tensor in (("f", f), ("h_post", h_post), ("h_res", h_res)):
+        if tuple(tensor.shape) != expected[name]:
+            raise ValueError(
+                f"post_merge expects {name} of shape {expected[name]} for x of shape "
+                f"{tuple(x.shape)}, got {tuple(tensor.shape)}"
+            )

@@ -494,14 +494,8 @@ _merge_fwd.register_autograd(_merge_backward, setup_context=_merge_setup)
 def post_merge(x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor) -> Tensor:
     """H_res x + H_post^T f: [..., n, C], [..., C], [..., n], [..., n, n] -> [..., n, C]."""
     _check("post_merge", x, f)
-    lead, (n, c) = x.shape[:-2], x.shape[-2:]
-    expected = {"f": (*lead, c), "h_post": (*lead, n), "h_res": (*lead, n, n)}
-    for name, tensor in (("f", f), ("h_post", h_post), ("h_res", h_res)):
-        if tuple(tensor.shape) != expected[name]:
-            raise ValueError(
-                f"post_merge expects {name} of shape {expected[name]} for x of shape "
-                f"{tuple(x.shape)}, got {tuple(tensor.shape)}"
-            )
+    _ref.check_merge_shapes(x, f, h_post, h_res)
+    n, c = x.shape[-2:]
     out = _merge_fwd(
         x.reshape(-1, n, c).contiguous(),
         f.to(x.dtype).reshape(-1, c).contiguous(),
