@@ -76,3 +76,15 @@ def perturbed(conn, seed=0):
         for p in conn.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.3)
     return conn
+
+
+def reference_and(impl, c, n, sinkhorn_iters):
+    """A perturbed reference connection and one of `impl` holding the same parameters."""
+    from torch_mhc import ManifoldHyperConnection
+
+    torch.manual_seed(0)
+    ref = perturbed(ManifoldHyperConnection(c, n, 1, Branch(c), sinkhorn_iters=sinkhorn_iters,
+                                            impl="reference"))
+    other = ManifoldHyperConnection(c, n, 1, Branch(c), sinkhorn_iters=sinkhorn_iters, impl=impl)
+    other.load_state_dict(ref.state_dict())
+    return ref, other

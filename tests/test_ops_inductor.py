@@ -9,9 +9,8 @@ import pytest
 import torch
 
 import torch_mhc.ops as ops
-from op_cases import Branch, assert_close, perturbed
+from op_cases import assert_close, reference_and
 from references import sinkhorn_log_naive
-from torch_mhc import ManifoldHyperConnection
 from torch_mhc.ops import reference
 
 pytestmark = pytest.mark.slow
@@ -51,11 +50,7 @@ def test_connection_with_inductor_ops_equals_reference():
     """mhc_maps_pre (maps + aggregation, one graph) and post_merge, forward and every
     gradient (streams and parameters)."""
     c, n = 12, 4
-    torch.manual_seed(0)
-    conn_ref = perturbed(ManifoldHyperConnection(c, n, 1, Branch(c), sinkhorn_iters=3,
-                                                  impl="reference"))
-    conn_ind = ManifoldHyperConnection(c, n, 1, Branch(c), sinkhorn_iters=3, impl="inductor")
-    conn_ind.load_state_dict(conn_ref.state_dict())
+    conn_ref, conn_ind = reference_and("inductor", c, n, sinkhorn_iters=3)
     x = torch.randn(2, 5, n, c)
     upstream = torch.randn(2, 5, n, c)
     results = []

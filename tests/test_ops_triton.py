@@ -24,16 +24,15 @@ pytest.importorskip("triton")
 
 import torch_mhc.ops as ops  # noqa: E402
 from op_cases import (  # noqa: E402
-    Branch,
     assert_close,
     clone_inputs,
     maps_inputs,
     merge_inputs,
-    perturbed,
+    reference_and,
     run,
 )
 from references import sinkhorn_log_naive  # noqa: E402
-from torch_mhc import ManifoldHyperConnection, sinkhorn_unrolled  # noqa: E402
+from torch_mhc import sinkhorn_unrolled  # noqa: E402
 from torch_mhc.ops import reference  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
@@ -339,11 +338,7 @@ def test_custom_ops_pass_opcheck(name):
 @kernel_test
 def test_connection_triton_equals_reference_and_compiles_fullgraph():
     c, n = 20, 4
-    torch.manual_seed(0)
-    conn_ref = perturbed(ManifoldHyperConnection(c, n, 1, Branch(c), sinkhorn_iters=5,
-                                                  impl="reference"))
-    conn_tri = ManifoldHyperConnection(c, n, 1, Branch(c), sinkhorn_iters=5, impl="triton")
-    conn_tri.load_state_dict(conn_ref.state_dict())
+    conn_ref, conn_tri = reference_and("triton", c, n, sinkhorn_iters=5)
     conn_tri.to(DEVICE)
     x = torch.randn(2, 7, n, c)
     upstream = torch.randn(2, 7, n, c)
