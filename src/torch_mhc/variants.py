@@ -54,7 +54,7 @@ from torch import nn
 
 from . import ops as _ops
 from .connections import _assign, _Connection, _pre_bias
-from .sinkhorn import compute_dtype as _maps_dtype
+from .ops.reference import read_write_maps
 
 __all__ = [
     "VARIANT_KINDS",
@@ -92,23 +92,6 @@ def _kron_pattern(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     idx = torch.arange(n)
     bits = (idx[:, None] >> torch.arange(m - 1, -1, -1)) & 1  # [n, m]
     return (bits.T[:, :, None] == bits.T[:, None, :]).to(dtype)
-
-
-def read_write_maps(x, phi, alpha, b_pre, b_post, norm_eps=1e-6):
-    """mHC's H_pre [..., n], H_post [..., n] and the remaining scaled logits [..., R].
-
-    x: [..., n, C]; phi: [n*C, 2n + R]; alpha: [2] or [3] (the third scales the res logits).
-    """
-    n = x.shape[-2]
-    dt = _maps_dtype(x.dtype)
-    v = x.flatten(-2).to(dt)  # [..., n*C]
-    r = torch.sqrt(v.square().mean(dim=-1, keepdim=True) + norm_eps)  # [..., 1]
-    logits = (v @ phi.to(dt)) / r  # [..., 2n + R]
-    a = alpha.to(dt)
-    h_pre = torch.sigmoid(a[0] * logits[..., :n] + b_pre.to(dt))
-    h_post = 2.0 * torch.sigmoid(a[1] * logits[..., n : 2 * n] + b_post.to(dt))
-    rest = a[2] * logits[..., 2 * n :] if a.numel() > 2 else logits[..., 2 * n :]
-    return h_pre, h_post, rest
 
 
 def mhc_lite_res(z: torch.Tensor, perms: torch.Tensor) -> torch.Tensor:
