@@ -68,14 +68,11 @@ DRY = dict(device="cpu", dtypes=(torch.float32, torch.float16), ns=(2, 4), token
 # ---------------------------------------------------------------------------------------------
 
 
-def _atomic_write(path: str, text: str) -> None:
-    atomic_write(path, text.encode())
-
-
 def write_report(report: dict, out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
-    _atomic_write(os.path.join(out_dir, "gpu_check.json"), json.dumps(report, indent=1) + "\n")
-    _atomic_write(os.path.join(out_dir, "gpu_check.md"), markdown(report))
+    atomic_write(os.path.join(out_dir, "gpu_check.json"),
+                 (json.dumps(report, indent=1) + "\n").encode())
+    atomic_write(os.path.join(out_dir, "gpu_check.md"), markdown(report).encode())
 
 
 # ---------------------------------------------------------------------------------------------
