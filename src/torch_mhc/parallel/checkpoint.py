@@ -61,6 +61,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..files import atomic_write, fsync_dir
+from .env import is_rank0
 
 __all__ = [
     "CheckpointError",
@@ -197,7 +198,7 @@ def save_checkpoint(
             dcp.save(state, checkpoint_id=tmp, no_dist=not _distributed())  # collective
         _on_rank0(lambda: _commit(path, extra_bytes, world, previous))
     except BaseException:
-        if not _distributed() or dist.get_rank() == 0:
+        if is_rank0():
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
