@@ -238,3 +238,15 @@ def test_forward_and_backward_along_other_axes():
     grad = sinkhorn_backward(x.permute(1, 2, 0), g.permute(1, 2, 0), 20, dims=tl)
     torch.testing.assert_close(grad.permute(2, 0, 1), sinkhorn_backward(x, g, 20), rtol=0,
                                atol=1e-15)
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-3])
+def test_backward_with_output_returns_the_forward(eps):
+    """sinkhorn_backward(..., with_output=True) gives the same gradient and, as its second
+    value, sinkhorn_forward's output, near and far matrices alike, along either layout."""
+    x = torch.cat([_logits((5, 4, 4), scale=2.0), _logits((3, 4, 4), scale=200.0, seed=3)])
+    g = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    for h, gh, dims in ((x, g, (-2, -1)), (x.permute(1, 2, 0), g.permute(1, 2, 0), (0, 1))):
+        grad, out = sinkhorn_backward(h, gh, 20, eps, dims, with_output=True)
+        torch.testing.assert_close(grad, sinkhorn_backward(h, gh, 20, eps, dims), rtol=0, atol=0)
+        torch.testing.assert_close(out, sinkhorn_forward(h, 20, eps, dims), rtol=0, atol=0)

@@ -119,14 +119,14 @@ def _linear_iterates(h: torch.Tensor, iters: int, eps: float, dims: Dims, keep: 
 
 
 def _linear_backward(h, g, iters, eps, dims):
-    """Exact reverse of the linear-domain loop, recomputed from h."""
+    """Exact reverse of the linear-domain loop, recomputed from h: (dL/dh, the loop's output)."""
     _, p0, steps = _linear_iterates(h, iters, eps, dims, keep=True)
     # Each step is y = m / d with d the sum of m along one axis (plus eps), so
     # dL/dm = (dL/dy - sum_axis(dL/dy * y)) / d.
     for axis, y, d in reversed(steps):
         g = (g - (g * y).sum(dim=axis, keepdim=True)) / d
     # First step: column softmax (the +eps after it has unit derivative).
-    return p0 * (g - (g * p0).sum(dim=dims[0], keepdim=True))
+    return p0 * (g - (g * p0).sum(dim=dims[0], keepdim=True)), steps[-1][1]
 
 
 def _log_iterates(h: torch.Tensor, iters: int, dims: Dims, keep: bool):
@@ -141,12 +141,12 @@ def _log_iterates(h: torch.Tensor, iters: int, dims: Dims, keep: bool):
 
 def _log_backward(h, g, iters, dims):
     """Exact reverse of the log-domain loop: Z' = Z - logsumexp(Z) has the adjoint
-    dZ = dZ' - softmax(Z) sum(dZ'), with softmax(Z) = exp(Z')."""
+    dZ = dZ' - softmax(Z) sum(dZ'), with softmax(Z) = exp(Z'). Returns (dL/dh, the output)."""
     out, steps = _log_iterates(h, iters, dims, keep=True)
     g = g * out  # through exp
     for axis, p in reversed(steps):
         g = g - p * g.sum(dim=axis, keepdim=True)
-    return g
+    return g, out
 
 
 def _far(h: torch.Tensor, eps: float, dims: Dims) -> torch.Tensor | None:
@@ -201,18 +201,25 @@ def sinkhorn_forward(h: torch.Tensor, iters: int, eps: float = 0.0,
 
 
 def sinkhorn_backward(h: torch.Tensor, g: torch.Tensor, iters: int, eps: float = 0.0,
-                      dims: Dims = (-2, -1)) -> torch.Tensor:
+                      dims: Dims = (-2, -1), with_output: bool = False):
     """dL/dh for the upstream gradient g of sinkhorn_forward(h, iters, eps, dims): the exact
-    reverse of the unrolled loop each matrix ran, recomputing the iterates."""
+    reverse of the unrolled loop each matrix ran, recomputing the iterates. with_output:
+    (dL/dh, sinkhorn_forward(h, ...)), the output the recomputation passes through anyway."""
     far = _far(h, eps, dims)
     if far is None:
-        return _linear_backward(h, g, iters, eps, dims)
-    out = _linear_backward(torch.where(far, 0.0, h), g, iters, eps, dims)
-    if torch.compiler.is_compiling():
-        return torch.where(far, _log_backward(torch.where(far, h, 0.0), g, iters, dims), out)
-    index = _far_index(far, dims)
-    log_grad = _log_backward(_take(h, index, dims), _take(g, index, dims), iters, (-2, -1))
-    return _put(out, index, dims, log_grad)
+        grad, out = _linear_backward(h, g, iters, eps, dims)
+    elif torch.compiler.is_compiling():
+        grad, out = _linear_backward(torch.where(far, 0.0, h), g, iters, eps, dims)
+        log_grad, log_out = _log_backward(torch.where(far, h, 0.0), g, iters, dims)
+        grad, out = torch.where(far, log_grad, grad), torch.where(far, log_out, out)
+    else:
+        grad, out = _linear_backward(torch.where(far, 0.0, h), g, iters, eps, dims)
+        index = _far_index(far, dims)
+        log_grad, log_out = _log_backward(_take(h, index, dims), _take(g, index, dims), iters,
+                                          (-2, -1))
+        grad = _put(grad, index, dims, log_grad)
+        out = _put(out, index, dims, log_out) if with_output else out
+    return (grad, out) if with_output else grad
 
 
 def _backward_implicit(p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:

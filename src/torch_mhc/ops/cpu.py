@@ -260,7 +260,9 @@ def _maps_backward_torch(ctx, g_pre, g_post, g_res, g_a, g_link):
         g_res = dh if g_res is None else g_res + dh
     if g_res is not None:
         g = _to_token_last(g_res.to(cdt))
-        d_ht[2 * n :] = sinkhorn_backward(h, g, ctx.iters, ctx.sk_eps, TL).reshape(n * n, t)
+        # The recomputation passes through H_res: kept for the merge's H_res^T g below.
+        d_res, h_res = sinkhorn_backward(h, g, ctx.iters, ctx.sk_eps, TL, with_output=True)
+        d_ht[2 * n :] = d_res.reshape(n * n, t)
     params = _parameter_grads(ctx, d_ht.t(), lt.t(), n, alpha.dtype)
     d_lt = d_ht.mul_(a_rows)  # [M, T] dL/dlogits
     # logits = z / r with r = sqrt(mean(v^2) + eps): dL/dv = dz @ phi^T + coef * v.
@@ -273,8 +275,7 @@ def _maps_backward_torch(ctx, g_pre, g_post, g_res, g_a, g_link):
     if g_a is not None:
         dv3.addcmul_(h_pre.unsqueeze(-1), g_a.to(cdt).unsqueeze(-2))
     if g_link is not None:  # the merge's H_res^T g
-        h_res = sinkhorn_forward(h, ctx.iters, ctx.sk_eps, TL).permute(2, 1, 0)  # [T, j, i]
-        dv3.baddbmm_(h_res, g_link.to(cdt))
+        dv3.baddbmm_(h_res.permute(2, 1, 0), g_link.to(cdt))  # H_res [n, n, T] as [T, j, i]
     d_phi = torch.mm(d_zt, v).t()  # [K, M]
     return (dv3.to(x.dtype), d_phi.to(phi.dtype), *params,
             None, None, None, None, None, None)
