@@ -62,12 +62,12 @@ import torch
 from . import compare_stats, plots
 from .connections import CONNECTION_KINDS
 from .data import bits_per_byte
+from .files import atomic_write
 from .train import (
     ConfigError,
     TrainConfig,
     TrainingDiverged,
     TrainResult,
-    atomic_write_bytes,
     load_training_corpus,
     train,
 )
@@ -284,19 +284,19 @@ def write_report(out: Path, report: dict, results: dict[str, list[TrainResult]])
     out.mkdir(parents=True, exist_ok=True)
     # Plots first, the report last: a report.json on disk means its figures are there too.
     runs = {v["kind"]: v for v in report["variants"]}
-    atomic_write_bytes(out / "loss_curves.png", plots.loss_curves_png(runs))
-    atomic_write_bytes(out / "grad_norm.png", plots.grad_norm_png(runs))
+    atomic_write(out / "loss_curves.png", plots.loss_curves_png(runs))
+    atomic_write(out / "grad_norm.png", plots.grad_norm_png(runs))
     first = {k: rs[0] for k, rs in results.items()}
     gains = {k: r.final_gains for k, r in first.items() if r.final_gains}
     if gains:
-        atomic_write_bytes(out / "composite_gain.png", plots.composite_gain_png(gains))
-        atomic_write_bytes(out / "gain_over_training.png", plots.gain_over_training_png(
+        atomic_write(out / "composite_gain.png", plots.composite_gain_png(gains))
+        atomic_write(out / "gain_over_training.png", plots.gain_over_training_png(
             {k: r.gain_history for k, r in first.items() if r.gain_history}))
         healths = {k: g for k, g in gains.items() if "composite_health" in g}
         if healths:
-            atomic_write_bytes(out / "health.png", plots.health_png(healths))
-    atomic_write_bytes(out / "report.md", format_markdown(report).encode("utf-8"))
-    atomic_write_bytes(out / "report.json",
+            atomic_write(out / "health.png", plots.health_png(healths))
+    atomic_write(out / "report.md", format_markdown(report).encode("utf-8"))
+    atomic_write(out / "report.json",
                        (json.dumps(report, indent=1, allow_nan=True) + "\n").encode("utf-8"))
 
 

@@ -66,7 +66,7 @@ from .steps import (
 )
 from .trainer import Trainer, TrainResult, load_training_corpus, train
 
-atomic_write_bytes = atomic_write  # the name compare and older code use
+atomic_write_bytes = atomic_write  # the name the single-file train module exported
 is_main_process = is_rank0  # one definition: torch_mhc.parallel.is_rank0
 
 __all__ = [
