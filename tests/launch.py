@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 
 import pytest
 
@@ -18,6 +19,12 @@ def clean_env() -> dict:
         env.pop(name, None)  # the test may itself run under a launcher
     env["OMP_NUM_THREADS"] = "1"
     return env
+
+
+def torchrun(*args: str, nproc: int = 2) -> list[str]:
+    """The command running args (a script and its arguments) on nproc local processes."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", *args]
 
 
 def run(cmd: list[str], timeout_s: float, what: str) -> tuple[int, str]:

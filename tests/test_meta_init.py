@@ -9,7 +9,6 @@ initial values at any time, also when its parameters are DTensor shards. And a c
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -144,8 +143,7 @@ def test_meta_build_sharded_by_fsdp2_initialises_like_the_eager_model(tmp_path):
     eagerly built model's bit for bit; the loss on a batch split over the ranks and the
     averaged gradients equal the single-process ones (summation order aside: rtol 1e-5, the
     tolerance tests/test_distributed.py justifies)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node=2", str(WORKER), str(tmp_path)]
+    cmd = launch_helpers.torchrun(str(WORKER), str(tmp_path))
     code, out = launch_helpers.run(cmd, 150, "meta/FSDP2 worker")
     assert code == 0, out[-6000:]
     ranks = [torch.load(tmp_path / f"meta_rank{r}.pt") for r in range(2)]

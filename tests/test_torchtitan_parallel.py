@@ -19,7 +19,6 @@ as for the converted one; rtol = 1e-5 holds it too.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -42,8 +41,7 @@ RTOL = 1e-5  # see the module docstring
 
 
 def launch(scenario: str, outdir: Path) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node=2", str(WORKER), scenario, str(outdir)]
+    cmd = launch_helpers.torchrun(str(WORKER), scenario, str(outdir))
     code, out = launch_helpers.run(cmd, 240, f"torchtitan scenario {scenario!r}")
     if code != 0:
         pytest.fail(f"torchtitan scenario {scenario!r} failed (exit {code}):\n{out[-6000:]}")
