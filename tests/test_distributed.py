@@ -54,8 +54,7 @@ def launch(scenario: str, outdir: Path, nproc: int = 2) -> list[dict]:
     if nproc == 1:
         cmd = [sys.executable, str(WORKER), scenario, str(outdir)]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", str(WORKER), scenario, str(outdir)]
+        cmd = launch_helpers.torchrun(str(WORKER), scenario, str(outdir), nproc=nproc)
     code, out = launch_helpers.run(cmd, LAUNCH_TIMEOUT_S, f"scenario {scenario!r}")
     if code != 0:
         pytest.fail(f"scenario {scenario!r} failed (exit {code}):\n{out[-6000:]}")

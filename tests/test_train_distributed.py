@@ -51,8 +51,7 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
 
 
 def _torchrun(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node=2", "-m", "torch_mhc.cli", *args]
+    return launch.torchrun("-m", "torch_mhc.cli", *args)
 
 
 def _train_losses(out_dir: Path) -> list[float]:

@@ -119,10 +119,6 @@ def _run(op: str, launches: list[Launch], *inputs: Tensor) -> None:
                 ) from err
 
 
-# Logit range above which Sinkhorn iterates in the log domain (torch_mhc.sinkhorn's design).
-LOG_DOMAIN_RANGE = LINEAR_RANGE
-
-
 def kernel_config(kernel: str, n: int, dtype: torch.dtype) -> dict:
     """Launch parameters of one kernel for n streams of `dtype`: chosen with the ahead-of-time
     compile check (ops/triton_aot.py, table in benchmarks/README.md) so that no kernel spills
@@ -199,7 +195,7 @@ def plan_maps_fwd(x, phi, alpha, b_pre, b_post, b_res, iters, norm_eps, sk_eps, 
     launch = Launch(
         _k.mhc_maps_fwd_kernel, (triton.cdiv(t, cfg["BLOCK_T"]),),
         (x, phi, alpha, b_pre, b_post, b_res, h_pre, h_post, h_res, logits, r,
-         t, n * c, norm_eps, sk_eps, pre_eps, LOG_DOMAIN_RANGE),
+         t, n * c, norm_eps, sk_eps, pre_eps, LINEAR_RANGE),
         dict(N=n, NP=_padded(n), PW=_pp_width(n), ITERS=iters, LOG_OK=sk_eps == 0.0,
              BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], PRECISION=_precision(x.dtype)),
         **_opts(cfg),
@@ -249,7 +245,7 @@ def plan_maps_bwd(x, phi, alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post,
     launches = [
         Launch(_k.mhc_maps_bwd_kernel, (triton.cdiv(t, cfg["BLOCK_T"]),),
                (x, phi, alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post, g_res,
-                dx, dgate, dz, scratch, t, k, sk_eps, LOG_DOMAIN_RANGE),
+                dx, dgate, dz, scratch, t, k, sk_eps, LINEAR_RANGE),
                dict(**shape, ITERS=iters, LOG_OK=sk_eps == 0.0, BLOCK_T=cfg["BLOCK_T"],
                     BLOCK_K=cfg["BLOCK_K"], PRECISION=_precision(x.dtype)),
                **_opts(cfg)),
@@ -514,7 +510,7 @@ def plan_sinkhorn_fwd(logits, iters, eps):
     out = torch.empty_like(logits)
     cfg = kernel_config("sinkhorn_fwd", n, logits.dtype)
     return [Launch(_k.sinkhorn_fwd_kernel, (triton.cdiv(t, cfg["BLOCK_T"]),),
-                   (logits, out, t, eps, LOG_DOMAIN_RANGE),
+                   (logits, out, t, eps, LINEAR_RANGE),
                    dict(N=n, NP=triton.next_power_of_2(n), ITERS=iters, LOG_OK=eps == 0.0,
                         BLOCK_T=cfg["BLOCK_T"]), **_opts(cfg))], out
 
@@ -538,7 +534,7 @@ def plan_sinkhorn_bwd(logits, g, iters, eps):
     scratch = logits.new_empty((t, 2 * iters, np_), dtype=_F32)  # the normalisers
     cfg = kernel_config("sinkhorn_bwd", n, logits.dtype)
     return [Launch(_k.sinkhorn_bwd_kernel, (triton.cdiv(t, cfg["BLOCK_T"]),),
-                   (logits, g, dlogits, scratch, t, eps, LOG_DOMAIN_RANGE),
+                   (logits, g, dlogits, scratch, t, eps, LINEAR_RANGE),
                    dict(N=n, NP=np_, ITERS=iters, LOG_OK=eps == 0.0, BLOCK_T=cfg["BLOCK_T"]),
                    **_opts(cfg))], dlogits
 
