@@ -360,6 +360,45 @@ def test_pre_aggregate_and_post_merge_match_reference(tokens, n, c, dtype, cpu_p
             assert_close(a, e, TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [(), (1, 1), (2, 3)])
+def test_inference_maps_and_merge_keep_the_callers_shapes(tokens, dtype, cpu_path):
+    """Without autograd (decoding) the maps and the merge come straight from the native
+    loops in the caller's leading shape (none, [B, 1], [B, T]): the values of the autograd
+    path, bit for bit."""
+    n, c = 4, 40
+    inputs = maps_inputs(tokens, n, c, dtype, seed=21)
+    with_grad = [t.detach() for t in cpu.mhc_maps_pre(*inputs)]
+    with torch.no_grad():
+        without = cpu.mhc_maps_pre(*inputs)
+    for a, e in zip(without, with_grad, strict=True):
+        assert a.shape == e.shape and a.dtype == e.dtype and not a.requires_grad
+        assert torch.equal(a, e)
+    x = inputs[0].detach()
+    _, h_post, h_res, f = without
+    merged_grad = cpu.post_merge(x, f, h_post, h_res.requires_grad_()).detach()
+    with torch.no_grad():
+        merged = cpu.post_merge(x, f, h_post, h_res)
+    assert merged.shape == x.shape and merged.dtype == dtype
+    assert torch.equal(merged, merged_grad)
+    assert_close(merged, reference.post_merge(x, f, h_post, h_res).detach(), TOL[dtype])
+
+
+@pytest.mark.parametrize("tokens", [3, 520])
+def test_merge_with_and_without_streaming_stores_matches_reference(tokens):
+    """The merge's output takes streaming stores from 2^18 floats per call (520 tokens of
+    4 x 128 on one thread) and ordinary stores below (3 tokens); the same values either way."""
+    _need_native()
+    x, f, _, h_post, h_res = (t.detach() for t in merge_inputs((tokens,), 4, 128, torch.float32))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        out = cpu_native.load().merge_fwd(x, f, h_post, h_res)
+    finally:
+        torch.set_num_threads(threads)
+    assert_close(out, reference.post_merge(x, f, h_post, h_res), TOL[torch.float32])
+
+
 def test_merge_ops_accept_broadcast_streams(cpu_path):
     """The first connection sees expand_streams' stride-0 view."""
     h = torch.randn(2, 5, 12, requires_grad=True)

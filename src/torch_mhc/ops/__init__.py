@@ -145,7 +145,10 @@ def resolve_impl_name(
                 return env
         except ValueError as err:
             raise ValueError(f"environment variable {ENV_VAR}: {err}") from None
-    device_type = torch.device(device).type if device is not None else "cpu"
+    if isinstance(device, torch.device):  # a connection's x.device, at every call
+        device_type = device.type
+    else:
+        device_type = torch.device(device).type if device is not None else "cpu"
     if dtype == torch.float64 or device_type == "cpu":
         return "cpu"
     if device_type == "cuda" and _triton_available():

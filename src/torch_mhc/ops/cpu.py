@@ -341,31 +341,32 @@ def mhc_maps_pre(
     link=True appends x_link (x's values) to pass to post_merge(x_link, ..., linked=True)
     in place of x: the merge's share of x's gradient then joins the same single dx.
     """
-    lead, (n, c) = x.shape[:-2], x.shape[-2:]
     params = (phi, alpha, b_pre, b_post, b_res)
-    if _use_native(x) and _no_autograd(x, *params):
-        outs = _maps_inference(x.reshape(-1, n, c), params, int(sinkhorn_iters),
-                               float(norm_eps), float(sinkhorn_eps), float(pre_eps))
-    else:
-        outs = _MhcMaps.apply(
-            x.reshape(-1, n, c), *params,
-            int(sinkhorn_iters), float(norm_eps), float(sinkhorn_eps), float(pre_eps), True,
-            link,
-        )
+    if _no_autograd(x, *params) and _use_native(x):
+        # Decoding: the maps in x's leading shape straight from the native loops; x_link is
+        # x itself (nothing to link without autograd).
+        phip, ab = _native_params(*params)
+        maps = _lib().maps_infer(x.contiguous(), phip, ab, int(sinkhorn_iters),
+                                 float(norm_eps), float(sinkhorn_eps), float(pre_eps))
+        return (*maps, x) if link else maps
+    lead, (n, c) = x.shape[:-2], x.shape[-2:]
+    outs = _MhcMaps.apply(
+        x.reshape(-1, n, c), *params,
+        int(sinkhorn_iters), float(norm_eps), float(sinkhorn_eps), float(pre_eps), True, link,
+    )
     h_pre, h_post, h_res, a = outs[:4]
     maps = (
         h_pre.reshape(*lead, n), h_post.reshape(*lead, n), h_res.reshape(*lead, n, n),
         a.reshape(*lead, c),
     )
-    if not link:
-        return maps
-    # x_link: the autograd node's view of x; without autograd, x itself.
-    return (*maps, x if len(outs) == 4 else outs[4].reshape(x.shape))
+    # x_link: the autograd node's view of x
+    return (*maps, outs[4].reshape(x.shape)) if link else maps
 
 
 # Inference (decode): no autograd graph, so the native loops are called directly, without
-# the autograd Function and the custom-op dispatch (a third of a decode step's connection
-# time at one token), and phi's padded copy is reused while the parameters are unchanged.
+# the autograd Function, the custom-op dispatch and the reshapes to [T, ...] and back (most
+# of a decode step's connection time at one token), and phi's padded copy is reused while
+# the parameters are unchanged.
 
 
 def _no_autograd(*tensors: torch.Tensor) -> bool:
@@ -383,10 +384,11 @@ _param_cache: dict[int, tuple] = {}
 def _native_params(phi, alpha, b_pre, b_post, b_res) -> tuple[torch.Tensor, torch.Tensor]:
     """(phi padded [K, Mp], gate table [2, M]) in float32, cached per phi tensor and its
     parameters' identities and versions (in-place updates bump a tensor's version)."""
-    tensors = (phi, alpha, b_pre, b_post, b_res)
-    if any(t.is_inference() for t in tensors):  # no version counter: nothing to key on
+    try:
+        key = (id(alpha), id(b_pre), id(b_post), id(b_res), phi._version, alpha._version,
+               b_pre._version, b_post._version, b_res._version)
+    except RuntimeError:  # inference tensors have no version counter: nothing to key on
         return _padded(phi), _gate_table(alpha, b_pre, b_post, b_res)
-    key = tuple((id(t), t._version) for t in tensors)
     hit = _param_cache.get(id(phi))
     if hit is not None and hit[0]() is phi and hit[1] == key:
         return hit[2], hit[3]
@@ -396,14 +398,6 @@ def _native_params(phi, alpha, b_pre, b_post, b_res) -> tuple[torch.Tensor, torc
     _param_cache[ident] = (ref, key, phip, ab)
     return phip, ab
 
-
-def _maps_inference(x, params, iters, norm_eps, sk_eps, pre_eps):
-    """mhc_maps_pre's values for x [T, n, C] without autograd."""
-    phip, ab = _native_params(*params)
-    _, _, h_pre, h_post, h_res, a = _lib().maps_fwd(
-        x.contiguous(), phip, ab, iters, norm_eps, sk_eps, pre_eps, True
-    )
-    return h_pre, h_post, h_res, a
 
 
 # ---------------------------------------------------------------------------------------------
@@ -587,6 +581,11 @@ class _PostMerge(torch.autograd.Function):
             dh_post = _rowdot(g, f) if need[2] else None  # [T, n]
             dh_res = torch.bmm(g, x.transpose(-1, -2)) if need[3] else None  # [T, n, n]
         return dx, df, dh_post, dh_res, None, None
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t contiguous in dtype (a no-op Tensor.to costs more than the merge of one token)."""
+    return t.contiguous() if t.dtype == dtype else t.to(dtype).contiguous()
 
 
 def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -797,14 +796,13 @@ def post_merge(
         _ref.check_merge_shapes(x, f, h_post, h_res)
     native = _use_native(x)
     maps_dtype = torch.float32 if native else x.dtype
+    if native and _no_autograd(x, f, h_post, h_res):  # decoding: in the callers' shapes
+        return _lib().merge_fwd(x.contiguous(), _as(f, x.dtype), _as(h_post, torch.float32),
+                                _as(h_res, torch.float32))
     args = (
         x.reshape(-1, n, c).contiguous() if native else x.reshape(-1, n, c),
         f.to(x.dtype).reshape(-1, c).contiguous(),
         h_post.reshape(-1, n).to(maps_dtype).contiguous(),
         h_res.reshape(-1, n, n).to(maps_dtype).contiguous(),
     )
-    if native and _no_autograd(x, f, h_post, h_res):
-        out = _lib().merge_fwd(*args)
-    else:
-        out = _PostMerge.apply(*args, native, linked)
-    return out.reshape(x.shape)
+    return _PostMerge.apply(*args, native, linked).reshape(x.shape)

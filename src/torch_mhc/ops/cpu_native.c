@@ -140,6 +140,10 @@ INLINE void stw_stream(void* p, int64_t i, v16 v, int bf) {
     stw(p, i, v, W, bf);
 }
 
+/* Outputs smaller than this (elements per call's range) take ordinary stores: 1 MiB of
+   float32, half of a 2 MiB L2. */
+#define STREAM_MIN_FLOATS (1 << 18)
+
 /* Order the streaming stores before whatever the caller does next. */
 INLINE void stream_fence(void) {
 #if defined(__SSE__)
@@ -187,6 +191,9 @@ INLINE void prefetch_rows(const void* p, int64_t row0, int64_t rows, int64_t C, 
 INLINE void merge_fwd_body(const void* x, const void* f, const float* hp, const float* hr,
                            void* out, int64_t t0, int64_t t1, const int64_t n, int64_t C,
                            int bf) {
+    /* Streaming stores pay off for outputs the caches would lose anyway; a few tokens'
+       (decoding) are read again at once by the next connection. */
+    const int stream = (t1 - t0) * n * C >= STREAM_MIN_FLOATS;
     for (int64_t t = t0; t < t1; ++t) {
         const float* hpt = hp + t * n;
         const float* hrt = hr + t * n * n;
@@ -199,7 +206,7 @@ INLINE void merge_fwd_body(const void* x, const void* f, const float* hp, const 
                 v16 acc = hrt[i * n] * xv[0];
                 for (int64_t j = 1; j < n; ++j) acc += hrt[i * n + j] * xv[j];
                 acc += hpt[i] * fv;
-                if (w == W)
+                if (w == W && stream)
                     stw_stream(out, (t * n + i) * C + c, acc, bf);
                 else
                     stw(out, (t * n + i) * C + c, acc, w, bf);
@@ -618,7 +625,8 @@ INLINE float sum_squares(const void* x, int64_t t, int64_t K, int bf) {
      r = sqrt(mean(x^2) + norm_eps), l = (x @ phi) / r, h~ = alpha_row * l + b,
      H_pre = sigmoid(h~_pre) + pre_eps, H_post = 2 sigmoid(h~_post), H_res = Sinkhorn(h~_res),
      and, when a is not NULL, a = sum_j H_pre[j] x[j].
-   ab = [alpha_row (M), b (M)]. Writes lt [T, M] (the logits l) and r [T] for the backward.
+   ab = [alpha_row (M), b (M)]. Writes lt [T, M] (the logits l) and r [T] for the backward,
+   unless they are NULL (inference keeps neither).
    --------------------------------------------------------------------------------------- */
 
 INLINE void gate_logits(const float* l, const float* ab, float* ht, int64_t M) {
@@ -631,7 +639,7 @@ INLINE void maps_fwd_body(const void* x, const float* phip, const float* ab, flo
                           int64_t MV, int iters, float norm_eps, float sk_eps, float pre_eps,
                           int bf) {
     const int64_t K = n * C, Mp = MV * WG, nn = n * n;
-    float z[G * Mp], ht[M];
+    float z[G * Mp], ht[M], lrow[M];
     v16 m[nn];
     int far[G];
     for (int64_t t = t0; t < t1; t += G) {
@@ -641,9 +649,10 @@ INLINE void maps_fwd_body(const void* x, const float* phip, const float* ab, flo
         for (int64_t u = 0; u < g; ++u) {
             const int64_t tu = t + u;
             const float rr = sqrtf(sum_squares(x, tu, K, bf) / (float)K + norm_eps);
-            r[tu] = rr;
-            for (int64_t q = 0; q < M; ++q) lt[tu * M + q] = z[u * Mp + q] / rr;
-            gate_logits(lt + tu * M, ab, ht, M);
+            float* l = lt ? lt + tu * M : lrow;
+            if (r) r[tu] = rr;
+            for (int64_t q = 0; q < M; ++q) l[q] = z[u * Mp + q] / rr;
+            gate_logits(l, ab, ht, M);
             for (int64_t i = 0; i < n; ++i) {
                 hpre[tu * n + i] = sigmoid(ht[i]) + pre_eps;
                 hpost[tu * n + i] = 2.0f * sigmoid(ht[n + i]);

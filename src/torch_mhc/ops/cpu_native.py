@@ -70,9 +70,12 @@ class BlockPool:
         self._lent: dict[int, tuple] = {}  # id(view) -> (weakref to the view, its mapping)
         self._lock = threading.Lock()  # guards held and making blocks (not the callbacks)
 
-    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised tensor: a free pooled block, a new one, or torch.empty."""
-        numel = math.prod(shape)
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, numel: int | None = None
+              ) -> torch.Tensor:
+        """An uninitialised tensor: a free pooled block, a new one, or torch.empty
+        (numel: the product of shape, where the caller has it)."""
+        if numel is None:
+            numel = math.prod(shape)
         nbytes = numel * dtype.itemsize
         if nbytes < self.min_bytes or self.cap_bytes <= 0:
             return torch.empty(shape, dtype=dtype)
@@ -175,13 +178,18 @@ class NativeOps:
         """
         fn = self._fns[name, dtype]
         threads = self.threads_for(tokens)
+        if threads == 1:  # decoding: the shortest way through (no closure, no executor)
+            fn(*[None if t is None else
+                 t.tensor[0].data_ptr() if isinstance(t, PerThread) else t.data_ptr()
+                 for t in tensors], 0, tokens, 1, *sizes)
+            return
 
         def pointers(k):
             return [None if t is None else
                     t.tensor[k].data_ptr() if isinstance(t, PerThread) else t.data_ptr()
                     for t in tensors]
 
-        if threads == 1 or not self.own_threads:
+        if not self.own_threads:
             fn(*pointers(0), 0, tokens, threads, *sizes)
             return
         if self._pool is None or self._pool_size != threads:
@@ -196,10 +204,12 @@ class NativeOps:
             fut.result()
 
     def merge_fwd(self, x, f, h_post, h_res):
-        """H_res x + H_post^T f for x [T, n, C], f [T, C], h_post [T, n], h_res [T, n, n]."""
-        t, n, c = x.shape
-        out = self.blocks.empty(x.shape, x.dtype)
-        self._run("merge_fwd", x.dtype, [x, f, h_post, h_res, out], t, n, c)
+        """H_res x + H_post^T f for x [T, n, C], f [T, C], h_post [T, n], h_res [T, n, n]
+        (contiguous; any leading shape in place of T: the output has x's shape)."""
+        numel = x.numel()
+        t = numel // (x.shape[-2] * x.shape[-1]) if numel else 0
+        out = self.blocks.empty(x.shape, x.dtype, numel)
+        self._run("merge_fwd", x.dtype, [x, f, h_post, h_res, out], t, *x.shape[-2:])
         return out
 
     def merge_bwd(self, x, f, h_post, h_res, g, linked=False):
@@ -244,6 +254,21 @@ class NativeOps:
         self._run("maps_fwd", x.dtype, [x, phip, ab, lt, r, h_pre, h_post, h_res, a], t,
                   n, c, m, phip.shape[1] // 8, iters, norm_eps, sk_eps, pre_eps)
         return lt, r, h_pre, h_post, h_res, a
+
+    def maps_infer(self, x, phip, ab, iters, norm_eps, sk_eps, pre_eps):
+        """maps_fwd's H_pre [..., n], H_post [..., n], H_res [..., n, n] and a [..., C] for
+        contiguous x [..., n, C] of any leading shape, in that shape, without the logits and
+        the RMS (inference: nothing is kept for a backward)."""
+        *lead, n, c = x.shape
+        t = math.prod(lead)
+        m = ab.shape[1]
+        h_pre = torch.empty((*lead, n), dtype=torch.float32)
+        h_post = torch.empty((*lead, n), dtype=torch.float32)
+        h_res = torch.empty((*lead, n, n), dtype=torch.float32)
+        a = self.blocks.empty((*lead, c), x.dtype, t * c)
+        self._run("maps_fwd", x.dtype, [x, phip, ab, None, None, h_pre, h_post, h_res, a], t,
+                  n, c, m, phip.shape[1] // 8, iters, norm_eps, sk_eps, pre_eps)
+        return h_pre, h_post, h_res, a
 
     def maps_bwd(self, x, phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_link, iters, sk_eps,
                  pre_eps):
