@@ -208,6 +208,76 @@ def test_hc_maps_match_reference(tokens, n, c, dtype):
         assert_close(a, exact, max(maps_tol, ref_err))
 
 
+def _hc_maps_then_pre(x, *params):
+    h_pre, h_post, h_res = reference.hc_maps(x, *params)
+    return h_pre, h_post, h_res, reference.pre_aggregate(x, h_pre)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, n, c", [((17,), 4, 100), ((3, 21), 3, 100), ((20,), 8, 16),
+                                          ((20,), 1, 33), ((18,), 5, 40)])
+def test_linked_hc_maps_and_merge_match_reference(tokens, n, c, dtype):
+    """hc_maps_pre(link=True) + post_merge(x_link, linked=True) around a branch, with H_pre
+    and H_res also used elsewhere: the aggregation's and the merge's shares of x's gradient
+    go through one node (NativeOps.hc_bwd), against the reference ops in float64."""
+    _need_native()
+    inputs = hc_inputs(tokens, n, c, dtype, seed=22)
+    f_extra = torch.randn(*tokens, c, generator=torch.Generator().manual_seed(9))
+    inputs.append(f_extra.to(dtype).requires_grad_())
+
+    def ref(x, *rest):
+        *params, extra = rest
+        h_pre, h_post, h_res, a = _hc_maps_then_pre(x, *params)
+        return reference.post_merge(x, torch.tanh(a) + extra, h_post, h_res), a, h_pre, h_res
+
+    def linked(x, *rest):
+        *params, extra = rest
+        h_pre, h_post, h_res, a, x_link = cpu.hc_maps_pre(x, *params, link=True)
+        assert x_link is not None  # one node was made
+        merged = cpu.post_merge(x_link, torch.tanh(a) + extra, h_post, h_res, linked=True)
+        return merged, a, h_pre, h_res
+
+    # bf16 streams: a and the merge are rounded to bf16 on the way, so every gradient
+    # (float32 ones included) is held to the bf16 tolerance, or, for the scales' gradients
+    # (one sum over all tokens that can cancel: on (20,), n = 8, C = 16 s_beta's is 1.8e-2
+    # from float64 on the reference in bf16 and 2.6e-2 on the cpu path), to twice the
+    # reference's own distance.
+    out_cpu, grad_cpu = run(linked, clone_inputs(inputs))
+    out_ref, grad_ref = run(ref, clone_inputs(inputs))
+    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+    out_64, grad_64 = run(ref, inputs64, upstream_dtype=dtype)
+    for a, e, exact in zip(out_cpu, out_ref, out_64, strict=True):
+        assert a.dtype == e.dtype
+        assert_close(a, exact, TOL[dtype])
+    names = ("x", "w", "s_alpha", "s_beta", "static_pre", "static_post", "static_res", "f")
+    for a, e, exact, name in zip(grad_cpu, grad_ref, grad_64, names, strict=True):
+        assert a.dtype == e.dtype, name
+        ref_err = ((e.double() - exact).abs().max() / exact.abs().max()).item()
+        assert_close(a, exact, max(TOL[dtype], 2 * ref_err if a.dim() == 0 else 0.0))
+
+
+def test_hc_maps_pre_with_unused_outputs_matches_reference():
+    """Only the aggregation and H_post feed the loss: the node's backward gets no gradient
+    for H_pre, H_res and the merge, and the parameters' gradients are still the reference's
+    (static_res's is zero)."""
+    _need_native()
+    inputs = hc_inputs((19,), 4, 24, torch.float32, seed=23)
+    gen = torch.Generator().manual_seed(4)
+    g_a, g_post = torch.randn(19, 24, generator=gen), torch.randn(19, 4, generator=gen)
+
+    def grads(fn):
+        leaves = clone_inputs(inputs)
+        _, h_post, _, a = fn(*leaves)[:4]
+        loss = (a * g_a).sum() + (h_post * g_post).sum()
+        got = torch.autograd.grad(loss, leaves, allow_unused=True)
+        return [torch.zeros_like(t) if g is None else g for g, t in zip(got, leaves)]
+
+    got, want = grads(cpu.hc_maps_pre), grads(_hc_maps_then_pre)
+    assert not want[6].any() and torch.equal(got[6], want[6])  # static_res: unused
+    for a, e in zip(got[:6], want[:6], strict=True):
+        assert_close(a, e, 2e-5)
+
+
 def test_hc_maps_without_autograd_equal_the_autograd_path():
     """Under no_grad hc_maps skips the autograd Function and the custom ops (decoding)."""
     _need_native()
@@ -231,15 +301,19 @@ def test_hc_maps_on_few_tokens_are_the_reference():
         assert torch.equal(a, e)
 
 
-@pytest.mark.parametrize("kind", ["mhc", "hc"])
+@pytest.mark.parametrize("kind", ["mhc", "hc", "hc_pre"])
 def test_native_maps_split_over_threads_match_reference(kind):
     """Tokens (or HC's stream rows) split over a thread pool: each thread's partial dphi
-    (dW) is summed, and mHC's threads each have their own Sinkhorn scratch (200 tokens or
-    rows on 3 threads; 64 is the least a thread gets)."""
+    (dW) is summed, and mHC's threads each have their own Sinkhorn scratch, HC's fused
+    backward its own dx rows (200 tokens or rows on 3 threads; 64 is the least a thread
+    gets)."""
     _need_native()
     if kind == "mhc":
         inputs = maps_inputs((200,), 4, 33, torch.float32, seed=11)
         fn, ref = cpu.mhc_maps_pre, _maps_then_pre
+    elif kind == "hc_pre":
+        inputs = hc_inputs((200,), 4, 40, torch.float32, seed=12)
+        fn, ref = cpu.hc_maps_pre, _hc_maps_then_pre
     else:
         inputs = hc_inputs((50,), 4, 40, torch.float32, seed=12)  # 200 stream rows
         fn, ref = cpu.hc_maps, reference.hc_maps
@@ -439,6 +513,9 @@ def _native_op_samples():
         "cpu_rows_fwd": (x.view(15, 20), cpu._padded(w)),
         "cpu_rows_bwd": (x.view(15, 20), w.t().contiguous(), cpu._padded(torch.randn(15, 5)),
                          torch.randn(15)),
+        "cpu_hc_maps_bwd": (x, w.t().contiguous(), torch.tanh(torch.randn(15, 5)),
+                            torch.randn(15, 5), torch.rand(15) + 0.5, h_pre, h_res, h_pre, None,
+                            h_res, f, g, torch.tensor([0.7, 0.4])),
     }
 
 
@@ -607,11 +684,14 @@ def test_connection_cpu_equals_reference(kind, cpu_path):
         assert_close(a, e, 2e-5)
 
 
-def test_connection_cpu_compiles_fullgraph(cpu_path):
+@pytest.mark.parametrize("kind", [ManifoldHyperConnection, HyperConnection])
+def test_connection_cpu_compiles_fullgraph(kind, cpu_path):
+    """The cpu ops' custom ops (HC's fused maps backward included: 18 tokens take the
+    native path) under torch.compile(fullgraph=True), against eager."""
     c, n = 16, 4
     torch.manual_seed(1)
-    conn = perturbed(ManifoldHyperConnection(c, n, 0, Branch(c), impl="cpu"))
-    x = torch.randn(2, 7, n, c, requires_grad=True)
+    conn = perturbed(kind(c, n, 0, Branch(c), impl="cpu"))
+    x = torch.randn(2, 9, n, c, requires_grad=True)
     compiled = torch.compile(conn, fullgraph=True, backend="aot_eager")
     out_c, out_e = compiled(x), conn(x)
     assert_close(out_c, out_e, 1e-6)
@@ -622,11 +702,16 @@ def test_connection_cpu_compiles_fullgraph(cpu_path):
         assert_close(a, e, 1e-6)
 
 
-def test_every_implementation_has_a_maps_pre_op():
+def test_every_implementation_has_maps_pre_ops():
     inputs = maps_inputs((4,), 3, 10, torch.float32)
     expected = _maps_then_pre(*inputs)
+    hc = hc_inputs((20,), 3, 10, torch.float32)
+    hc_expected = _hc_maps_then_pre(*hc)
     for name in ("reference", "cpu"):
-        for a, e in zip(ops.get_impl(name).mhc_maps_pre(*inputs), expected, strict=True):
+        impl = ops.get_impl(name)
+        for a, e in zip(impl.mhc_maps_pre(*inputs), expected, strict=True):
+            assert_close(a.detach(), e.detach(), 2e-6)
+        for a, e in zip(impl.hc_maps_pre(*hc), hc_expected, strict=True):
             assert_close(a.detach(), e.detach(), 2e-6)
 
 

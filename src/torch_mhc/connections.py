@@ -239,20 +239,21 @@ class HyperConnection(_Connection):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def maps(self, x: torch.Tensor, with_pre: bool = False):
-        """H_pre, H_post, H_res; with_pre=True appends the branch input sum_j H_pre[j] x[j]."""
+        """H_pre, H_post, H_res; with_pre=True appends the branch input sum_j H_pre[j] x[j]
+        (one fused op where the implementation has one)."""
         ops = _ops.get_impl(self.impl, x.device, x.dtype)
-        maps = self._maps_under(ops, x)
-        return (*maps, ops.pre_aggregate(x, maps[0])) if with_pre else maps
+        return (ops.hc_maps_pre if with_pre else ops.hc_maps)(*self._map_args(x))
 
-    def _maps_under(self, ops, x: torch.Tensor):
-        return ops.hc_maps(
+    def _map_args(self, x: torch.Tensor) -> tuple:
+        return (
             x, self.w, self.s_alpha.view(()), self.s_beta.view(()),
             self.static_pre, self.static_post, self.static_res, self.norm_eps,
         )
 
     def _maps_and_input(self, ops, x: torch.Tensor):
-        maps = self._maps_under(ops, x)
-        return (*maps, ops.pre_aggregate(x, maps[0]), None)
+        if ops.links:  # x_link None: no single node was made, the merge runs unlinked
+            return ops.hc_maps_pre(*self._map_args(x), link=True)
+        return (*ops.hc_maps_pre(*self._map_args(x)), None)
 
     def no_weight_decay(self) -> set[str]:
         names = {"static_pre", "static_post", "static_res"}

@@ -9,13 +9,15 @@ Every implementation provides the same six functions with the same contracts as
                                               -> the same three maps, HC's definition
     mhc_maps_pre(same arguments as mhc_maps)  -> H_pre, H_post, H_res, pre_aggregate(x, H_pre)
                                               (one node: an implementation may fuse them)
+    hc_maps_pre(same arguments as hc_maps)    -> the same for HC's maps
     pre_aggregate(x, h_pre)                   -> [..., C]     sum_j H_pre[j] x[j]
     post_merge(x, f, h_post, h_res)           -> [..., n, C]  H_res x + H_post^T f
     sinkhorn(logits, iters=20, *, eps=0.0)    -> [..., n, n]
 
-Optionally (Ops.links, the `cpu` implementation): mhc_maps_pre(..., link=True) also returns
-x_link, and post_merge(x_link, f, h_post, h_res, linked=True) leaves x's gradient through the
-merge to the maps node, so that a connection writes x's gradient once.
+Optionally (Ops.links, the `cpu` implementation): mhc_maps_pre(..., link=True) and
+hc_maps_pre(..., link=True) also return x_link, and post_merge(x_link, f, h_post, h_res,
+linked=True) leaves x's gradient through the merge to the maps node, so that a connection
+writes x's gradient once (hc_maps_pre's x_link is None where it made no single node).
 
 Implementations:
     "reference"  plain torch, autograd through every op: the definition and the test oracle
@@ -91,6 +93,7 @@ class Ops:
     mhc_maps: Callable
     mhc_maps_pre: Callable
     hc_maps: Callable
+    hc_maps_pre: Callable
     pre_aggregate: Callable
     post_merge: Callable
     sinkhorn: Callable
@@ -156,14 +159,15 @@ def resolve_impl_name(
     return "reference"
 
 
-def _composed_maps_pre(module) -> Callable:
-    """mhc_maps then pre_aggregate, for implementations without a fused mhc_maps_pre."""
+def _composed_maps_pre(module, maps: Callable) -> Callable:
+    """maps (mhc_maps or hc_maps) then pre_aggregate, for implementations without a fused
+    mhc_maps_pre or hc_maps_pre."""
 
-    def mhc_maps_pre(x, *args, **kwargs):
-        h_pre, h_post, h_res = module.mhc_maps(x, *args, **kwargs)
+    def maps_pre(x, *args, **kwargs):
+        h_pre, h_post, h_res = maps(x, *args, **kwargs)
         return h_pre, h_post, h_res, module.pre_aggregate(x, h_pre)
 
-    return mhc_maps_pre
+    return maps_pre
 
 
 def get_impl(
@@ -188,8 +192,11 @@ def _load(resolved: str) -> Ops:
     ops = Ops(
         name=resolved,
         mhc_maps=module.mhc_maps,
-        mhc_maps_pre=getattr(module, "mhc_maps_pre", None) or _composed_maps_pre(module),
+        mhc_maps_pre=getattr(module, "mhc_maps_pre", None)
+        or _composed_maps_pre(module, module.mhc_maps),
         hc_maps=module.hc_maps,
+        hc_maps_pre=getattr(module, "hc_maps_pre", None)
+        or _composed_maps_pre(module, module.hc_maps),
         pre_aggregate=module.pre_aggregate,
         post_merge=module.post_merge,
         sinkhorn=module.sinkhorn,

@@ -20,10 +20,13 @@ matmuls with phi, so everything here is about fewer passes and fewer saved tenso
   x_j @ W in one pass over x, divided by the row's RMS afterwards (the reordering mHC uses),
   and a backward that writes dx = dz W^T + coef x once (a HyperConnection's forward +
   backward on [2048, 4, 512] streams: 97.9 ms with torch's per-stream RMSNorm and skinny
-  matmuls, 22.6 ms with these; benchmarks/NOTES_ops.md).
+  matmuls, 22.6 ms with these; benchmarks/NOTES_ops.md). hc_maps_pre(..., link=True) makes
+  HC's maps, aggregation and (through the link) merge one gradient write for x, as mHC's:
+  its backward (NativeOps.hc_bwd) adds H_pre[j] da and H_res^T g to the rows' dx.
 - Without autograd (decode under no_grad / inference_mode) mhc_maps_pre and post_merge call
   the native loops directly, skipping the autograd Function and the custom-op dispatch,
-  with phi's padded float32 copy cached while the parameters are unchanged.
+  in the caller's shapes, with phi's padded float32 copy cached while the parameters are
+  unchanged; a merge of a few tokens keeps its output in cache (ordinary stores).
 - Without a C compiler, with TORCH_MHC_NATIVE=0, for other dtypes or n > 8, the same
   autograd Functions run on torch ops (token-last Sinkhorn on [n, n, T], batched matmuls).
 
@@ -45,7 +48,8 @@ from ..sinkhorn import sinkhorn_backward, sinkhorn_forward
 from . import cpu_native as _native
 from . import reference as _ref
 
-__all__ = ["mhc_maps", "mhc_maps_pre", "hc_maps", "pre_aggregate", "post_merge", "sinkhorn"]
+__all__ = ["mhc_maps", "mhc_maps_pre", "hc_maps", "hc_maps_pre", "pre_aggregate", "post_merge",
+           "sinkhorn"]
 
 LINKS = True  # mhc_maps_pre(..., link=True) and post_merge(..., linked=True); see ops/__init__
 
@@ -492,8 +496,7 @@ def hc_maps(
     native rows kernels, everything else on the reference. So do calls on fewer than
     _HC_NATIVE_MIN_TOKENS tokens (decoding): one token's maps took 78 us this way and 49 us
     on the reference's few torch ops, 16 tokens 87 and 97 us (n = 4, C = 512, no grad)."""
-    if w is None or not _use_native(x) or x.shape[-1] != w.shape[0] \
-            or w.shape[1] != x.shape[-2] + 2 or math.prod(x.shape[:-2]) < _HC_NATIVE_MIN_TOKENS:
+    if not _hc_native(x, w):
         return _ref.hc_maps(x, w, s_alpha, s_beta, static_pre, static_post, static_res,
                             norm_eps)
     lead, (n, c) = x.shape[:-2], x.shape[-2:]
@@ -505,6 +508,95 @@ def hc_maps(
     else:
         h_pre, h_post, h_res = _HcMaps.apply(*args, float(norm_eps))
     return h_pre.view(*lead, n), h_post.view(*lead, n), h_res.view(*lead, n, n)
+
+
+class _HcMapsPre(torch.autograd.Function):
+    """hc_maps and the pre-aggregation a = sum_j H_pre[j] x[j] as one node on the native
+    loops, for x [T, n, C] and a dynamic W [C, n + 2]; link=True also returns x_link, as
+    _MhcMaps does. The backward (NativeOps.hc_bwd) writes x's gradient once: coef x + dz W^T
+    (the maps' share) + H_pre[j] da (the aggregation's) + H_res^T g (the merge's, linked),
+    where separate nodes would write three [T, n, C] gradients and autograd add them up."""
+
+    @staticmethod
+    @_no_autocast
+    def forward(ctx, x, w, s_alpha, s_beta, static_pre, static_post, static_res, norm_eps,
+                link):
+        ctx.set_materialize_grads(False)
+        (h_pre, h_post, h_res), (r, u, d) = _hc_maps_values(
+            torch.ops.torch_mhc.cpu_rows_fwd, x, _padded(w), s_alpha, s_beta, static_pre,
+            static_post, static_res, norm_eps,
+        )
+        h_pre, h_res = h_pre.contiguous(), h_res.contiguous()
+        a = torch.ops.torch_mhc.cpu_pre_aggregate_fwd(x, h_pre)
+        ctx.save_for_backward(x, w, s_alpha, s_beta, r, u, d, h_pre, h_res)
+        ctx.static_dtypes = (static_pre.dtype, static_post.dtype, static_res.dtype)
+        ctx.link = link
+        return (h_pre, h_post, h_res, a, x.view_as(x)) if link else (h_pre, h_post, h_res, a)
+
+    @staticmethod
+    @_no_autocast
+    def backward(ctx, g_pre, g_post, g_res, g_a, g_link=None):
+        x, w, s_alpha, s_beta, r, u, d, h_pre, h_res = ctx.saved_tensors
+        t, n, _ = x.shape
+        f32 = torch.float32
+        sc = torch.stack([s_alpha.reshape(()), s_beta.reshape(())]).to(f32)
+        dx, gtot, dw = torch.ops.torch_mhc.cpu_hc_maps_bwd(
+            x, w.to(f32).t().contiguous(), d, u, r, h_pre, h_res,
+            _contiguous_or_none(g_pre, f32), _contiguous_or_none(g_post, f32),
+            _contiguous_or_none(g_res, f32), _contiguous_or_none(g_a, x.dtype),
+            _contiguous_or_none(g_link, x.dtype), sc,
+        )
+        # The scales' and the static maps' gradients from H_pre's and H_res's totals [T, ...]
+        gp, gr = gtot[:, :n], gtot[:, n:].view(t, n, n)
+        d3 = d.view(t, n, n + 2)
+        d_sa = (gp * d3[..., 1]).sum() + (gr.transpose(-1, -2) * d3[..., 2:]).sum()
+        d_sb, d_post = torch.zeros((), dtype=f32), None
+        if g_post is not None:
+            g_post = g_post.to(f32)
+            d_sb, d_post = (g_post * d3[..., 0]).sum(), g_post.sum(dim=0)
+        dtypes = ctx.static_dtypes
+        return (dx, dw.to(w.dtype), d_sa.to(s_alpha.dtype), d_sb.to(s_beta.dtype),
+                gp.sum(dim=0).to(dtypes[0]), None if d_post is None else d_post.to(dtypes[1]),
+                gr.sum(dim=0).to(dtypes[2]), None, None)
+
+
+def _hc_native(x: torch.Tensor, w: torch.Tensor | None) -> bool:
+    """Whether HC's dynamic maps of x [..., n, C] run on the native rows kernels (W [C, n + 2],
+    at least _HC_NATIVE_MIN_TOKENS tokens)."""
+    return (w is not None and _use_native(x) and x.shape[-1] == w.shape[0]
+            and w.shape[1] == x.shape[-2] + 2
+            and math.prod(x.shape[:-2]) >= _HC_NATIVE_MIN_TOKENS)
+
+
+def hc_maps_pre(
+    x: torch.Tensor,
+    w: torch.Tensor | None,
+    s_alpha: torch.Tensor,
+    s_beta: torch.Tensor,
+    static_pre: torch.Tensor,
+    static_post: torch.Tensor,
+    static_res: torch.Tensor,
+    norm_eps: float = 1e-6,
+    *,
+    link: bool = False,
+):
+    """hc_maps plus pre_aggregate(x, H_pre): one autograd node (one dx in backward) where the
+    maps run natively with autograd, else the two ops.
+
+    link=True appends x_link for post_merge(x_link, ..., linked=True), as mhc_maps_pre does,
+    or None where no single node was made (the merge then runs unlinked on x).
+    """
+    args = (w, s_alpha, s_beta, static_pre, static_post, static_res)
+    if not _hc_native(x, w) or _no_autograd(x, *args):
+        maps = hc_maps(x, *args, norm_eps)
+        a = pre_aggregate(x, maps[0])
+        return (*maps, a, None) if link else (*maps, a)
+    lead, (n, c) = x.shape[:-2], x.shape[-2:]
+    outs = _HcMapsPre.apply(x.reshape(-1, n, c).contiguous(), *args, float(norm_eps), link)
+    h_pre, h_post, h_res, a = outs[:4]
+    maps = (h_pre.view(*lead, n), h_post.view(*lead, n), h_res.view(*lead, n, n),
+            a.view(*lead, c))
+    return (*maps, outs[4].view(x.shape)) if link else maps
 
 
 # ---------------------------------------------------------------------------------------------
@@ -726,6 +818,25 @@ def _native_maps_bwd(
 @_native_maps_bwd.register_fake
 def _(x, phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_link, iters, sk_eps, pre_eps):
     return torch.empty_like(x), torch.empty_like(lt), phit.new_empty(phit.t().shape)
+
+
+@torch.library.custom_op("torch_mhc::cpu_hc_maps_bwd", mutates_args=())
+def _native_hc_bwd(
+    x: torch.Tensor, wt: torch.Tensor, d: torch.Tensor, u: torch.Tensor, r: torch.Tensor,
+    h_pre: torch.Tensor, h_res: torch.Tensor, g_pre: torch.Tensor | None,
+    g_post: torch.Tensor | None, g_res: torch.Tensor | None, g_a: torch.Tensor | None,
+    g_link: torch.Tensor | None, sc: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, gtot [T, n + n n], dw [C, M]): see NativeOps.hc_bwd."""
+    return _lib().hc_bwd(x.contiguous(), wt, d, u, r, h_pre, h_res, g_pre, g_post, g_res,
+                         g_a, g_link, sc)
+
+
+@_native_hc_bwd.register_fake
+def _(x, wt, d, u, r, h_pre, h_res, g_pre, g_post, g_res, g_a, g_link, sc):
+    t, n, c = x.shape
+    return (torch.empty_like(x), x.new_empty((t, n + n * n), dtype=torch.float32),
+            wt.new_empty(wt.t().shape))
 
 
 @torch.library.custom_op("torch_mhc::cpu_rows_fwd", mutates_args=())

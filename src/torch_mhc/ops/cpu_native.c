@@ -19,7 +19,9 @@
      merge_fwd  H_res x + H_post f;  merge_bwd  df, dH_post, and dH_res and dx unless the
                 maps' backward takes the merge's gradient (the "linked" path of ops/cpu.py:
                 the maps' backward then computes the merge's dH_res and H_res^T g from the x
-                and g it reads anyway, and the merge's backward does not read x). */
+                and g it reads anyway, and the merge's backward does not read x);
+     rows_fwd / rows_bwd, hc_bwd  the same for HC's maps, per stream row: x_j @ W, and a
+                backward whose dx also takes the aggregation's and the merge's shares. */
 
 #include <math.h>
 #include <stdint.h>
@@ -689,18 +691,19 @@ INLINE void maps_fwd_body(const void* x, const float* phip, const float* ab, flo
    phit [M, K] is phi transposed; sk_y is scratch for Sinkhorn's iterates (see cpu_native.py).
    --------------------------------------------------------------------------------------- */
 
-/* base[u] = coef x + H_pre[j] ga + sum_i H_res[i, j] glink[i] for token t + u, in float
-   (the part of dx that is per token): each chunk of x, ga and glink is loaded once. */
-INLINE void maps_dx_base(const void* x, const void* ga, const void* glink, float coef,
-                         const float* hp, const float* hr, float* base, int64_t t,
-                         const int64_t n, int64_t C, int bf) {
+/* base[j] = coef x[j] + H_pre[j] ga + sum_i H_res[i, j] glink[i] for token t, in float
+   (the part of dx that is per token): each chunk of x, ga and glink is loaded once. coef is
+   one number for the token (mHC), or one per stream row with per_row (HC). */
+INLINE void maps_dx_base(const void* x, const void* ga, const void* glink, const float* coef,
+                         const int per_row, const float* hp, const float* hr, float* base,
+                         int64_t t, const int64_t n, int64_t C, int bf) {
     FOR_CHUNKS(c, w, C,
         const v16 av = ga ? ldw(ga, t * C + c, w, bf) : vzero();
         v16 gv[MAXN];
         for (int64_t i = 0; i < n; ++i)
             gv[i] = glink ? ldw(glink, (t * n + i) * C + c, w, bf) : vzero();
         for (int64_t j = 0; j < n; ++j) {
-            v16 acc = coef * ldw(x, (t * n + j) * C + c, w, bf);
+            v16 acc = coef[per_row ? j : 0] * ldw(x, (t * n + j) * C + c, w, bf);
             if (ga) acc += hp[j] * av;
             if (glink)
                 for (int64_t i = 0; i < n; ++i) acc += hr[i * n + j] * gv[i];
@@ -737,8 +740,8 @@ INLINE void maps_dx_tile(const void* x, const float* phit, const void* ga, const
                          int64_t C, int64_t M, int64_t Mp, int bf) {
     const int64_t K = n * C;
     for (int u = 0; u < TT; ++u)
-        maps_dx_base(x, ga, glink, coef[u], hp + u * n, hr + u * n * n, base + u * K, t + u,
-                     n, C, bf);
+        maps_dx_base(x, ga, glink, coef + u, 0, hp + u * n, hr + u * n * n, base + u * K,
+                     t + u, n, C, bf);
     int64_t k = 0;
     for (; k + W <= K; k += W)
         dx_chunk(base, 0, NULL, 0, phit, dz, dx, t, TT, K, M, Mp, k, W, bf);
@@ -891,6 +894,92 @@ INLINE void rows_bwd_body(const void* x, const float* wt, const float* dz, const
 }
 
 /* ---------------------------------------------------------------------------------------
+   HC maps and pre-aggregation, backward, with one dx (as the mHC maps backward). Per token t,
+   stream rows t n + j of x [T, n, C]:
+     gp[j] = gpre[t, j] + <x[j], ga>,  gr[i, j] = gres[t, i, j] + <glink[i], x[j]>
+                                                 -> gtot [T, n + n n] (gp, then gr row-major)
+     dd[j] = (s_beta gpost[t, j], s_alpha gp[j], s_alpha gr[0, j] .. s_alpha gr[n - 1, j])
+     du = dd (1 - d[j]^2), coef[j] = -<du, u[j]> / (r[j]^2 C), dz[j] = du / r[j]
+     dw += x[j]^T dz[j]                                      (dw [C, Mp]: this thread's part)
+     dx[j] = coef[j] x[j] + dz[j] W^T + hpre[t, j] ga + sum_i hres[t, i, j] glink[i]
+   d = tanh(u), u [T n, M] (M = n + 2) and r [T n] are the forward's, hpre [T, n] and
+   hres [T, n, n] its maps, wt [M, C] = W^T, sc = (s_alpha, s_beta); gpre, gpost, gres, ga
+   and glink may be NULL (no gradient). base: 8 rows of C floats of scratch.
+   --------------------------------------------------------------------------------------- */
+
+INLINE void hc_row_grads(const float* d, const float* u, float rr, const float* gp,
+                         const float* gr, const float* gpost, float sa, float sb, float* dz,
+                         float* coef, int64_t j, const int64_t n, int64_t C, int64_t M,
+                         int64_t Mp) {
+    float dot = 0.0f;
+    for (int64_t q = 0; q < M; ++q) {
+        const float dd = q == 0 ? (gpost ? sb * gpost[j] : 0.0f)
+                       : q == 1 ? sa * gp[j] : sa * gr[(q - 2) * n + j];
+        const float du = dd * (1.0f - d[q] * d[q]);
+        dot += du * u[q];
+        dz[q] = du / rr;
+    }
+    for (int64_t q = M; q < Mp; ++q) dz[q] = 0.0f;
+    *coef = -dot / (rr * rr * (float)C);
+}
+
+INLINE void hc_bwd_body(const void* x, const float* wt, const float* d, const float* u,
+                        const float* r, const float* hpre, const float* hres,
+                        const float* gpre, const float* gpost, const float* gres,
+                        const void* ga, const void* glink, const float* sc, void* dx,
+                        float* gtot, float* dw, float* base, int64_t t0, int64_t t1,
+                        const int64_t n, int64_t C, int64_t M, int64_t MV, int bf) {
+    const int64_t Mp = MV * WG, nn = n * n, size = bf ? 2 : 4;
+    const int64_t tk = n <= MAX_TILE ? MAX_TILE / n : 1;  /* tokens per dx tile (<= 8 rows) */
+    float dz[G * n * Mp], coef[G * n], dots[n], dres[nn];
+    for (int64_t t = t0; t < t1; t += G) {
+        const int64_t g = t1 - t < G ? t1 - t : G;
+        for (int64_t v = 0; v < g; ++v) {  /* the dot products, then each row's dz, coef */
+            const int64_t tv = t + v;
+            token_dots(x, ga, glink, dots, dres, tv, tv + 1 < t1, n, C, bf);
+            float* gp = gtot + tv * (n + nn);
+            float* gr = gp + n;
+            for (int64_t j = 0; j < n; ++j)
+                gp[j] = (gpre ? gpre[tv * n + j] : 0.0f) + (ga ? dots[j] : 0.0f);
+            for (int64_t q = 0; q < nn; ++q)
+                gr[q] = (gres ? gres[tv * nn + q] : 0.0f) + (glink ? dres[q] : 0.0f);
+            for (int64_t j = 0; j < n; ++j) {
+                const int64_t row = tv * n + j;
+                hc_row_grads(d + row * M, u + row * M, r[row], gp, gr,
+                             gpost ? gpost + tv * n : NULL, sc[0], sc[1],
+                             dz + (v * n + j) * Mp, coef + v * n + j, j, n, C, M, Mp);
+            }
+        }
+        /* The next group's x, ga and glink rows, fetched during dw. */
+        const int64_t t2 = t + G < t1 ? t + G : t1, t3 = t + 2 * G < t1 ? t + 2 * G : t1;
+        const int64_t K = n * C;
+        const ahead_t ahead = {
+            {(const char*)x + t2 * K * size, ga ? (const char*)ga + t2 * C * size : NULL,
+             glink ? (const char*)glink + t2 * K * size : NULL},
+            {(t3 - t2) * K * size / 64, ga ? (t3 - t2) * C * size / 64 : 0,
+             glink ? (t3 - t2) * K * size / 64 : 0}};
+        dphi_rows(x, dz, dw, t * n, g * n, C, MV, &ahead, bf);
+        for (int64_t s = 0; s < g; s += tk) {  /* dx, tk tokens (tk n rows) at a time */
+            const int64_t kt = g - s < tk ? g - s : tk, rows = kt * n, row0 = (t + s) * n;
+            for (int64_t v = 0; v < kt; ++v)
+                maps_dx_base(x, ga, glink, coef + (s + v) * n, 1, hpre + (t + s + v) * n,
+                             hres + (t + s + v) * nn, base + v * n * C, t + s + v, n, C, bf);
+            const float* dzs = dz + s * n * Mp;
+            if (rows == MAX_TILE) {
+                FOR_CHUNKS(k, w, C,
+                    dx_chunk(base, 0, NULL, 0, wt, dzs, dx, row0, MAX_TILE, C, M, Mp, k, w,
+                             bf););
+            } else {  /* n = 3, 5, 6, 7 or the group's last tokens: row by row */
+                for (int64_t q = 0; q < rows; ++q)
+                    FOR_CHUNKS(k, w, C,
+                        dx_chunk(base, q, NULL, 0, wt, dzs + q * Mp, dx, row0 + q, 1, C, M,
+                                 Mp, k, w, bf););
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------
    Exported entry points: name_f32 / name_bf16, pointers first, then t0, t1, the number of
    threads and the sizes. Each splits [t0, t1) into contiguous ranges over an OpenMP team of
    `threads`: built with -fopenmp against libgomp.so.1, which is the runtime torch already
@@ -987,6 +1076,16 @@ EXPORT_BOTH(maps_bwd,
              (v16*)(sk_y + k_ * (2 * iters - 1) * (n * n + n) * 16),
              base + k_ * 8 * n * C, a_, b_, N_, C, M, MV, (int)iters, (float)sk_eps,
              (float)pre_eps, bf))
+
+/* Per-thread slices: dw [C, Mp], base [8 C]. */
+EXPORT_BOTH(hc_bwd,
+            (const void* x, const float* wt, const float* d, const float* u, const float* r,
+             const float* hpre, const float* hres, const float* gpre, const float* gpost,
+             const float* gres, const void* ga, const void* glink, const float* sc, void* dx,
+             float* gtot, float* dw, float* base, int64_t t0, int64_t t1, int64_t threads,
+             int64_t n, int64_t C, int64_t M, int64_t MV),
+            (x, wt, d, u, r, hpre, hres, gpre, gpost, gres, ga, glink, sc, dx, gtot,
+             dw + k_ * C * MV * WG, base + k_ * MAX_TILE * C, a_, b_, N_, C, M, MV, bf))
 
 #define EXPORT_ROWS(NAME, BF)                                                           \
     void rows_fwd_##NAME(const void* x, const float* wp, float* z, float* ss, int64_t r0,  \

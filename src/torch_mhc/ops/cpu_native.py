@@ -120,6 +120,7 @@ _SIGNATURES = {
     "pre_bwd": (5, [_I, _I]),
     "maps_fwd": (9, [_I, _I, _I, _I, _I, _D, _D, _D]),  # n, C, M, MV, iters, 3 epsilons
     "maps_bwd": (15, [_I, _I, _I, _I, _I, _D, _D]),  # n, C, M, MV, iters, sk_eps, pre_eps
+    "hc_bwd": (17, [_I, _I, _I, _I]),  # n, C, M, MV
     "rows_fwd": (4, [_I, _I]),  # K, MV
     "rows_bwd": (6, [_I, _I, _I]),  # K, M, MV
 }
@@ -297,6 +298,30 @@ class NativeOps:
                   iters, sk_eps, pre_eps)
         dphi = dphi[0] if dphi.shape[0] == 1 else dphi.sum(dim=0)
         return dx, dht, dphi[:, :m].contiguous()
+
+    def hc_bwd(self, x, wt, d, u, r, h_pre, h_res, g_pre, g_post, g_res, g_a, g_link, sc):
+        """The backward of HC's maps and pre-aggregation (and of the merge's H_res x when
+        g_link is given) for x [T, n, C]: dx [T, n, C] in x's dtype, gtot [T, n + n n] (the
+        total gradients of H_pre, then H_res, aggregation and merge included) and dw [C, M].
+
+        wt: W^T [M, C] float32 (M = n + 2); d = tanh(u), u [T n, M] and r [T n] from the
+        forward's rows; h_pre [T, n], h_res [T, n, n] its maps; the gradients are float32
+        [T, n], [T, n], [T, n, n] and x's dtype [T, C], [T, n, C], any may be None;
+        sc = (s_alpha, s_beta) float32.
+        """
+        t, n, c = x.shape
+        m = wt.shape[0]
+        mp = padded_width(m)
+        dx = self.blocks.empty(x.shape, x.dtype)
+        gtot = torch.empty((t, n + n * n), dtype=torch.float32)
+        threads = self.threads_for(t)
+        dw = torch.zeros((threads, c, mp), dtype=torch.float32)
+        base = torch.empty((threads, 8 * c), dtype=torch.float32)  # 8 rows of dx, in float
+        self._run("hc_bwd", x.dtype,
+                  [x, wt, d, u, r, h_pre, h_res, g_pre, g_post, g_res, g_a, g_link, sc, dx,
+                   gtot, PerThread(dw), PerThread(base)], t, n, c, m, mp // 8)
+        dw = dw[0] if threads == 1 else dw.sum(dim=0)
+        return dx, gtot, dw[:, :m].contiguous()
 
     def rows_fwd(self, x, wp):
         """z [R, Mp] = x @ wp and the sums of squares ss [R] of x's rows, for x [R, K]
