@@ -6,6 +6,7 @@ gradients, on awkward shapes (C = 100, n = 3, 4, 8, odd token counts), in fp32 a
 
 import functools
 import hashlib
+import math
 import os
 import select
 import signal
@@ -278,23 +279,30 @@ def test_hc_maps_pre_with_unused_outputs_matches_reference():
         assert_close(a, e, 2e-5)
 
 
-def test_hc_maps_without_autograd_equal_the_autograd_path():
-    """Under no_grad hc_maps skips the autograd Function and the custom ops (decoding)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, n", [((20,), 4), ((1, 1), 4), ((), 3), ((2, 3), 8)])
+def test_hc_maps_without_autograd_match_the_autograd_path(tokens, n, dtype):
+    """Under no_grad hc_maps and hc_maps_pre are one native call (cpu_native.c's hc_fwd)
+    in the caller's shape: the autograd path's values to float32 rounding (tanhf and fused
+    multiply-adds against torch's ops: at most 1.2e-7 of the largest entry in these cases),
+    the aggregation too."""
     _need_native()
-    inputs = hc_inputs((20,), 4, 48, torch.float32, seed=13)
-    with_grad = cpu.hc_maps(*inputs)
-    assert all(t.requires_grad for t in with_grad)
+    inputs = hc_inputs(tokens, n, 48, dtype, seed=13)
+    x = inputs[0]
+    with_grad = [t.detach() for t in _hc_maps_then_pre(*inputs)]
+    if math.prod(tokens) >= cpu._HC_NATIVE_MIN_TOKENS:  # the rows kernels' autograd path
+        with_grad = [t.detach() for t in cpu.hc_maps_pre(*inputs)]
     with torch.no_grad():
-        without = cpu.hc_maps(*inputs)
-    for a, e in zip(without, with_grad, strict=True):
-        assert not a.requires_grad
-        assert torch.equal(a, e.detach())
-    for a, e in zip(without, reference.hc_maps(*inputs), strict=True):
-        assert_close(a, e.detach(), 2e-5)
+        maps = cpu.hc_maps(*inputs)
+        maps_pre = cpu.hc_maps_pre(*inputs)
+    for a, e in zip([*maps, *maps_pre], [*with_grad[:3], *with_grad], strict=True):
+        assert a.shape == e.shape and a.dtype == e.dtype and not a.requires_grad
+        assert_close(a, e, 2e-6 if a.dtype == torch.float32 else TOL[dtype])
+    assert torch.equal(maps_pre[3], cpu.pre_aggregate(x.detach(), maps_pre[0]))
 
 
 def test_hc_maps_on_few_tokens_are_the_reference():
-    """Below cpu._HC_NATIVE_MIN_TOKENS tokens (decoding) the reference's torch ops run."""
+    """With autograd, below cpu._HC_NATIVE_MIN_TOKENS tokens the reference's torch ops run."""
     _need_native()
     few = hc_inputs((cpu._HC_NATIVE_MIN_TOKENS - 1,), 4, 48, torch.float32, seed=14)
     for a, e in zip(cpu.hc_maps(*few), reference.hc_maps(*few), strict=True):
@@ -350,6 +358,35 @@ def test_inference_path_equals_autograd_path_and_sees_parameter_updates(cpu_path
         expected = ref(x)
     assert (updated - without).abs().max() > 1e-3
     assert_close(updated, expected, 2e-6)
+
+
+def test_hc_inference_sees_parameter_updates_and_replacements():
+    """HC's decoding path caches W padded and its scalars while the parameters are unchanged:
+    in-place updates (through the s_alpha.view(()) the connection passes) and a replaced
+    parameter are both seen, against the reference connection."""
+    _need_native()
+    c, n = 40, 4
+    torch.manual_seed(5)
+    conn = perturbed(HyperConnection(c, n, 1, Branch(c), impl="cpu"))
+    ref = HyperConnection(c, n, 1, Branch(c), impl="reference")
+    x = torch.randn(2, 5, n, c)
+
+    def check(previous):
+        with torch.no_grad():
+            out = conn(x)
+            ref.load_state_dict(conn.state_dict())
+            assert_close(out, ref(x), 2e-6)
+        assert (out - previous).abs().max() > 1e-3
+        return out
+
+    with torch.no_grad():
+        out = conn(x)
+        conn.w.mul_(1.5)
+        conn.s_alpha.add_(0.2)
+        conn.static_res.add_(0.1)
+    out = check(out)
+    conn.s_beta = torch.nn.Parameter(conn.s_beta.detach() + 0.3)
+    check(out)
 
 
 def test_fused_maps_and_pre_aggregation_gradcheck_float64(cpu_path):

@@ -381,26 +381,48 @@ def _no_autograd(*tensors: torch.Tensor) -> bool:
     return not torch.compiler.is_compiling()
 
 
-# id(phi) -> (weak reference to phi, key, padded phi, ab); an entry leaves with its phi.
+# id(phi or W) -> (make, weak references to the tensors, their versions, tables); an entry
+# leaves with its phi or W.
 _param_cache: dict[int, tuple] = {}
 
 
-def _native_params(phi, alpha, b_pre, b_post, b_res) -> tuple[torch.Tensor, torch.Tensor]:
-    """(phi padded [K, Mp], gate table [2, M]) in float32, cached per phi tensor and its
-    parameters' identities and versions (in-place updates bump a tensor's version)."""
+def _cached_tables(make, *tensors: torch.Tensor) -> tuple:
+    """make(*tensors), cached per first tensor (phi, HC's W) while every tensor is the same
+    object (a view counts as its base: HC passes s_alpha.view(()) at each call) with the same
+    version (an in-place update bumps it, in a view or its base alike)."""
     try:
-        key = (id(alpha), id(b_pre), id(b_post), id(b_res), phi._version, alpha._version,
-               b_pre._version, b_post._version, b_res._version)
+        versions = [t._version for t in tensors]
     except RuntimeError:  # inference tensors have no version counter: nothing to key on
-        return _padded(phi), _gate_table(alpha, b_pre, b_post, b_res)
-    hit = _param_cache.get(id(phi))
-    if hit is not None and hit[0]() is phi and hit[1] == key:
-        return hit[2], hit[3]
-    phip, ab = _padded(phi), _gate_table(alpha, b_pre, b_post, b_res)
-    ident = id(phi)
-    ref = weakref.ref(phi, lambda _, ident=ident: _param_cache.pop(ident, None))
-    _param_cache[ident] = (ref, key, phip, ab)
-    return phip, ab
+        return make(*tensors)
+    bases = [t if t._base is None else t._base for t in tensors]
+    hit = _param_cache.get(id(bases[0]))
+    if (hit is not None and hit[0] is make and hit[2] == versions
+            and all(r() is b for r, b in zip(hit[1], bases))):
+        return hit[3]
+    tables = make(*tensors)
+    ident = id(bases[0])
+    refs = [weakref.ref(bases[0], lambda _, ident=ident: _param_cache.pop(ident, None)),
+            *[weakref.ref(b) for b in bases[1:]]]
+    _param_cache[ident] = (make, refs, versions, tables)
+    return tables
+
+
+def _mhc_tables(phi, alpha, b_pre, b_post, b_res) -> tuple[torch.Tensor, torch.Tensor]:
+    """(phi padded [K, Mp], gate table [2, M]) in float32 for the native maps."""
+    return _padded(phi), _gate_table(alpha, b_pre, b_post, b_res)
+
+
+def _hc_tables(w, s_alpha, s_beta, static_pre, static_post, static_res):
+    """(W padded [C, Mp], (s_alpha, s_beta, static_pre, static_post, static_res) as one
+    float32 vector) for the native HC maps."""
+    scalars = [s_alpha.reshape(1), s_beta.reshape(1), static_pre, static_post,
+               static_res.reshape(-1)]
+    return _padded(w), torch.cat([t.to(torch.float32) for t in scalars])
+
+
+def _native_params(phi, alpha, b_pre, b_post, b_res) -> tuple[torch.Tensor, torch.Tensor]:
+    """_mhc_tables, cached while the parameters are unchanged."""
+    return _cached_tables(_mhc_tables, phi, alpha, b_pre, b_post, b_res)
 
 
 
@@ -419,8 +441,7 @@ class _HcMaps(torch.autograd.Function):
     def forward(ctx, x, w, s_alpha, s_beta, static_pre, static_post, static_res, norm_eps):
         ctx.set_materialize_grads(False)
         maps, (r, u, d) = _hc_maps_values(
-            torch.ops.torch_mhc.cpu_rows_fwd, x, _padded(w), s_alpha, s_beta, static_pre,
-            static_post, static_res, norm_eps,
+            x, _padded(w), s_alpha, s_beta, static_pre, static_post, static_res, norm_eps
         )
         ctx.save_for_backward(x, w, s_alpha, s_beta, r, u, d)
         ctx.static_dtypes = (static_pre.dtype, static_post.dtype, static_res.dtype)
@@ -467,13 +488,12 @@ class _HcMaps(torch.autograd.Function):
 _HC_NATIVE_MIN_TOKENS = 16
 
 
-def _hc_maps_values(rows_fwd, x, wp, s_alpha, s_beta, static_pre, static_post, static_res,
-                    norm_eps):
-    """((H_pre, H_post, H_res), (r, u, d)) for x [T, n, C] and W padded [C, Mp], with
-    rows_fwd the rows kernel (its custom op, or the library's method without autograd)."""
+def _hc_maps_values(x, wp, s_alpha, s_beta, static_pre, static_post, static_res, norm_eps):
+    """((H_pre, H_post, H_res), (r, u, d)) for x [T, n, C] and W padded [C, Mp] on the rows
+    kernel, keeping what the backward needs."""
     t, n, c = x.shape
     m = n + 2
-    z, ss = rows_fwd(x.view(t * n, c), wp)
+    z, ss = torch.ops.torch_mhc.cpu_rows_fwd(x.view(t * n, c), wp)
     r = ss.div_(c).add_(norm_eps).sqrt_()  # [T n] the rows' RMS
     u = z[:, :m] / r.unsqueeze(-1)  # [T n, M]
     d = torch.tanh(u)
@@ -493,20 +513,19 @@ def hc_maps(
     norm_eps: float = 1e-6,
 ):
     """Same contract as ops.reference.hc_maps; dynamic maps of fp32/bf16 streams run on the
-    native rows kernels, everything else on the reference. So do calls on fewer than
-    _HC_NATIVE_MIN_TOKENS tokens (decoding): one token's maps took 78 us this way and 49 us
-    on the reference's few torch ops, 16 tokens 87 and 97 us (n = 4, C = 512, no grad)."""
+    native loops, everything else on the reference. Without autograd (decoding) that is one
+    call of cpu_native.c's hc_fwd; with autograd, the rows kernels from
+    _HC_NATIVE_MIN_TOKENS tokens on, the reference's few torch ops below (one token's maps
+    took 78 us on the rows kernels' path and 49 us on the reference's, 16 tokens 87 and
+    97 us; n = 4, C = 512)."""
+    args = (w, s_alpha, s_beta, static_pre, static_post, static_res)
+    if _hc_native(x, w, 1) and _no_autograd(x, *args):
+        return _hc_inference(x, args, norm_eps, False)
     if not _hc_native(x, w):
-        return _ref.hc_maps(x, w, s_alpha, s_beta, static_pre, static_post, static_res,
-                            norm_eps)
+        return _ref.hc_maps(x, *args, norm_eps)
     lead, (n, c) = x.shape[:-2], x.shape[-2:]
-    args = (x.reshape(-1, n, c).contiguous(), w, s_alpha, s_beta, static_pre, static_post,
-            static_res)
-    if _no_autograd(*args):  # decoding: no autograd Function, no custom-op dispatch
-        (h_pre, h_post, h_res), _ = _hc_maps_values(_lib().rows_fwd, args[0], _padded(w),
-                                                    *args[2:], float(norm_eps))
-    else:
-        h_pre, h_post, h_res = _HcMaps.apply(*args, float(norm_eps))
+    h_pre, h_post, h_res = _HcMaps.apply(x.reshape(-1, n, c).contiguous(), *args,
+                                         float(norm_eps))
     return h_pre.view(*lead, n), h_post.view(*lead, n), h_res.view(*lead, n, n)
 
 
@@ -523,8 +542,7 @@ class _HcMapsPre(torch.autograd.Function):
                 link):
         ctx.set_materialize_grads(False)
         (h_pre, h_post, h_res), (r, u, d) = _hc_maps_values(
-            torch.ops.torch_mhc.cpu_rows_fwd, x, _padded(w), s_alpha, s_beta, static_pre,
-            static_post, static_res, norm_eps,
+            x, _padded(w), s_alpha, s_beta, static_pre, static_post, static_res, norm_eps
         )
         h_pre, h_res = h_pre.contiguous(), h_res.contiguous()
         a = torch.ops.torch_mhc.cpu_pre_aggregate_fwd(x, h_pre)
@@ -560,12 +578,19 @@ class _HcMapsPre(torch.autograd.Function):
                 gr.sum(dim=0).to(dtypes[2]), None, None)
 
 
-def _hc_native(x: torch.Tensor, w: torch.Tensor | None) -> bool:
-    """Whether HC's dynamic maps of x [..., n, C] run on the native rows kernels (W [C, n + 2],
-    at least _HC_NATIVE_MIN_TOKENS tokens)."""
+def _hc_native(x: torch.Tensor, w: torch.Tensor | None,
+               min_tokens: int = _HC_NATIVE_MIN_TOKENS) -> bool:
+    """Whether HC's dynamic maps of x [..., n, C] run on the native loops (W [C, n + 2],
+    at least min_tokens tokens)."""
     return (w is not None and _use_native(x) and x.shape[-1] == w.shape[0]
-            and w.shape[1] == x.shape[-2] + 2
-            and math.prod(x.shape[:-2]) >= _HC_NATIVE_MIN_TOKENS)
+            and w.shape[1] == x.shape[-2] + 2 and math.prod(x.shape[:-2]) >= min_tokens)
+
+
+def _hc_inference(x, args, norm_eps, with_pre):
+    """HC's maps (and the aggregation) of x [..., n, C] without autograd: one native call
+    in the caller's shapes (cpu_native.c's hc_fwd), W and the scalars cached."""
+    wp, p = _cached_tables(_hc_tables, *args)
+    return _lib().hc_infer(x.contiguous(), wp, p, float(norm_eps), with_pre)
 
 
 def hc_maps_pre(
@@ -587,7 +612,10 @@ def hc_maps_pre(
     or None where no single node was made (the merge then runs unlinked on x).
     """
     args = (w, s_alpha, s_beta, static_pre, static_post, static_res)
-    if not _hc_native(x, w) or _no_autograd(x, *args):
+    if _hc_native(x, w, 1) and _no_autograd(x, *args):  # decoding
+        maps = _hc_inference(x, args, norm_eps, True)
+        return (*maps, None) if link else maps
+    if not _hc_native(x, w):
         maps = hc_maps(x, *args, norm_eps)
         a = pre_aggregate(x, maps[0])
         return (*maps, a, None) if link else (*maps, a)

@@ -21,7 +21,8 @@
                 the maps' backward then computes the merge's dH_res and H_res^T g from the x
                 and g it reads anyway, and the merge's backward does not read x);
      rows_fwd / rows_bwd, hc_bwd  the same for HC's maps, per stream row: x_j @ W, and a
-                backward whose dx also takes the aggregation's and the merge's shares. */
+                backward whose dx also takes the aggregation's and the merge's shares;
+     hc_fwd     HC's maps and aggregation for inference (decoding), one call per step. */
 
 #include <math.h>
 #include <stdint.h>
@@ -894,6 +895,40 @@ INLINE void rows_bwd_body(const void* x, const float* wt, const float* dz, const
 }
 
 /* ---------------------------------------------------------------------------------------
+   HC maps (and the pre-aggregation when a is not NULL), forward, for inference: per token t,
+     u[j] = (x[j] @ W) / rms(x[j]), d[j] = tanh(u[j])                    (M = n + 2 columns)
+     H_post[j] = sp[j] + s_beta d[j, 0], H_pre[j] = sq[j] + s_alpha d[j, 1],
+     H_res[i, j] = sr[i, j] + s_alpha d[j, 2 + i],  a = sum_j H_pre[j] x[j]
+   with p = (s_alpha, s_beta, sq [n], sp [n], sr [n n]) the scales and static maps and
+   wp [C, Mp] W padded. Nothing is kept for a backward (training takes rows_fwd).
+   --------------------------------------------------------------------------------------- */
+
+INLINE void hc_fwd_body(const void* x, const float* wp, const float* p, float* hpre,
+                        float* hpost, float* hres, void* a, int64_t t0, int64_t t1,
+                        const int64_t n, int64_t C, int64_t MV, float norm_eps, int bf) {
+    const int64_t Mp = MV * WG, nn = n * n;
+    const float sa = p[0], sb = p[1];
+    const float *sq = p + 2, *sp = p + 2 + n, *sr = p + 2 + 2 * n;
+    float z[MAX_TILE * Mp];
+    for (int64_t t = t0; t < t1; ++t) {
+        for (int64_t j0 = 0; j0 < n; j0 += MAX_TILE) {  /* rows of this token, 8 at a time */
+            const int64_t rows = n - j0 < MAX_TILE ? n - j0 : MAX_TILE;
+            xphi_rows(x, wp, t * n + j0, rows, C, MV, z, bf);
+            for (int64_t v = 0; v < rows; ++v) {
+                const int64_t j = j0 + v;
+                const float rr = sqrtf(sum_squares(x, t * n + j, C, bf) / (float)C + norm_eps);
+                const float* zj = z + v * Mp;
+                hpost[t * n + j] = sp[j] + sb * tanhf(zj[0] / rr);
+                hpre[t * n + j] = sq[j] + sa * tanhf(zj[1] / rr);
+                for (int64_t i = 0; i < n; ++i)
+                    hres[t * nn + i * n + j] = sr[i * n + j] + sa * tanhf(zj[2 + i] / rr);
+            }
+        }
+        if (a) aggregate_row(x, hpre + t * n, a, t, n, C, bf);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------
    HC maps and pre-aggregation, backward, with one dx (as the mHC maps backward). Per token t,
    stream rows t n + j of x [T, n, C]:
      gp[j] = gpre[t, j] + <x[j], ga>,  gr[i, j] = gres[t, i, j] + <glink[i], x[j]>
@@ -1076,6 +1111,12 @@ EXPORT_BOTH(maps_bwd,
              (v16*)(sk_y + k_ * (2 * iters - 1) * (n * n + n) * 16),
              base + k_ * 8 * n * C, a_, b_, N_, C, M, MV, (int)iters, (float)sk_eps,
              (float)pre_eps, bf))
+
+EXPORT_BOTH(hc_fwd,
+            (const void* x, const float* wp, const float* p, float* hpre, float* hpost,
+             float* hres, void* a, int64_t t0, int64_t t1, int64_t threads, int64_t n,
+             int64_t C, int64_t MV, double norm_eps),
+            (x, wp, p, hpre, hpost, hres, a, a_, b_, N_, C, MV, (float)norm_eps, bf))
 
 /* Per-thread slices: dw [C, Mp], base [8 C]. */
 EXPORT_BOTH(hc_bwd,

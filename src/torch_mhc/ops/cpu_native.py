@@ -120,6 +120,7 @@ _SIGNATURES = {
     "pre_bwd": (5, [_I, _I]),
     "maps_fwd": (9, [_I, _I, _I, _I, _I, _D, _D, _D]),  # n, C, M, MV, iters, 3 epsilons
     "maps_bwd": (15, [_I, _I, _I, _I, _I, _D, _D]),  # n, C, M, MV, iters, sk_eps, pre_eps
+    "hc_fwd": (7, [_I, _I, _I, _D]),  # n, C, MV, norm_eps
     "hc_bwd": (17, [_I, _I, _I, _I]),  # n, C, M, MV
     "rows_fwd": (4, [_I, _I]),  # K, MV
     "rows_bwd": (6, [_I, _I, _I]),  # K, M, MV
@@ -262,14 +263,33 @@ class NativeOps:
         the RMS (inference: nothing is kept for a backward)."""
         *lead, n, c = x.shape
         t = math.prod(lead)
-        m = ab.shape[1]
-        h_pre = torch.empty((*lead, n), dtype=torch.float32)
-        h_post = torch.empty((*lead, n), dtype=torch.float32)
-        h_res = torch.empty((*lead, n, n), dtype=torch.float32)
-        a = self.blocks.empty((*lead, c), x.dtype, t * c)
+        h_pre, h_post, h_res, a = self._maps_outputs(x, lead, t, True)
         self._run("maps_fwd", x.dtype, [x, phip, ab, None, None, h_pre, h_post, h_res, a], t,
-                  n, c, m, phip.shape[1] // 8, iters, norm_eps, sk_eps, pre_eps)
+                  n, c, ab.shape[1], phip.shape[1] // 8, iters, norm_eps, sk_eps, pre_eps)
         return h_pre, h_post, h_res, a
+
+    def hc_infer(self, x, wp, p, norm_eps, with_pre):
+        """HC's H_pre [..., n], H_post [..., n], H_res [..., n, n] and, with with_pre,
+        a [..., C] for contiguous x [..., n, C] of any leading shape (inference).
+
+        wp: W [C, n + 2] in float32 with columns zero-padded to padded_width; p: float32
+        (s_alpha, s_beta, static_pre [n], static_post [n], static_res [n n]).
+        """
+        *lead, n, c = x.shape
+        t = math.prod(lead)
+        h_pre, h_post, h_res, a = self._maps_outputs(x, lead, t, with_pre)
+        self._run("hc_fwd", x.dtype, [x, wp, p, h_pre, h_post, h_res, a], t, n, c,
+                  wp.shape[1] // 8, norm_eps)
+        return (h_pre, h_post, h_res, a) if with_pre else (h_pre, h_post, h_res)
+
+    def _maps_outputs(self, x, lead, t, with_pre):
+        """Uninitialised H_pre, H_post, H_res (float32) and a (x's dtype, or None) for
+        streams x [*lead, n, C] of t tokens."""
+        n, c = x.shape[-2:]
+        f32 = torch.float32
+        return (torch.empty((*lead, n), dtype=f32), torch.empty((*lead, n), dtype=f32),
+                torch.empty((*lead, n, n), dtype=f32),
+                self.blocks.empty((*lead, c), x.dtype, t * c) if with_pre else None)
 
     def maps_bwd(self, x, phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_link, iters, sk_eps,
                  pre_eps):
