@@ -425,7 +425,6 @@ def _native_params(phi, alpha, b_pre, b_post, b_res) -> tuple[torch.Tensor, torc
     return _cached_tables(_mhc_tables, phi, alpha, b_pre, b_post, b_res)
 
 
-
 # ---------------------------------------------------------------------------------------------
 # (a') HC maps
 # ---------------------------------------------------------------------------------------------
@@ -515,9 +514,9 @@ def hc_maps(
     """Same contract as ops.reference.hc_maps; dynamic maps of fp32/bf16 streams run on the
     native loops, everything else on the reference. Without autograd (decoding) that is one
     call of cpu_native.c's hc_fwd; with autograd, the rows kernels from
-    _HC_NATIVE_MIN_TOKENS tokens on, the reference's few torch ops below (one token's maps
-    took 78 us on the rows kernels' path and 49 us on the reference's, 16 tokens 87 and
-    97 us; n = 4, C = 512)."""
+    _HC_NATIVE_MIN_TOKENS tokens on and the reference's few torch ops below (before hc_fwd,
+    one token's maps without autograd took 78 us on the rows kernels' path and 49 us on the
+    reference's, 16 tokens 87 and 97 us; n = 4, C = 512)."""
     args = (w, s_alpha, s_beta, static_pre, static_post, static_res)
     if _hc_native(x, w, 1) and _no_autograd(x, *args):
         return _hc_inference(x, args, norm_eps, False)
