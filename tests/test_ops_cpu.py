@@ -271,7 +271,7 @@ def test_hc_maps_pre_with_unused_outputs_matches_reference():
         _, h_post, _, a = fn(*leaves)[:4]
         loss = (a * g_a).sum() + (h_post * g_post).sum()
         got = torch.autograd.grad(loss, leaves, allow_unused=True)
-        return [torch.zeros_like(t) if g is None else g for g, t in zip(got, leaves)]
+        return [torch.zeros_like(t) if g is None else g for g, t in zip(got, leaves, strict=True)]
 
     got, want = grads(cpu.hc_maps_pre), grads(_hc_maps_then_pre)
     assert not want[6].any() and torch.equal(got[6], want[6])  # static_res: unused

@@ -397,7 +397,7 @@ def _cached_tables(make, *tensors: torch.Tensor) -> tuple:
     bases = [t if t._base is None else t._base for t in tensors]
     hit = _param_cache.get(id(bases[0]))
     if (hit is not None and hit[0] is make and hit[2] == versions
-            and all(r() is b for r, b in zip(hit[1], bases))):
+            and all(r() is b for r, b in zip(hit[1], bases, strict=True))):
         return hit[3]
     tables = make(*tensors)
     ident = id(bases[0])

@@ -25,6 +25,7 @@ from .checkpoint import (
     load_checkpoint,
     read_extra,
     read_state_dict,
+    remove_unfinished_save,
     resolve_checkpoint,
     save_checkpoint,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "read_extra",
     "read_state_dict",
     "recompute_segments",
+    "remove_unfinished_save",
     "resolve_checkpoint",
     "save_checkpoint",
     "shard_batch",

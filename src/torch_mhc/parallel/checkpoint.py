@@ -89,6 +89,16 @@ def _siblings(path: Path) -> tuple[Path, Path]:
     return path.with_name(path.name + ".partial"), path.with_name(path.name + ".old")
 
 
+def remove_unfinished_save(path: str | os.PathLike) -> Path | None:
+    """Remove `<path>.partial`, left by a save of `path` that died (never a good
+    checkpoint); return it if there was one. Rank 0's business, like the renames."""
+    tmp, _ = _siblings(Path(path))
+    if not tmp.exists():
+        return None
+    shutil.rmtree(tmp)
+    return tmp
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -183,8 +193,7 @@ def save_checkpoint(
     world = dist.get_world_size() if _distributed() else 1
 
     def prepare() -> None:
-        if tmp.exists():  # left by a save that failed: never a good checkpoint
-            shutil.rmtree(tmp)
+        remove_unfinished_save(path)
         tmp.mkdir(parents=True)
 
     _on_rank0(prepare)

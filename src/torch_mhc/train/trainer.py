@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import shutil
 import signal
 import statistics
 import sys
@@ -245,11 +244,8 @@ class Trainer:
                     )
         if par.is_rank0():
             stale = remove_stale_temp_files(out)
-            partial = out / (ckpt.LAST_CHECKPOINT + ".partial")  # a save that died
-            if partial.is_dir():
-                shutil.rmtree(partial)
-                stale.append(partial)
-            for p in stale:
+            partial = par.remove_unfinished_save(out / ckpt.LAST_CHECKPOINT)
+            for p in stale + ([partial] if partial else []):
                 self.printer(f"removed {p.name}, left by an earlier run that stopped mid-write")
         par.barrier()
 
