@@ -16,6 +16,7 @@ which save_pretrained writes to config.json and torch_mhc.hf.from_pretrained rea
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Iterator
 
@@ -55,6 +56,23 @@ def _check_model(model: nn.Module) -> None:
             f"torch_mhc.hf cannot convert {type(model).__name__}: expected a decoder-only "
             "causal LM, got a model with cross-attention"
         )
+    _check_not_dispatched(model)
+
+
+def _check_not_dispatched(model: nn.Module) -> None:
+    """accelerate's dispatch (a device_map over several devices, or offloading) replaces each
+    hooked module's forward on the instance, which would keep running the old layer, and
+    leaves offloaded weights on the meta device, where the connections would be put."""
+    hooked = next((name or "the model" for name, m in model.named_modules()
+                   if hasattr(m, "_hf_hook") or hasattr(m, "_old_forward")), None)
+    if hooked is not None:
+        raise ConversionError(
+            f"torch_mhc.hf cannot convert {type(model).__name__}: it was dispatched by "
+            f"accelerate (hooks on {hooked}, as a device_map over several devices or with "
+            "offloading puts them); expected a model that is not dispatched: convert before "
+            "dispatching (load it without device_map, convert it, then dispatch it, e.g. with "
+            "accelerate.dispatch_model)"
+        )
 
 
 def _check_options(kind: str, streams: int, options: dict) -> None:
@@ -67,8 +85,27 @@ def _check_options(kind: str, streams: int, options: dict) -> None:
             f"connection options must be JSON values (they are saved in config.json), got "
             f"{options!r}: {e}"
         ) from None
-    # Building one connection validates kind and options with make_connection's own errors.
+    # A connection built without options checks kind with make_connection's own error; its
+    # constructor's parameters are the options the kind takes; a second one checks the values.
+    probe = make_connection(kind, 8, streams, 0, lambda h: h)
+    known = _option_names(type(probe))
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(
+            f"unknown connection option(s) {unknown} for kind {kind!r}; expected "
+            f"{sorted(known) if known else 'none'}"
+        )
     make_connection(kind, 8, streams, 0, lambda h: h, **options)
+
+
+def _option_names(cls: type) -> set[str]:
+    """The keyword options a connection class takes: its constructor's named parameters
+    other than the structural ones (Residual takes none and ignores the rest)."""
+    structural = {"self", "dim", "streams", "layer_index", "branch"}
+    return {
+        name for name, p in inspect.signature(cls.__init__).parameters.items()
+        if name not in structural and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+    }
 
 
 def convert(model: nn.Module, kind: str = "mhc", streams: int = 4, **connection_kwargs):
@@ -82,22 +119,22 @@ def convert(model: nn.Module, kind: str = "mhc", streams: int = 4, **connection_
     """
     _check_model(model)
     _check_options(kind, streams, connection_kwargs)
-    layers, spec = find_decoder_layers(model)
+    layers, specs = find_decoder_layers(model)
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
         else model.config
     dim = int(config.hidden_size)
     n = 1 if kind == "residual" else streams
-    new_class = converted_class(type(layers[0]))
-    for i, layer in enumerate(layers):
+    for i, (layer, spec) in enumerate(zip(layers, specs, strict=True)):
         p = next(layer.parameters())
-        layer.__class__ = new_class
+        layer.__class__ = converted_class(type(layer))
         layer._mhc_spec, layer._mhc_first, layer._mhc_last = spec, i == 0, i == len(layers) - 1
         attn = make_connection(kind, dim, n, 2 * i, layer._mhc_attn_branch, **connection_kwargs)
         mlp = make_connection(kind, dim, n, 2 * i + 1, layer._mhc_mlp_branch, **connection_kwargs)
         layer.mhc_attn = attn.to(device=p.device, dtype=p.dtype)
         layer.mhc_mlp = mlp.to(device=p.device, dtype=p.dtype)
     # device_map="auto" must not split a layer from its connections (names, not classes).
-    model._no_split_modules = with_no_split(model, new_class.__name__)
+    for name in sorted({type(layer).__name__ for layer in layers}):
+        model._no_split_modules = with_no_split(model, name)
     setattr(model.config, CONFIG_KEY, {
         "kind": kind, "streams": n, "options": dict(connection_kwargs),
         "torch_mhc_version": __version__,
