@@ -291,7 +291,7 @@ def test_layers_of_different_classes():
     model = transformers.JambaForCausalLM(transformers.JambaConfig(
         **{**COMMON, "num_hidden_layers": 4}, attn_layer_offset=1, attn_layer_period=2,
         expert_layer_offset=1, expert_layer_period=2, num_experts=2, num_experts_per_tok=1,
-        mamba_d_state=8, mamba_expand=2, use_mamba_kernels=False)).eval()
+        mamba_d_state=8, mamba_expand=2)).eval()
     ids, mask = _batch()
     ids, mask = ids[1:], mask[1:]  # no left padding: the Mamba layers run over it as tokens
     ref = _logits(model, ids, mask)
