@@ -8,6 +8,7 @@ branch changes the residual stream substantially and a wrong connection shows in
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -571,3 +572,17 @@ def test_deepseek_v4_errors(monkeypatch):
     with pytest.raises(mhc_hf.ConversionError, match="expects a transformers "
                                                      "DeepseekV4ForCausalLM.*got LlamaForCausalLM"):
         mhc_hf.accelerate_deepseek_v4(_model("llama"))
+
+
+def test_deepseek_v4_accelerated_model_pickles():
+    """torch.save of a whole accelerated model: the generated layer class is rebuilt from its
+    importable base on load, and the reloaded model gives the same logits."""
+    model, _ = _v4_model()
+    mhc_hf.accelerate_deepseek_v4(model)
+    ids = torch.randint(3, V, (2, 10), generator=torch.Generator().manual_seed(0))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert type(loaded.model.layers[0]).__name__ == "MHCDeepseekV4DecoderLayer"
+    assert torch.equal(loaded(ids).logits, model(ids).logits)

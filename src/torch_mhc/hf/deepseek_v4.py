@@ -87,11 +87,11 @@ class DeepseekV4StreamHead(StreamHead):
         return {"hc_base", "hc_scale"}
 
 
-def _attn_branch(self, h: torch.Tensor, **kwargs) -> torch.Tensor:
+def _mhc_attn_branch(self, h: torch.Tensor, **kwargs) -> torch.Tensor:
     return self.self_attn(self.input_layernorm(h), **kwargs)[0]
 
 
-def _mlp_branch(self, h: torch.Tensor, input_ids=None) -> torch.Tensor:
+def _mhc_mlp_branch(self, h: torch.Tensor, input_ids=None) -> torch.Tensor:
     return self.mlp(self.post_attention_layernorm(h), input_ids=input_ids)
 
 
@@ -104,11 +104,23 @@ def _forward(self, hidden_states: torch.Tensor, input_ids=None, **kwargs) -> tor
 _CLASSES: dict[type, type] = {}
 
 
+def _reduce_ex(self, protocol: int):
+    # The generated class is in no module until acceleration in this process builds it:
+    # pickle the (importable) base class and rebuild the subclass from it, as hf.layers does.
+    return _unpickle_accelerated, (type(self).__bases__[0],), self.__getstate__()
+
+
+def _unpickle_accelerated(base: type) -> nn.Module:
+    cls = _accelerated_class(base)
+    return cls.__new__(cls)
+
+
 def _accelerated_class(cls: type) -> type:
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"MHC{cls.__name__}", (cls,), {
-            "forward": _forward, "_mhc_attn_branch": _attn_branch,
-            "_mhc_mlp_branch": _mlp_branch, "__module__": __name__,
+            "forward": _forward, "_mhc_attn_branch": _mhc_attn_branch,
+            "_mhc_mlp_branch": _mhc_mlp_branch, "__reduce_ex__": _reduce_ex,
+            "__module__": __name__,
         })
     return _CLASSES[cls]
 
