@@ -49,6 +49,7 @@ import platform
 import statistics
 import sys
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -822,12 +823,42 @@ def _fill_defaults(args: argparse.Namespace) -> None:
     if args.warmup < 0:
         raise _UsageError(f"--warmup must be >= 0, got {args.warmup}")
     _ops.check_impl_name(args.impl)
+    _check_device(args.device)
+    if args.json is not None:
+        _check_json_path(args.json)
     if args.streams < 2:
         raise _UsageError(f"--streams must be >= 2 for HC and mHC, got {args.streams}")
     # Every model the run will build, checked now rather than after minutes of timing.
     for dim in {*args.sizes, args.dim}:
         lm_config("mhc", dim, args.layers, args.streams, max(args.seq, args.prompt +
                                                               args.new_tokens))
+
+
+def _check_device(name: str) -> None:
+    """A device this machine has, checked before any benchmark runs."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise _UsageError(f"--device must be cpu, cuda or cuda:N, got {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise _UsageError(f"--device {name} asked for, but CUDA is not available here")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise _UsageError(f"--device {name} asked for, but there are "
+                          f"{torch.cuda.device_count()} GPUs")
+    if device.type not in ("cpu", "cuda"):
+        raise _UsageError(f"--device must be cpu, cuda or cuda:N, got {name!r}")
+
+
+def _check_json_path(path: str) -> None:
+    """--json names a file that can be written, checked before minutes of benchmarks."""
+    target = Path(os.path.abspath(os.path.expanduser(path)))
+    if target.is_dir():
+        raise _UsageError(f"--json {path} is a folder, expected a file path")
+    if not target.parent.is_dir():
+        raise _UsageError(f"--json {path}: its folder {target.parent} does not exist (or is "
+                          "a file), expected an existing folder")
+    if not os.access(target.parent, os.W_OK):
+        raise _UsageError(f"--json {path}: the folder {target.parent} is not writable")
 
 
 def _load_average() -> list[float] | None:
@@ -857,7 +888,8 @@ def _meta(args: argparse.Namespace, argv: list[str]) -> dict:
 
 def _write_json_atomic(path: str, report: dict) -> None:
     """Write to a temporary file beside `path`, then rename over it (never half a file)."""
-    atomic_write(os.path.abspath(path), (json.dumps(report, indent=2) + "\n").encode())
+    atomic_write(os.path.abspath(os.path.expanduser(path)),
+                 (json.dumps(report, indent=2) + "\n").encode())
 
 
 def run_benchmarks(args: argparse.Namespace) -> dict:
@@ -918,8 +950,13 @@ def bench_main(argv: list[str] | None = None) -> int:
     if "--gpu" in argv or "--aot" in argv:  # other tools, with their own options
         rest = [a for a in argv if a not in ("--gpu", "--aot")]
         if "--gpu" in argv:
+            from .gpu_check import NO_CUDA
             from .gpu_check import main as gpu_main
 
+            help_asked = "-h" in rest or "--help" in rest
+            if "--dry-run" not in rest and not help_asked and not torch.cuda.is_available():
+                print(f"mhc bench: error: {NO_CUDA}", file=sys.stderr)
+                return 2
             return gpu_main(rest)
         from .ops.triton_aot import main as aot_main
 

@@ -1,7 +1,7 @@
 """The `mhc` command (also `python -m torch_mhc`).
 
     mhc train    [--config run.toml] [--residual mhc --steps 2000 ...]
-    mhc compare  --out DIR [--preset default|tiny|stress] [--config f.toml] [flags]
+    mhc compare  --out DIR [--preset default|tiny|stress|shakespeare] [--config f.toml] [flags]
     mhc generate --checkpoint RUN_DIR [--prompt "def "] [--no-cache]
     mhc cost     ...   (the analytic cost model: torch_mhc.cost)
     mhc bench    ...   (the benchmark suite: torch_mhc.bench)
@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -37,7 +39,7 @@ EXIT_STATUS = """exit status:
   1    stopped by the spike policy (a NaN/Inf or spiking loss); the last good checkpoint is kept
   2    bad input: configuration, data, a corrupt or foreign checkpoint, out_dir in use by
        another run, a missing extra
-  3    no space left on the device; the previous checkpoint is intact
+  3    no space left on the device; a checkpoint written before is left intact
   130  interrupted (Ctrl-C or SIGTERM) after writing a checkpoint of the last completed step"""
 
 # what each command imports beyond torch, and the extra that installs it
@@ -94,8 +96,16 @@ def _run_train(args: argparse.Namespace) -> int:
     from .train import TrainConfig, train
 
     cfg = _config.build_config(TrainConfig(), args.config, _config.flag_overrides(args))
+    _warn_warmup(cfg, "mhc train")
     train(cfg)
     return 0
+
+
+def _warn_warmup(cfg, prog: str) -> None:
+    """One warning line when the warmup never ends: the peak lr is then never reached."""
+    if cfg.warmup >= cfg.steps and _rank0():
+        print(f"{prog}: warning: warmup ({cfg.warmup}) >= steps ({cfg.steps}): the learning "
+              f"rate rises for the whole run and never reaches lr {cfg.lr}", file=sys.stderr)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,7 +134,7 @@ def _add_compare(subparsers) -> None:
     p.add_argument("--seeds", type=int, default=1, metavar="K",
                    help="train every kind on K seeds (seed .. seed+K-1, paired across kinds) "
                    "and report mean +- sd and 95%% intervals of the differences to residual")
-    _config.add_config_flags(p, exclude=_COMPARE_EXCLUDED)
+    _config.add_config_flags(p, exclude=_COMPARE_EXCLUDED, preset_keys=_preset_keys())
     p.set_defaults(run=_run_compare)
 
 
@@ -136,6 +146,18 @@ def _compare_presets() -> list[str] | None:
     except ImportError:
         return None
     return sorted(PRESETS)
+
+
+def _preset_keys() -> set[str]:
+    """The config fields some preset sets (their help says "default: from --preset"); without
+    the train extra, every field (compare cannot run then anyway)."""
+    try:
+        from .compare import PRESETS
+    except ImportError:
+        from .config import _field_specs
+
+        return {name for name, _, _ in _field_specs(set())}
+    return {key for values in PRESETS.values() for key in values}
 
 
 def _run_compare(args: argparse.Namespace) -> int:
@@ -154,8 +176,9 @@ def _run_compare(args: argparse.Namespace) -> int:
     cfg = _config.build_config(base, args.config,
                                _config.flag_overrides(args, exclude=_COMPARE_EXCLUDED))
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+    _warn_warmup(cfg, "mhc compare")
     report = compare(args.out, preset=args.preset, config=cfg, kinds=kinds, seeds=args.seeds)
-    if not cfg.quiet:
+    if not cfg.quiet and _rank0():
         print(summary_table(report))
         if args.seeds > 1:
             from .compare_stats import seeds_table, significance_lines
@@ -180,12 +203,16 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--checkpoint", required=True, metavar="PATH",
                    help="a checkpoint folder, or a run folder holding one (ckpt/)")
     p.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
-    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N")
+    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
+                   help="tokens (bytes) to generate after the prompt (default: 200)")
     p.add_argument("--temperature", type=float, default=0.8, metavar="X",
-                   help="0 is greedy decoding (default: 0.8)")
-    p.add_argument("--top-k", type=int, default=None, metavar="K")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | mps")
+                   help="a finite number >= 0; 0 is greedy decoding (default: 0.8)")
+    p.add_argument("--top-k", type=int, default=None, metavar="K",
+                   help="sample from the K most likely tokens only (default: all of them)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the sampling (default: 0)")
+    p.add_argument("--device", default="auto",
+                   help="auto | cpu | cuda | cuda:N | mps (default: auto)")
     p.add_argument("--no-cache", dest="use_cache", action="store_false",
                    help="recompute the whole context every step instead of using the KV cache")
     p.set_defaults(run=_run_generate)
@@ -204,8 +231,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UsageError(f"--temperature must be a finite number >= 0, got {args.temperature}")
     if not args.prompt:
         raise UsageError("--prompt must not be empty: the model needs a token to start from")
     model = load_model(args.checkpoint, device,
@@ -283,10 +310,13 @@ def main(argv: list[str] | None = None) -> int:
         return DELEGATED[argv[0]](argv[1:])
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (2, already printed)
         return e.code if isinstance(e.code, int) else 0
     prog = f"mhc {args.command}"
+    if unknown:  # the subcommand's help lists its flags, the top level's does not
+        return _fail(prog, f"error: unrecognized arguments: {' '.join(unknown)} (see {prog} "
+                     "--help)", 2)
     try:
         return args.run(args)
     except UsageError as e:
@@ -310,7 +340,9 @@ def _known_error(prog: str, e: Exception) -> int:
         TrainingDiverged,
     )
 
-    if isinstance(e, ConfigError | CheckpointError):
+    if isinstance(e, ConfigError):  # every rank has the same config: one rank says it
+        return _fail(prog, f"error: {_one_line(e)}", EXIT_BAD_INPUT, quiet=not _rank0())
+    if isinstance(e, CheckpointError):
         return _fail(prog, f"error: {_one_line(e)}", EXIT_BAD_INPUT)
     if isinstance(e, TrainingDiverged):
         return _fail(prog, _one_line(e), EXIT_STOPPED)
@@ -321,9 +353,18 @@ def _known_error(prog: str, e: Exception) -> int:
     raise e
 
 
-def _fail(prog: str, message: str, status: int) -> int:
-    print(f"{prog}: {message}", file=sys.stderr)
+def _fail(prog: str, message: str, status: int, quiet: bool = False) -> int:
+    if not quiet:
+        print(f"{prog}: {message}", file=sys.stderr)
     return status
+
+
+def _rank0() -> bool:
+    """False on the ranks > 0 of a torchrun launch (RANK, set before any process group)."""
+    try:
+        return int(os.environ.get("RANK", "0")) == 0
+    except ValueError:
+        return True
 
 
 def _one_line(e: BaseException) -> str:

@@ -16,7 +16,8 @@ differences are significant (torch_mhc.compare_stats), and the loss plot shows t
 Written to out_dir (created if missing), each file atomically (temp file + rename):
     report.json            one entry per variant (kind, val_loss, val_bpb, tokens_per_s,
                            peak_mem_bytes, step_time_ratio, max_composite_gain_fwd/bwd,
-                           params, connection_params, histories) plus the configuration
+                           params, connection_params, histories) plus the configuration;
+                           strict JSON: a NaN or infinite figure (a stopped run's) is null
     report.md              the same as a markdown table, with the configuration
     loss_curves.png        training and validation loss of all three
     grad_norm.png          gradient norm per step
@@ -26,7 +27,10 @@ Written to out_dir (created if missing), each file atomically (temp file + renam
                            depth, per kind (final measurement, first seed)
     <kind>/                each run's metrics.jsonl and final checkpoint (ckpt/);
                            <kind>/seed<S>/ per seed when seeds > 1
-Running compare again on the same folder replaces all of these.
+Running compare again on the same folder replaces all of these: the figures this run does
+not draw, the folders of kinds it does not train and the per-seed folders (or single-seed
+files) of another seed count are removed with the report. Files of other names are left.
+Under torchrun only rank 0 writes the report and prints.
 
 Presets (`PRESETS`):
 - "default": finishes on a 2-core CPU in about 6 minutes and every variant learns clearly
@@ -52,6 +56,8 @@ import json
 import math
 import os
 import platform
+import re
+import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -60,6 +66,8 @@ import numpy as np
 import torch
 
 from . import compare_stats, plots
+from . import parallel as par
+from .config import SEED_MAX
 from .connections import CONNECTION_KINDS
 from .data import bits_per_byte
 from .files import atomic_write
@@ -76,6 +84,10 @@ __all__ = ["DEFAULT_KINDS", "KINDS", "PRESETS", "compare", "preset_config", "wri
 
 KINDS = CONNECTION_KINDS  # what compare accepts
 DEFAULT_KINDS = ("residual", "hc", "mhc")
+FIGURES = ("loss_curves.png", "grad_norm.png", "composite_gain.png", "gain_over_training.png",
+           "health.png")
+# what train writes into a run folder (out/<kind> with one seed)
+_RUN_FILES = ("metrics.jsonl", "ckpt", "ckpt.prev", "tb")
 
 PRESETS: dict[str, dict] = {
     "tiny": {
@@ -124,7 +136,7 @@ def compare(out_dir: str | os.PathLike, preset: str = "default", *,
     Returns the report dict that report.json holds.
     """
     t_start = time.perf_counter()
-    out = Path(out_dir)
+    out = Path(out_dir).expanduser()
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is a file, expected a folder (or nothing)")
     base = config if config is not None else preset_config(preset)
@@ -141,9 +153,19 @@ def compare(out_dir: str | os.PathLike, preset: str = "default", *,
     if preset == "shakespeare" and base.data is None:
         raise ConfigError("the shakespeare preset trains on a text file given with --data "
                           "(for example tiny Shakespeare's input.txt); got no --data")
+    if base.seed + seeds - 1 > SEED_MAX:
+        raise ConfigError(f"seed + seeds - 1 must be <= {SEED_MAX} (the runs use seeds seed .. "
+                          f"seed + seeds - 1), got seed {base.seed} and seeds {seeds}")
+    models = {}
+    for kind in kinds:  # every kind checked before any training
+        try:
+            models[kind] = replace(base.model, residual=kind)
+        except ValueError as e:
+            raise ConfigError(f"kind {kind} cannot run with streams = {base.model.streams}: "
+                              f"{e}") from None
     seed_list = [base.seed + s for s in range(seeds)]
     configs = {
-        (kind, seed): replace(base, seed=seed, model=replace(base.model, residual=kind),
+        (kind, seed): replace(base, seed=seed, model=models[kind],
                               out_dir=str(out / kind if seeds == 1 else
                                           out / kind / f"seed{seed}"), overwrite=True)
         for seed in seed_list for kind in kinds
@@ -157,8 +179,11 @@ def compare(out_dir: str | os.PathLike, preset: str = "default", *,
     # page of the memory-mapped corpus read once, so that no run's peak RSS is charged for
     # the pages its random batches happen to fault in first.
     int(np.asarray(corpus.tokens[::4096], dtype=np.int64).sum())
-    train(replace(configs[kinds[0], seed_list[0]], steps=1, warmup=0, out_dir=None,
-                  eval_batches=1, quiet=True, progress=False), corpus=corpus)
+    try:
+        train(replace(configs[kinds[0], seed_list[0]], steps=1, warmup=0, out_dir=None,
+                      eval_batches=1, quiet=True, progress=False), corpus=corpus)
+    except TrainingDiverged:  # the measured run stops alike and is reported as stopped
+        pass
     # seed by seed, every kind within a seed: an interrupted comparison holds whole pairs
     results: dict[str, list[TrainResult]] = {kind: [] for kind in kinds}
     for (kind, _), cfg in configs.items():
@@ -168,8 +193,47 @@ def compare(out_dir: str | os.PathLike, preset: str = "default", *,
             results[kind].append(e.result)
     report = _report(base, preset_label(preset, base), results, corpus,
                      time.perf_counter() - t_start)
-    write_report(out, report, results)
+    if _rank0():
+        written = write_report(out, report, results)
+        remove_stale(out, kinds, seed_list, written)
     return report
+
+
+def _rank0() -> bool:
+    """True on the process that writes: a single process, or rank 0 under torchrun (read
+    from the environment too, since train closes its process group when it returns)."""
+    try:
+        rank = int(os.environ.get("RANK", "0"))
+    except ValueError:
+        rank = 0
+    return rank == 0 and par.is_rank0()
+
+
+def remove_stale(out: Path, kinds: tuple[str, ...], seed_list: list[int],
+                 written: list[str]) -> None:
+    """Remove what an earlier comparison left in out that this one did not write: figures it
+    did not draw, folders of kinds it did not train, and in the kinds' folders the seed<S>
+    folders of other seeds (with one seed: every seed folder; with several: the files of a
+    single-seed run). Only names compare writes are touched."""
+    for name in FIGURES:
+        if name not in written:
+            (out / name).unlink(missing_ok=True)
+    for kind in KINDS:
+        folder = out / kind
+        if not folder.is_dir():
+            continue
+        if kind not in kinds:
+            shutil.rmtree(folder)
+            continue
+        keep = {f"seed{s}" for s in seed_list} if len(seed_list) > 1 else set()
+        for entry in folder.iterdir():
+            stale_seed = re.fullmatch(r"seed\d+", entry.name) and entry.name not in keep
+            stale_run = len(seed_list) > 1 and entry.name in _RUN_FILES
+            if stale_seed or stale_run:
+                if entry.is_dir():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
 
 
 def preset_label(preset: str, base: TrainConfig) -> str:
@@ -278,26 +342,41 @@ def _or_none(x: float) -> float | None:
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
 
 
-def write_report(out: Path, report: dict, results: dict[str, list[TrainResult]]) -> None:
+def write_report(out: Path, report: dict, results: dict[str, list[TrainResult]]) -> list[str]:
     """report.json, report.md and the figures, each written atomically (gains and health:
-    the first seed's runs)."""
+    the first seed's runs); returns the names of the figures written."""
     out.mkdir(parents=True, exist_ok=True)
     # Plots first, the report last: a report.json on disk means its figures are there too.
     runs = {v["kind"]: v for v in report["variants"]}
-    atomic_write(out / "loss_curves.png", plots.loss_curves_png(runs))
-    atomic_write(out / "grad_norm.png", plots.grad_norm_png(runs))
+    figures = {"loss_curves.png": plots.loss_curves_png(runs),
+               "grad_norm.png": plots.grad_norm_png(runs)}
     first = {k: rs[0] for k, rs in results.items()}
     gains = {k: r.final_gains for k, r in first.items() if r.final_gains}
     if gains:
-        atomic_write(out / "composite_gain.png", plots.composite_gain_png(gains))
-        atomic_write(out / "gain_over_training.png", plots.gain_over_training_png(
-            {k: r.gain_history for k, r in first.items() if r.gain_history}))
+        figures["composite_gain.png"] = plots.composite_gain_png(gains)
+        figures["gain_over_training.png"] = plots.gain_over_training_png(
+            {k: r.gain_history for k, r in first.items() if r.gain_history})
         healths = {k: g for k, g in gains.items() if "composite_health" in g}
         if healths:
-            atomic_write(out / "health.png", plots.health_png(healths))
+            figures["health.png"] = plots.health_png(healths)
+    for name, png in figures.items():
+        atomic_write(out / name, png)
     atomic_write(out / "report.md", format_markdown(report).encode("utf-8"))
+    # NaN/Inf (a stopped run's losses) as null: strict JSON, which every reader can parse
     atomic_write(out / "report.json",
-                       (json.dumps(report, indent=1, allow_nan=True) + "\n").encode("utf-8"))
+                 (json.dumps(_json_safe(report), indent=1, allow_nan=False) + "\n").encode())
+    return list(figures)
+
+
+def _json_safe(x):
+    """x with every non-finite float replaced by None."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_json_safe(v) for v in x]
+    return x
 
 
 def _fmt(x, spec: str = ".4f", none: str = "n/a") -> str:

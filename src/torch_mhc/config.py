@@ -16,8 +16,10 @@ A TOML file may put the model's fields at the top level or in a `[model]` table:
     residual = "mhc"
     dim = 256
 
-An unknown key anywhere is a ConfigError naming it (a misspelt key must not be ignored), and
-the merged configuration is validated before anything runs.
+An unknown key anywhere is a ConfigError naming it and the closest known key (a misspelt key
+must not be ignored), as is a value of the wrong type; the file's values are validated only
+once merged with the flags (a file's n_heads may fit only the width a flag gives), before
+anything runs. Paths starting with ~ are expanded when the TrainConfig is built.
 
 Flags are generated from the dataclass fields (`--batch-size`, `--n-layers`, `--residual`,
 booleans as `--compile / --no-compile`), so a new field gets its flag without editing here;
@@ -30,6 +32,7 @@ the training extra is installed.
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
@@ -62,6 +65,8 @@ class ConfigError(ValueError):
 SCHEDULES = ("cosine", "step")
 BYTE_VOCAB = 256  # the corpora are bytes (torch_mhc.data.VOCAB_SIZE)
 DTYPES = ("auto", "fp32", "bf16")
+SEED_MAX = 2**32 - 1  # numpy's seeds (the data order) are 32-bit
+PATH_FIELDS = ("data", "cache_dir", "out_dir")  # resume too, when it is a path
 
 
 @dataclass
@@ -118,6 +123,13 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.model, dict):
             self.model = ModelConfig.from_dict(self.model)
+        # "~" expanded once, here, so that the checks and the files written see one path
+        for name in PATH_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, str) and value.startswith("~"):
+                setattr(self, name, os.path.expanduser(value))
+        if isinstance(self.resume, str) and self.resume.startswith("~"):
+            self.resume = os.path.expanduser(self.resume)
 
     # --- validation ---------------------------------------------------------------------
 
@@ -144,7 +156,7 @@ class TrainConfig:
         _check_int(self, "seq_len", 1)
         _check_int(self, "steps", 1)
         _check_int(self, "warmup", 0)
-        _check_int(self, "seed", 0)
+        _check_int(self, "seed", 0, hi=SEED_MAX)
         for name in ("eval_every", "gain_every", "checkpoint_every", "threads"):
             _check_int(self, name, 0)
         for name in ("eval_batches", "gain_batch_size", "log_every", "spike_window"):
@@ -253,29 +265,7 @@ class TrainConfig:
 
     def updated(self, overrides: dict) -> TrainConfig:
         """A copy with `overrides` applied (the same key rules as from_dict)."""
-        train_names = {f.name for f in fields(TrainConfig)} - {"model"}
-        model_names = {f.name for f in fields(ModelConfig)}
-        train_kw, model_kw = {}, {}
-        for key, value in overrides.items():
-            if key == "model":
-                if not isinstance(value, dict):
-                    raise ConfigError(f"'model' must be a table of model fields, got {value!r}")
-                for mkey, mvalue in value.items():
-                    if mkey not in model_names:
-                        raise ConfigError(
-                            f"unknown model config key {mkey!r}; known: {sorted(model_names)}"
-                        )
-                    if mkey in overrides:
-                        raise ConfigError(f"{mkey!r} is given both at the top level and in model")
-                    model_kw[mkey] = mvalue
-            elif key in model_names:
-                model_kw[key] = value
-            elif key in train_names:
-                train_kw[key] = value
-            else:
-                raise ConfigError(
-                    f"unknown config key {key!r}; known: {sorted(train_names | model_names)}"
-                )
+        train_kw, model_kw = _split_keys(overrides)
         # dataclasses.replace re-runs ModelConfig.__post_init__ (its validation) on the copy
         try:
             model = replace(self.model, **model_kw)
@@ -284,6 +274,78 @@ class TrainConfig:
         except TypeError as e:  # a value of a type the comparison in validate cannot take
             raise ConfigError(f"bad model config value: {e}") from None
         return replace(self, model=model, **train_kw)
+
+
+def _split_keys(overrides: dict) -> tuple[dict, dict]:
+    """(TrainConfig fields, ModelConfig fields) of a dict whose model fields are at the top
+    level or in a "model" dict; ConfigError for an unknown or twice-given key."""
+    train_names = {f.name for f in fields(TrainConfig)} - {"model"}
+    model_names = {f.name for f in fields(ModelConfig)}
+    train_kw, model_kw = {}, {}
+    for key, value in overrides.items():
+        if key == "model":
+            if not isinstance(value, dict):
+                raise ConfigError(f"'model' must be a table of model fields, got {value!r}")
+            for mkey, mvalue in value.items():
+                if mkey not in model_names:
+                    raise ConfigError(f"unknown model config key {mkey!r}"
+                                      f"{_suggest(mkey, model_names)}")
+                if mkey in overrides:
+                    raise ConfigError(f"{mkey!r} is given both at the top level and in model")
+                model_kw[mkey] = mvalue
+        elif key in model_names:
+            model_kw[key] = value
+        elif key in train_names:
+            train_kw[key] = value
+        else:
+            raise ConfigError(f"unknown config key {key!r}"
+                              f"{_suggest(key, train_names | model_names)}")
+    return train_kw, model_kw
+
+
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string",
+               "bool": "true or false"}
+
+
+def _fits(type_str: str, value) -> bool:
+    """Whether a TOML value has a type the field's annotation ("int", "str | None", ...)
+    allows; None never comes from TOML."""
+    for part in type_str.split(" | "):
+        if part == "bool" and isinstance(value, bool):
+            return True
+        if isinstance(value, bool):
+            continue
+        if ((part == "int" and isinstance(value, int))
+                or (part == "float" and isinstance(value, int | float))
+                or (part == "str" and isinstance(value, str))):
+            return True
+    return False
+
+
+def _check_types(values: dict) -> None:
+    """ConfigError for a value whose type its field cannot take, worded as the validation
+    words it (the field and its rule)."""
+    train_kw, model_kw = _split_keys(values)
+    types = {f.name: str(f.type) for cls in (TrainConfig, ModelConfig) for f in fields(cls)}
+    for key, value in {**train_kw, **model_kw}.items():
+        if _fits(types[key], value):
+            continue
+        try:  # the rule as validate states it: only this key differs from the defaults
+            TrainConfig().updated({key: value}).validate()
+        except (ConfigError, ValueError, TypeError) as e:
+            if key in str(e):
+                raise ConfigError(str(e)) from None
+        expected = " or ".join(_TYPE_WORDS[t] for t in types[key].split(" | ")
+                               if t in _TYPE_WORDS)
+        raise ConfigError(f"{key} must be {expected}, got {value!r}")
+
+
+def _suggest(key: str, names: set[str]) -> str:
+    """"; did you mean 'x'?" for the closest known name, else where the names are listed."""
+    close = difflib.get_close_matches(str(key), sorted(names), n=1)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    return "; the keys are the flags' names with _ for - (see mhc train --help)"
 
 
 def _check_folder(value, name: str) -> None:
@@ -300,10 +362,12 @@ def _check_folder(value, name: str) -> None:
             return
 
 
-def _check_int(cfg, name: str, lo: int) -> None:
+def _check_int(cfg, name: str, lo: int, hi: int | None = None) -> None:
     value = getattr(cfg, name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ConfigError(f"{name} must be an integer >= {lo}, got {value!r}")
+    if (isinstance(value, bool) or not isinstance(value, int) or value < lo
+            or (hi is not None and value > hi)):
+        rule = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ConfigError(f"{name} must be an integer {rule}, got {value!r}")
 
 
 def _check_number(cfg, name: str, lo: float | None = None, hi: float | None = None,
@@ -432,8 +496,9 @@ HELP = {
 
 
 def load_toml(path: str | Path) -> dict:
-    """The key/value pairs of a TOML config file, checked against TrainConfig's fields."""
-    path = Path(path)
+    """The key/value pairs of a TOML config file, their names and types checked against
+    TrainConfig's and ModelConfig's fields (their values are checked with the flags')."""
+    path = Path(path).expanduser()
     tomllib = _tomllib()
     try:
         with open(path, "rb") as f:
@@ -446,8 +511,10 @@ def load_toml(path: str | Path) -> dict:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read config file {path}: {e}") from None
+    # Names and types only: the values are checked together with the flags (build_config),
+    # since a file's n_heads may fit only the dim a flag gives.
     try:
-        TrainConfig().updated(values)  # names every unknown key
+        _check_types(values)
     except ConfigError as e:
         raise ConfigError(f"config file {path}: {e}") from None
     return values
@@ -463,16 +530,22 @@ def _field_specs(exclude: set[str]):
             yield f.name, str(f.type), default
 
 
-def add_config_flags(parser: argparse.ArgumentParser, exclude: set[str] = frozenset()) -> None:
+def add_config_flags(parser: argparse.ArgumentParser, exclude: set[str] = frozenset(),
+                     preset_keys: set[str] = frozenset()) -> None:
     """One flag per config field; unset flags leave no attribute (argparse.SUPPRESS), so only
-    what was typed overrides the lower layers."""
+    what was typed overrides the lower layers. preset_keys: fields whose default comes from a
+    preset (compare), shown as "(default: from --preset)"."""
     model_group = parser.add_argument_group("model")
     train_group = parser.add_argument_group("training")
     model_names = {f.name for f in fields(ModelConfig)}
     for name, type_str, default in _field_specs(set(exclude)):
         group = model_group if name in model_names else train_group
         flag = "--" + name.replace("_", "-")
-        help_text = f"{HELP.get(name, name)} (default: {default})"
+        help_text = HELP.get(name, name)
+        if name in preset_keys:
+            help_text += " (default: from --preset)"
+        elif "(default:" not in help_text:  # some help texts say the default in words
+            help_text += f" (default: {default})"
         kwargs = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
         if name == "resume":
             group.add_argument(flag, nargs="?", const=True, metavar="CHECKPOINT", **kwargs)
@@ -495,11 +568,12 @@ def flag_overrides(args: argparse.Namespace, exclude: set[str] = frozenset()) ->
 
 
 def build_config(base: TrainConfig, config_file: str | Path | None, flags: dict) -> TrainConfig:
-    """base < config_file < flags, validated."""
-    cfg = base
-    if config_file is not None:
-        cfg = cfg.updated(load_toml(config_file))
-    cfg = cfg.updated(flags)
+    """base < config_file < flags, validated once, merged."""
+    values = {} if config_file is None else load_toml(config_file)
+    merged = {k: v for k, v in values.items() if k != "model"}
+    merged.update(values.get("model", {}))
+    merged.update(flags)
+    cfg = base.updated(merged)
     cfg.validate()
     return cfg
 

@@ -433,7 +433,12 @@ def run(out_dir: str, budget_s: float = 270.0, dry_run: bool = False,
     return report
 
 
+NO_CUDA = ("the GPU check needs a CUDA device and none is available here; --dry-run runs it "
+           "on the CPU (tiny shapes)")
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the check; 0 all passed, 1 a section failed, 2 bad input (one line on stderr)."""
     p = argparse.ArgumentParser(prog="gpu_check", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="gpu_check", help="folder for gpu_check.json and .md")
     p.add_argument("--budget-s", type=float, default=270.0, help="global time budget (270 s)")
@@ -444,6 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in only if s not in SECTIONS]
     if unknown:
         p.error(f"--only: unknown sections {unknown}; expected some of {SECTIONS}")
+    if not args.dry_run and not torch.cuda.is_available():
+        print(f"{p.prog}: error: {NO_CUDA}", file=sys.stderr)
+        return 2
     report = run(args.out, args.budget_s, args.dry_run, only)
     print(markdown(report))
     failed = [n for n, sec in report["sections"].items() if "error" in sec]

@@ -78,8 +78,11 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name} must be an integer >= 1, got {value!r}")
         for name in ("mlp_ratio", "norm_eps", "rope_base", "init_std"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"ModelConfig.{name} must be a number > 0, got {value!r}")
+            # isfinite too: an infinite width overflows, an infinite init_std trains to NaN
+            if (isinstance(value, bool) or not isinstance(value, int | float)
+                    or not math.isfinite(value) or not value > 0):
+                raise ValueError(
+                    f"ModelConfig.{name} must be a number > 0 and finite, got {value!r}")
         if self.residual not in CONNECTION_KINDS:
             raise ValueError(
                 f"ModelConfig.residual must be one of {CONNECTION_KINDS}, got {self.residual!r}"

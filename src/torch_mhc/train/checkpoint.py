@@ -58,15 +58,24 @@ def save_checkpoint(out_dir: str | os.PathLike, model: torch.nn.Module,
     checkpoint is then untouched and no partial one is left.
     """
     out = Path(out_dir)
+    had_one = (out / LAST_CHECKPOINT).exists()
     try:
         path = par.save_checkpoint(out / LAST_CHECKPOINT, model, optimizer, extra=state,
                                    previous=out / PREVIOUS_CHECKPOINT if keep_previous else None)
     except BaseException as e:
         if isinstance(e, KeyboardInterrupt) or not is_disk_full(e):
             raise
+        if had_one and keep_previous:
+            kept = ("this run's previous checkpoint there is intact (free space, then "
+                    "mhc train --resume continues from it)")
+        elif had_one:
+            kept = ("the earlier run's checkpoint there is left as it was (free space, then "
+                    "run again)")
+        else:
+            kept = "this run has no checkpoint yet (free space, then run again)"
         raise DiskFullError(
             errno.ENOSPC, f"no space left on the device writing the checkpoint "
-            f"{out / LAST_CHECKPOINT}; the previous one is intact (free space, then resume)"
+            f"{out / LAST_CHECKPOINT}; {kept}"
         ) from None
     if not keep_previous and par.is_rank0() and (out / PREVIOUS_CHECKPOINT).exists():
         shutil.rmtree(out / PREVIOUS_CHECKPOINT)
