@@ -458,3 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = any(report["sections"].get(n, {}).get("result", {}).get("all_pass") is False
               for n in ("correctness", "inductor"))
     return 1 if failed or bad else 0
+
+
+if __name__ == "__main__":  # python -m torch_mhc.gpu_check, as mhc bench --gpu
+    raise SystemExit(main())
