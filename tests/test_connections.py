@@ -3,6 +3,7 @@
 import copy
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -246,7 +247,7 @@ def test_bad_input_errors():
         make_connection("mhcc", 8, 4, 0, nn.Identity())
     with pytest.raises(TypeError, match="callable branch"):
         HyperConnection(8, 4, 0, branch=3)
-    with pytest.raises(ValueError, match="expand_streams expects n >= 1 streams, got 0"):
+    with pytest.raises(ValueError, match="expand_streams expects n >= 1, got 0"):
         expand_streams(torch.randn(3, 8), 0)
 
 
@@ -278,3 +279,45 @@ def test_deepcopy_and_state_dict_roundtrip():
     x = torch.randn(3, 4, 8)
     torch.testing.assert_close(twin(x), conn(x), rtol=0, atol=0)
     assert math.isclose(conn.alpha.sum().item(), twin.alpha.sum().item())
+
+
+def test_check_finite_names_the_input_and_the_branch_output():
+    conn = ManifoldHyperConnection(8, 4, 0, nn.Identity(), check_finite=True)
+    x = torch.randn(2, 4, 8)
+    x_nan = x.clone()
+    x_nan[1, 2, 3] = float("nan")
+    with pytest.raises(FloatingPointError, match="input streams contains NaN"):
+        conn(x_nan)
+    nan_branch = ManifoldHyperConnection(8, 4, 0, lambda h: h * float("nan"), check_finite=True)
+    with pytest.raises(FloatingPointError, match="branch output contains NaN"):
+        nan_branch(x)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: ManifoldHyperConnection(8, 4, 0, lambda h: (h, h)),
+    lambda: HyperConnection(8, 4, 0, lambda h: (h, h)),
+    lambda: make_connection("residual", 8, 1, 0, lambda h: (h, h)),
+])
+def test_a_branch_must_return_a_tensor(make):
+    conn = make()
+    x = torch.randn(2, conn.streams, 8)
+    with pytest.raises(TypeError, match="branch must return a tensor .*got tuple"):
+        conn(x)
+
+
+def test_constructor_counts_are_ints_not_bools():
+    lin = nn.Linear(8, 8)
+    with pytest.raises(TypeError, match="expects layer_index to be an int, got 'a'"):
+        make_connection("mhc", 8, 4, "a", lin)
+    with pytest.raises(TypeError, match="expects streams to be an int, got True"):
+        ManifoldHyperConnection(8, True, 0, lin)
+    with pytest.raises(TypeError, match="expand_streams expects n to be an int, got True"):
+        expand_streams(torch.randn(2, 8), True)
+    with pytest.raises(ValueError, match="HyperConnection expects layer_index >= 0, got -1"):
+        HyperConnection(8, 4, -1, lin)
+    conn = ManifoldHyperConnection(8, np.int64(4), np.int64(2), lin)  # numpy ints are ints
+    assert (conn.streams, conn.layer_index) == (4, 2) and type(conn.streams) is int
+    with pytest.raises(TypeError, match="residual takes no connection options, got \\['impl'\\]"):
+        make_connection("residual", 8, 1, 0, lin, impl="bogus")
+    with pytest.raises(TypeError, match="floating-point streams tensor, got torch.int64"):
+        reduce_streams(torch.ones(2, 4, 8, dtype=torch.long))

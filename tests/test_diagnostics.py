@@ -249,3 +249,37 @@ def test_training_logs_health_every_gain_every_steps(tiny_config, tmp_path):
     assert gains[0]["last_stream_cosine"] == pytest.approx(1.0, abs=1e-6)  # equal at init
     assert result.gain_history[-1]["composite_health"][-1]["dist_identity"] == pytest.approx(
         gains[-1][f"composite{layers - 1}/dist_identity"])
+
+
+@pytest.mark.parametrize("replay", ["checkpoint", "recompute_streams"])
+def test_a_backward_replay_records_nothing(replay):
+    """Recomputation replays the connections inside backward (torch.utils.checkpoint, our
+    recompute_streams); with the backward inside the collector, each connection is still
+    recorded once, in forward order, and the composite gain is the forward pass's."""
+    from torch.utils.checkpoint import checkpoint
+
+    from torch_mhc.recompute import recompute_streams
+
+    torch.manual_seed(0)
+    conns = nn.ModuleList(make_connection("mhc", 8, 4, i, nn.Linear(8, 8)) for i in range(3))
+    with torch.no_grad():
+        for c in conns:
+            c.phi.normal_(0.0, 0.5)
+
+    def run(use_replay: bool):
+        x = expand_streams(torch.randn(2, 8, generator=torch.Generator().manual_seed(1),
+                                       requires_grad=True), 4)
+        with collect_gains() as gains:
+            if use_replay and replay == "recompute_streams":
+                with recompute_streams(2):
+                    for c in conns:
+                        x = c(x)
+            else:
+                for c in conns:
+                    x = checkpoint(c, x, use_reentrant=False) if use_replay else c(x)
+            x.sum().backward()
+        return gains
+
+    plain, replayed = run(False), run(True)
+    assert replayed.names == plain.names == ["mhc[0]", "mhc[1]", "mhc[2]"]
+    assert replayed.report().max_composite_fwd == plain.report().max_composite_fwd

@@ -29,6 +29,7 @@ training moves the maps:
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Iterable
 
 import torch
@@ -53,10 +54,23 @@ __all__ = [
 CONNECTION_KINDS = ("residual", "hc", "mhc", "mhc-lite", "kromhc", "mhc-static-res")
 
 
+def _count(value, owner: str, name: str, least: int) -> int:
+    """value as an int >= least (numpy integers included, bools not), else a clear error."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(
+            f"{owner} expects {name} to be an int, got {value!r} ({type(value).__name__})"
+        )
+    value = operator.index(value)
+    if value < least:
+        raise ValueError(f"{owner} expects {name} >= {least}, got {value}")
+    return value
+
+
 def expand_streams(h: torch.Tensor, n: int) -> torch.Tensor:
     """[..., C] -> [..., n, C]: every stream starts as a copy of h (a broadcast view)."""
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"expand_streams expects n >= 1 streams, got {n!r}")
+    n = _count(n, "expand_streams", "n", 1)
+    if not isinstance(h, torch.Tensor):
+        raise TypeError(f"expand_streams expects a tensor [..., C], got {type(h).__name__}")
     if h.dim() < 1:
         raise ValueError("expand_streams expects a tensor [..., C], got a scalar")
     return h.unsqueeze(-2).expand(*h.shape[:-1], n, h.shape[-1])
@@ -68,6 +82,9 @@ def reduce_streams(x: torch.Tensor) -> torch.Tensor:
     The HC paper sums the streams; the mean differs by the factor n, which the final norm of
     a Pre-Norm network removes, and it makes an initialised network equal to the residual one.
     """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"reduce_streams expects a floating-point streams tensor, got {got}")
     if x.dim() < 2:
         raise ValueError(
             f"reduce_streams expects a streams tensor [..., n, C], got {tuple(x.shape)}"
@@ -89,10 +106,8 @@ class _Connection(nn.Module):
         impl: str = "auto",
     ):
         super().__init__()
-        if not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"{type(self).__name__} expects dim >= 1, got {dim!r}")
-        if not isinstance(streams, int) or streams < 1:
-            raise ValueError(f"{type(self).__name__} expects streams >= 1, got {streams!r}")
+        dim = _count(dim, type(self).__name__, "dim", 1)
+        streams = _count(streams, type(self).__name__, "streams", 1)
         if not callable(branch):
             raise TypeError(f"{type(self).__name__} expects a callable branch, got {branch!r}")
         self.dim, self.streams, self.branch = dim, streams, branch
@@ -116,20 +131,35 @@ class _Connection(nn.Module):
 
     def _check_maps(self, *maps: torch.Tensor) -> None:
         for name, m in zip(("H_pre", "H_post", "H_res"), maps, strict=True):
-            if not torch.isfinite(m).all():
-                raise FloatingPointError(
-                    f"{type(self).__name__}(layer {getattr(self, 'layer_index', '?')}): "
-                    f"{name} contains NaN or Inf"
-                )
+            self._check_finite(name, m)
+
+    def _check_finite(self, what: str, t: torch.Tensor) -> None:
+        if not torch.isfinite(t).all():
+            raise FloatingPointError(
+                f"{type(self).__name__}(layer {getattr(self, 'layer_index', '?')}): "
+                f"{what} contains NaN or Inf"
+            )
+
+    def _check_branch_output(self, f) -> None:
+        if not isinstance(f, torch.Tensor):
+            raise TypeError(
+                f"{type(self).__name__}: the branch must return a tensor [..., {self.dim}], "
+                f"got {type(f).__name__}"
+            )
+        if self.check_finite:
+            self._check_finite("the branch output", f)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         self._check_input(x)
+        if self.check_finite:
+            self._check_finite("the input streams", x)
         # expand_streams' broadcast view: copy once here rather than once inside every op.
         x = x if x.is_contiguous() else x.contiguous()
         if _recompute.ACTIVE is not None and torch.is_grad_enabled():
             return _recompute.ACTIVE.run(self, x, args, kwargs)
         h_in, state = self.mix_in(x)
         f = self.branch(h_in, *args, **kwargs)
+        self._check_branch_output(f)
         return self.mix_out(x, f, state)
 
     def mix_in(self, x: torch.Tensor):
@@ -138,7 +168,7 @@ class _Connection(nn.Module):
         h_pre, h_post, h_res, h_in, x_link = self._maps_and_input(ops, x)
         if self.check_finite:
             self._check_maps(h_pre, h_post, h_res)
-        if _diag.ACTIVE is not None:
+        if _diag.ACTIVE is not None and not _diag.in_backward():  # a replay recorded already
             _diag.ACTIVE.record(self, h_res, x=x, h_pre=h_pre, h_post=h_post)
         return h_in, (ops, h_post, h_res, x_link)
 
@@ -171,13 +201,15 @@ class Residual(_Connection):
 
     kind = "residual"
 
-    def __init__(self, dim: int, branch: Callable, layer_index: int = 0, **_ignored):
+    def __init__(self, dim: int, branch: Callable, layer_index: int = 0):
         super().__init__(dim, 1, branch)
-        self.layer_index = layer_index
+        self.layer_index = _count(layer_index, "Residual", "layer_index", 0)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         self._check_input(x)
-        return x + self.branch(x.squeeze(-2), *args, **kwargs).unsqueeze(-2)
+        f = self.branch(x.squeeze(-2), *args, **kwargs)
+        self._check_branch_output(f)
+        return x + f.unsqueeze(-2)
 
 
 class HyperConnection(_Connection):
@@ -201,14 +233,15 @@ class HyperConnection(_Connection):
         impl: str = "auto",
     ):
         super().__init__(dim, streams, branch, check_finite, impl)
-        n = streams
+        n = self.streams
+        layer_index = _count(layer_index, "HyperConnection", "layer_index", 0)
         self.layer_index, self.dynamic, self.norm_eps = layer_index, dynamic, norm_eps
         self.static_pre = nn.Parameter(torch.empty(n))
         self.static_post = nn.Parameter(torch.empty(n))
         self.static_res = nn.Parameter(torch.empty(n, n))
         # The scales are one-element vectors, not scalars: FSDP2 shards no 0-dim parameter.
         if dynamic:
-            self.w = nn.Parameter(torch.empty(dim, 2 + n))
+            self.w = nn.Parameter(torch.empty(self.dim, 2 + n))
             self.s_alpha = nn.Parameter(torch.empty(1))
             self.s_beta = nn.Parameter(torch.empty(1))
         else:
@@ -292,7 +325,8 @@ class ManifoldHyperConnection(_Connection):
         super().__init__(dim, streams, branch, check_finite, impl)
         if not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 1:
             raise ValueError(f"sinkhorn_iters must be >= 1, got {sinkhorn_iters!r}")
-        n = streams
+        n = self.streams
+        layer_index = _count(layer_index, type(self).__name__, "layer_index", 0)
         if res_init_diag is None:
             res_init_diag = 0.5 + 0.5 / n  # I / 2 + J / (2n)
         if not 0.0 < res_init_diag < 1.0 and n > 1:
@@ -300,7 +334,7 @@ class ManifoldHyperConnection(_Connection):
         self.layer_index, self.sinkhorn_iters = layer_index, sinkhorn_iters
         self.norm_eps, self.pre_eps, self.sinkhorn_eps = norm_eps, pre_eps, sinkhorn_eps
         self.gate_init, self.res_init_diag = float(gate_init), res_init_diag
-        self.phi = nn.Parameter(torch.empty(n * dim, n * n + 2 * n))
+        self.phi = nn.Parameter(torch.empty(n * self.dim, n * n + 2 * n))
         self.alpha = nn.Parameter(torch.empty(3))
         self.b_pre = nn.Parameter(torch.empty(n))
         self.b_post = nn.Parameter(torch.empty(n))
@@ -395,6 +429,11 @@ def make_connection(
     `streams` is ignored for "residual" (always one stream); kwargs go to the class.
     """
     if kind == "residual":
+        if kwargs:
+            raise TypeError(
+                f"make_connection: the residual takes no connection options, got "
+                f"{sorted(kwargs)}"
+            )
         return Residual(dim, branch, layer_index=layer_index)
     if kind == "hc":
         return HyperConnection(dim, streams, layer_index, branch, **kwargs)

@@ -70,6 +70,14 @@ __all__ = [
 ACTIVE: GainCollector | None = None  # read by every connection's forward
 
 
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward pass on this thread. Recomputation
+    (torch_mhc's recompute_streams, torch.utils.checkpoint) replays connections there, whose
+    maps the forward pass recorded already."""
+    task = getattr(torch._C, "_current_graph_task_id", None)  # private; absent: assume not
+    return task is not None and task() != -1
+
+
 def amax_gain(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward Amax gain of maps [..., n, n]; returns two tensors [...]."""
     fwd = m.sum(dim=-1).abs().amax(dim=-1)
@@ -153,7 +161,8 @@ class GainCollector:
         if not self.maps:
             raise RuntimeError(
                 "no connection recorded its maps: run a forward pass of a model with HC or "
-                "mHC connections inside collect_gains() (the plain residual records nothing)"
+                "mHC connections inside collect_gains() or collect_health() (the plain "
+                "residual records nothing)"
             )
         return composite_gains(self.maps, self.names)
 
@@ -365,8 +374,9 @@ def collect_health(max_tokens: int | None = None):
 def _active(collector: GainCollector, name: str):
     global ACTIVE
     if ACTIVE is not None:
+        active = "collect_health" if isinstance(ACTIVE, HealthCollector) else "collect_gains"
         raise RuntimeError(f"{name}() inside an active collector: nesting is not supported "
-                           "(collect_gains() is already active)")
+                           f"({active}() is already active)")
     ACTIVE = collector
     try:
         yield collector

@@ -62,7 +62,7 @@ LINEAR_RANGE = 32.0  # per matrix, max - min of the logits iterated in the linea
 Dims = tuple[int, int]
 
 
-def _check(logits: torch.Tensor, iters: int) -> None:
+def _check(logits: torch.Tensor, iters: int, eps: float = 0.0) -> None:
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"sinkhorn expects a torch.Tensor, got {type(logits).__name__}")
     if not logits.is_floating_point():
@@ -73,6 +73,8 @@ def _check(logits: torch.Tensor, iters: int) -> None:
         )
     if not isinstance(iters, int) or iters < 1:
         raise ValueError(f"sinkhorn expects iters >= 1, got {iters!r}")
+    if not eps >= 0.0:  # a negative eps can zero a row's or column's denominator
+        raise ValueError(f"sinkhorn expects eps >= 0, got {eps!r}")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -85,7 +87,7 @@ def sinkhorn_unrolled(logits: torch.Tensor, iters: int = 20, eps: float = 0.0) -
     every iteration. The textbook definition the fast paths are tested against on logits
     whose range is small (it underflows to NaN where the module docstring says). [..., n, n]
     """
-    _check(logits, iters)
+    _check(logits, iters, eps)
     m = logits.to(compute_dtype(logits.dtype))
     m = torch.softmax(m, dim=-2) + eps  # exp(H~ - max) / colsum: the first column step
     m = m / (m.sum(dim=-1, keepdim=True) + eps)
@@ -294,7 +296,7 @@ def sinkhorn(
     Returns:
         A tensor of logits' shape and dtype whose rows sum to 1 and columns to about 1.
     """
-    _check(logits, iters)
+    _check(logits, iters, eps)
     if log_domain:
         if eps != 0.0 or implicit_grad:
             raise ValueError("log_domain=True supports neither eps != 0 nor implicit_grad")

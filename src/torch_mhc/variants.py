@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from . import ops as _ops
-from .connections import _assign, _Connection, _pre_bias
+from .connections import _assign, _Connection, _count, _pre_bias
 from .ops.reference import read_write_maps
 
 __all__ = [
@@ -128,10 +128,12 @@ class _MhcReadWrite(_Connection):
                  gate_init: float = 0.01, norm_eps: float = 1e-6, check_finite: bool = False,
                  impl: str = "auto"):
         super().__init__(dim, streams, branch, check_finite, impl)
-        self._check_streams(streams)
-        n, r = streams, self.res_count(streams)
+        n = self.streams
+        self._check_streams(n)
+        r = self.res_count(n)
+        layer_index = _count(layer_index, type(self).__name__, "layer_index", 0)
         self.layer_index, self.norm_eps, self.gate_init = layer_index, norm_eps, float(gate_init)
-        self.phi = nn.Parameter(torch.empty(n * dim, 2 * n + r))
+        self.phi = nn.Parameter(torch.empty(n * self.dim, 2 * n + r))
         self.alpha = nn.Parameter(torch.empty(3 if r else 2))
         self.b_pre = nn.Parameter(torch.empty(n))
         self.b_post = nn.Parameter(torch.empty(n))
