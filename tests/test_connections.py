@@ -321,3 +321,18 @@ def test_constructor_counts_are_ints_not_bools():
         make_connection("residual", 8, 1, 0, lin, impl="bogus")
     with pytest.raises(TypeError, match="floating-point streams tensor, got torch.int64"):
         reduce_streams(torch.ones(2, 4, 8, dtype=torch.long))
+
+
+def test_stream_head_resets_to_the_mean_after_a_meta_build():
+    """StreamHead starts as the mean of the streams, also when built on the meta device and
+    materialised with to_empty + reset_parameters; bad sizes are refused."""
+    x = torch.randn(3, 4, 8)
+    with torch.device("meta"):
+        head = torch_mhc.StreamHead(8, 4)
+    head.to_empty(device="cpu")
+    head.reset_parameters()
+    assert torch.allclose(head(x), reduce_streams(x), atol=1e-6)
+    with pytest.raises(TypeError, match="StreamHead expects streams to be an int, got True"):
+        torch_mhc.StreamHead(8, True)
+    with pytest.raises(ValueError, match="finite gate_init, got nan"):
+        torch_mhc.StreamHead(8, 4, gate_init=float("nan"))

@@ -62,7 +62,7 @@ class ModelConfig:
     rope_base: float = 10000.0
     init_std: float = 0.02
     tie_embeddings: bool = True
-    check_finite: bool = False  # connections raise if a map holds NaN/Inf (costs a sync)
+    check_finite: bool = False  # connections raise on NaN/Inf in input, maps or branch output
     recompute: bool = False  # recompute the connections' stream arithmetic in backward
     recompute_interval: int = 0  # connections per recompute group; 0: round(sqrt(nL/(n+2)))
 

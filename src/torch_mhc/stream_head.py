@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .connections import _assign, _count
+
 __all__ = ["StreamHead"]
 
 
@@ -37,15 +39,24 @@ class StreamHead(nn.Module):
     def __init__(self, dim: int, streams: int, gate_init: float = 0.01,
                  norm_eps: float = 1e-6, eps: float = 0.0):
         super().__init__()
-        if not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"StreamHead expects dim >= 1, got {dim!r}")
-        if not isinstance(streams, int) or streams < 1:
-            raise ValueError(f"StreamHead expects streams >= 1, got {streams!r}")
+        dim = _count(dim, "StreamHead", "dim", 1)
+        streams = _count(streams, "StreamHead", "streams", 1)
+        if not math.isfinite(gate_init):
+            raise ValueError(f"StreamHead expects a finite gate_init, got {gate_init!r}")
         self.dim, self.streams, self.norm_eps, self.eps = dim, streams, norm_eps, eps
-        self.phi = nn.Parameter(torch.zeros(streams * dim, streams))
-        self.alpha = nn.Parameter(torch.full((1,), float(gate_init)))
-        self.b = nn.Parameter(torch.full((streams,), math.log(_mean_weight(streams) /
-                                                             (1 - _mean_weight(streams)))))
+        self.gate_init = float(gate_init)
+        self.phi = nn.Parameter(torch.empty(streams * dim, streams))
+        self.alpha = nn.Parameter(torch.empty(1))
+        self.b = nn.Parameter(torch.empty(streams))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """phi = 0, alpha = gate_init and b with sigmoid(b) = the mean's weight: the head starts
+        as the mean of the streams (also after a build on the meta device and to_empty)."""
+        w = _mean_weight(self.streams)
+        _assign(self.phi, torch.zeros(self.phi.shape))
+        _assign(self.alpha, torch.full((1,), self.gate_init))
+        _assign(self.b, torch.full((self.streams,), math.log(w / (1 - w))))
 
     def parameters_as_phi_alpha_b(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(phi [n*C, n], alpha [1], b [n]); subclasses holding another layout derive them."""

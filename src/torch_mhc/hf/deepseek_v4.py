@@ -83,6 +83,9 @@ class DeepseekV4StreamHead(StreamHead):
     def parameters_as_phi_alpha_b(self):
         return self.hc_fn.t(), self.hc_scale, self.hc_base
 
+    def reset_parameters(self) -> None:
+        """Nothing: the parameters are the HF head's own, which transformers initialises."""
+
     def no_weight_decay(self) -> set[str]:
         return {"hc_base", "hc_scale"}
 
