@@ -114,10 +114,7 @@ def main(outdir: str) -> None:
     try:
         out = {kind: run_sharded(kind, dist.get_world_size()) for kind in KINDS}
         torch.save(out, Path(outdir) / f"meta_rank{dist.get_rank()}.pt")
-        # Leave together: a rank that tears gloo down while the other still has traffic in
-        # flight can die in gloo's own threads (seen once: SIGABRT, "terminate called without
-        # an active exception").
-        dist.barrier()
+        dist.barrier()  # leave together: no rank tears gloo down under another's traffic
     finally:
         dist.destroy_process_group()
 
