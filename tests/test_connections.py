@@ -336,3 +336,11 @@ def test_stream_head_resets_to_the_mean_after_a_meta_build():
         torch_mhc.StreamHead(8, True)
     with pytest.raises(ValueError, match="finite gate_init, got nan"):
         torch_mhc.StreamHead(8, 4, gate_init=float("nan"))
+
+
+def test_param_groups_wants_a_module():
+    conn = ManifoldHyperConnection(8, 4, 0, nn.Linear(8, 8))
+    with pytest.raises(TypeError, match="param_groups expects an nn.Module .* got list"):
+        param_groups([conn])
+    groups = param_groups(nn.ModuleList([conn]))
+    assert {id(p) for g in groups for p in g["params"]} == {id(p) for p in conn.parameters()}

@@ -454,6 +454,11 @@ def param_groups(
     Also exempt (the usual practice for transformers): every parameter with fewer than two
     dimensions (biases, norm weights) and names listed in extra_no_decay.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"param_groups expects an nn.Module (the model; wrap a list of modules in "
+            f"nn.ModuleList), got {type(model).__name__}"
+        )
     no_decay_ids = set()
     for module in model.modules():
         if isinstance(module, _Connection):
