@@ -21,12 +21,13 @@ transformers = pytest.importorskip("transformers")
 
 import torch_mhc  # noqa: E402
 import torch_mhc.hf as mhc_hf  # noqa: E402
+from hf_cases import COMMON, REL, V  # noqa: E402
+from hf_cases import batch as _batch  # noqa: E402
+from hf_cases import logits as _logits  # noqa: E402
+from hf_cases import perturb_connections as _perturb_connections  # noqa: E402
+from hf_cases import rel as _rel  # noqa: E402
 from torch_mhc.recompute import recompute_streams  # noqa: E402
 
-V = 64  # vocabulary
-COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-              initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 FAMILIES = {
     "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)),
     "mistral": lambda: transformers.MistralForCausalLM(
@@ -38,38 +39,11 @@ FAMILIES = {
         vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64, initializer_range=0.2,
         pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
-REL = 1e-5  # fp32 logit parity at conversion: max |diff| / max |ref|
 
 
 def _model(family: str, seed: int = 0):
     torch.manual_seed(seed)
     return FAMILIES[family]().eval()
-
-
-def _batch(seed: int = 1):
-    """Token ids [3, 12] with left padding in row 0 and right padding in row 1."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, V, (3, 12), generator=g)
-    mask = torch.ones_like(ids)
-    mask[0, :4] = 0
-    mask[1, -3:] = 0
-    return ids.masked_fill(mask == 0, 0), mask
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
-
-
-def _logits(model, ids, mask):
-    with torch.no_grad():
-        return model(ids, attention_mask=mask).logits
-
-
-def _perturb_connections(model, seed: int = 5, scale: float = 0.3):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, p in mhc_hf.connection_parameters(model):
-            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
 
 
 def test_importing_torch_mhc_does_not_import_transformers():

@@ -19,34 +19,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import torch_mhc.hf as mhc_hf  # noqa: E402
+from hf_cases import COMMON  # noqa: E402
+from hf_cases import batch as _batch  # noqa: E402
+from hf_cases import logits as _logits  # noqa: E402
+from hf_cases import perturb_connections as _perturb_connections  # noqa: E402
 from torch_mhc.hf.checkpoint import CONNECTIONS_FILE  # noqa: E402
-
-V = 64  # vocabulary
-COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-              initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-
-
-def _batch(seed: int = 1):
-    """Token ids [3, 12] with left padding in row 0 and right padding in row 1."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, V, (3, 12), generator=g)
-    mask = torch.ones_like(ids)
-    mask[0, :4] = 0
-    mask[1, -3:] = 0
-    return ids.masked_fill(mask == 0, 0), mask
-
-
-def _logits(model, ids, mask):
-    with torch.no_grad():
-        return model(ids, attention_mask=mask).logits
-
-
-def _perturb_connections(model, seed: int = 5, scale: float = 0.3):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, p in mhc_hf.connection_parameters(model):
-            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
 
 
 def _converted(cls=transformers.LlamaForCausalLM, config=None, seed: int = 0, streams: int = 3):

@@ -21,43 +21,16 @@ transformers = pytest.importorskip("transformers")
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer  # noqa: E402
 
 import torch_mhc.hf as mhc_hf  # noqa: E402
-
-V = 64  # vocabulary
-COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-              initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-REL = 1e-5  # fp32 logit parity at conversion: max |diff| / max |ref|
+from hf_cases import COMMON, REL, V  # noqa: E402
+from hf_cases import batch as _batch  # noqa: E402
+from hf_cases import logits as _logits  # noqa: E402
+from hf_cases import perturb_connections as _perturb_connections  # noqa: E402
+from hf_cases import rel as _rel  # noqa: E402
 
 
 def _llama(seed: int = 0):
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)).eval()
-
-
-def _batch(seed: int = 1):
-    """Token ids [3, 12] with left padding in row 0 and right padding in row 1."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, V, (3, 12), generator=g)
-    mask = torch.ones_like(ids)
-    mask[0, :4] = 0
-    mask[1, -3:] = 0
-    return ids.masked_fill(mask == 0, 0), mask
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
-
-
-def _logits(model, ids, mask):
-    with torch.no_grad():
-        return model(ids, attention_mask=mask).logits
-
-
-def _perturb_connections(model, seed: int = 5, scale: float = 0.3):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, p in mhc_hf.connection_parameters(model):
-            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
 
 
 def _with_layers(cls: type, **submodules):
