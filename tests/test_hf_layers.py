@@ -33,6 +33,14 @@ def _llama(seed: int = 0):
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)).eval()
 
 
+def _check_converted(model, ids, mask, ref):
+    """The converted model keeps the original logits ref, and its connections matter: moving
+    them moves the logits."""
+    assert _rel(_logits(model, ids, mask), ref) <= REL
+    _perturb_connections(model)
+    assert _rel(_logits(model, ids, mask), ref) > 1e-2
+
+
 def _with_layers(cls: type, **submodules):
     """The tiny Llama with every decoder layer's class replaced by cls (same weights)."""
     model = _llama()
@@ -253,9 +261,7 @@ def test_layers_of_one_class_with_different_sublayers():
     mhc_hf.convert(model, "mhc", streams=4)
     assert [layer._mhc_spec.attn for layer in model.model.layers] == \
         ["linear_attn"] * 3 + ["self_attn"]
-    assert _rel(_logits(model, ids, mask), ref) <= REL
-    _perturb_connections(model)
-    assert _rel(_logits(model, ids, mask), ref) > 1e-2
+    _check_converted(model, ids, mask, ref)
 
 
 def test_layers_of_different_classes():
@@ -275,9 +281,7 @@ def test_layers_of_different_classes():
     assert [layer._mhc_spec.attn for layer in layers] == ["mamba", "self_attn"] * 2
     assert {"MHCJambaMambaDecoderLayer", "MHCJambaAttentionDecoderLayer"} <= set(
         model._no_split_modules)
-    assert _rel(_logits(model, ids, mask), ref) <= REL
-    _perturb_connections(model)
-    assert _rel(_logits(model, ids, mask), ref) > 1e-2
+    _check_converted(model, ids, mask, ref)
 
 
 def test_mlp_returning_a_tuple():
@@ -293,9 +297,7 @@ def test_mlp_returning_a_tuple():
     ids, mask = _batch()
     ref = _logits(model, ids, mask)
     mhc_hf.convert(model, "mhc", streams=4)
-    assert _rel(_logits(model, ids, mask), ref) <= REL
-    _perturb_connections(model)
-    assert _rel(_logits(model, ids, mask), ref) > 1e-2
+    _check_converted(model, ids, mask, ref)
 
 
 # ------------------------------------------------------------------------------------------
