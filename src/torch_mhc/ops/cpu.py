@@ -349,7 +349,7 @@ def mhc_maps_pre(
     if _no_autograd(x, *params) and _use_native(x):
         # Decoding: the maps in x's leading shape straight from the native loops; x_link is
         # x itself (nothing to link without autograd).
-        phip, ab = _native_params(*params)
+        phip, ab = _cached_tables(_mhc_tables, *params)
         maps = _lib().maps_infer(x.contiguous(), phip, ab, int(sinkhorn_iters),
                                  float(norm_eps), float(sinkhorn_eps), float(pre_eps))
         return (*maps, x) if link else maps
@@ -418,11 +418,6 @@ def _hc_tables(w, s_alpha, s_beta, static_pre, static_post, static_res):
     scalars = [s_alpha.reshape(1), s_beta.reshape(1), static_pre, static_post,
                static_res.reshape(-1)]
     return _padded(w), torch.cat([t.to(torch.float32) for t in scalars])
-
-
-def _native_params(phi, alpha, b_pre, b_post, b_res) -> tuple[torch.Tensor, torch.Tensor]:
-    """_mhc_tables, cached while the parameters are unchanged."""
-    return _cached_tables(_mhc_tables, phi, alpha, b_pre, b_post, b_res)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -611,14 +606,15 @@ def hc_maps_pre(
     or None where no single node was made (the merge then runs unlinked on x).
     """
     args = (w, s_alpha, s_beta, static_pre, static_post, static_res)
-    if _hc_native(x, w, 1) and _no_autograd(x, *args):  # decoding
+    native = _hc_native(x, w, 1)
+    if native and _no_autograd(x, *args):  # decoding
         maps = _hc_inference(x, args, norm_eps, True)
         return (*maps, None) if link else maps
-    if not _hc_native(x, w):
-        maps = hc_maps(x, *args, norm_eps)
+    lead, (n, c) = x.shape[:-2], x.shape[-2:]
+    if not native or math.prod(lead) < _HC_NATIVE_MIN_TOKENS:  # hc_maps' reference path
+        maps = _ref.hc_maps(x, *args, norm_eps)
         a = pre_aggregate(x, maps[0])
         return (*maps, a, None) if link else (*maps, a)
-    lead, (n, c) = x.shape[:-2], x.shape[-2:]
     outs = _HcMapsPre.apply(x.reshape(-1, n, c).contiguous(), *args, float(norm_eps), link)
     h_pre, h_post, h_res, a = outs[:4]
     maps = (h_pre.view(*lead, n), h_post.view(*lead, n), h_res.view(*lead, n, n),
@@ -933,10 +929,10 @@ def post_merge(
             or f.shape[-1] != c or h_post.shape[-1] != n or h_res.shape[-2:] != (n, n):
         _ref.check_merge_shapes(x, f, h_post, h_res)
     native = _use_native(x)
-    maps_dtype = torch.float32 if native else x.dtype
     if native and _no_autograd(x, f, h_post, h_res):  # decoding: in the callers' shapes
         return _lib().merge_fwd(x.contiguous(), _as(f, x.dtype), _as(h_post, torch.float32),
                                 _as(h_res, torch.float32))
+    maps_dtype = torch.float32 if native else x.dtype
     args = (
         x.reshape(-1, n, c).contiguous() if native else x.reshape(-1, n, c),
         f.to(x.dtype).reshape(-1, c).contiguous(),

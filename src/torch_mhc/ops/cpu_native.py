@@ -180,18 +180,13 @@ class NativeOps:
         """
         fn = self._fns[name, dtype]
         threads = self.threads_for(tokens)
-        if threads == 1:  # decoding: the shortest way through (no closure, no executor)
-            fn(*[None if t is None else
-                 t.tensor[0].data_ptr() if isinstance(t, PerThread) else t.data_ptr()
-                 for t in tensors], 0, tokens, 1, *sizes)
-            return
 
         def pointers(k):
             return [None if t is None else
                     t.tensor[k].data_ptr() if isinstance(t, PerThread) else t.data_ptr()
                     for t in tensors]
 
-        if not self.own_threads:
+        if threads == 1 or not self.own_threads:
             fn(*pointers(0), 0, tokens, threads, *sizes)
             return
         if self._pool is None or self._pool_size != threads:
