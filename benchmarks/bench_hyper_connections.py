@@ -1,6 +1,6 @@
 """lucidrains' hyper-connections mHC around the same blocks, against ours and the residual.
 
-A thin script: the benchmark is `hyper_connections` in torch_mhc.bench
+A thin script: the benchmark is `hyper_connections` in torch_mhc.tools.bench.suite
 (`mhc bench --only hyper_connections`); every option of `mhc bench` is accepted, e.g.
 
     python benchmarks/bench_hyper_connections.py --sizes 256,512 --threads 1 --clock process
@@ -9,7 +9,7 @@ A thin script: the benchmark is `hyper_connections` in torch_mhc.bench
 
 import sys
 
-from torch_mhc.bench import bench_main
+from torch_mhc.tools.bench.suite import bench_main
 
 if __name__ == "__main__":
     sys.exit(bench_main(["--only", "hyper_connections", *sys.argv[1:]]))

@@ -1,4 +1,4 @@
-"""Each native CPU kernel of ops/cpu_native.c alone, against a plain copy-like torch op.
+"""Each native CPU kernel of ops/cpu/native.c alone, against a plain copy-like torch op.
 
     python benchmarks/bench_native_kernels.py --tokens 2048 --streams 4 --dim 512 --threads 1
     python benchmarks/bench_native_kernels.py --evict 64      # inputs out of cache
@@ -21,8 +21,8 @@ import sys
 
 import torch
 
-from torch_mhc.ops import cpu_native
-from torch_mhc.timing import time_interleaved
+from torch_mhc.ops.cpu import native as cpu_native
+from torch_mhc.tools.bench.timing import time_interleaved
 
 
 def kernels(tokens: int, n: int, c: int, dtype: torch.dtype) -> dict:

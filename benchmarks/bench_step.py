@@ -1,6 +1,6 @@
 """Training step of the reference LM: residual vs HC vs mHC.
 
-A thin script: the benchmark is `step` in torch_mhc.bench (`mhc bench --only step`);
+A thin script: the benchmark is `step` in torch_mhc.tools.bench.suite (`mhc bench --only step`);
 every option of `mhc bench` is accepted, e.g.
 
     python benchmarks/bench_step.py --sizes 256,512 --threads 1 --clock process
@@ -9,7 +9,7 @@ every option of `mhc bench` is accepted, e.g.
 
 import sys
 
-from torch_mhc.bench import bench_main
+from torch_mhc.tools.bench.suite import bench_main
 
 if __name__ == "__main__":
     sys.exit(bench_main(["--only", "step", *sys.argv[1:]]))

@@ -1,6 +1,6 @@
 """Training step of every connection kind, and the cost of measuring connection health.
 
-Times, side by side in one process (torch_mhc.timing.time_interleaved), one training step
+Times, side by side in one process (tools.bench.timing.time_interleaved), one training step
 (forward, cross-entropy, backward) of the reference LM with each connection kind, as a ratio
 to the residual model's step; then, on the mHC model, one Amax-gain measurement
 (collect_gains) against one connection-health measurement (collect_health) on the same
@@ -18,11 +18,11 @@ import platform
 
 import torch
 
-from torch_mhc.bench import random_tokens, summarize, train_step
-from torch_mhc.connections import CONNECTION_KINDS
-from torch_mhc.diagnostics import collect_gains, collect_health
-from torch_mhc.model import LM, ModelConfig
-from torch_mhc.timing import CLOCKS, time_interleaved
+from torch_mhc.connections.base import CONNECTION_KINDS
+from torch_mhc.lm.model import LM, ModelConfig
+from torch_mhc.runtime.diagnostics import collect_gains, collect_health
+from torch_mhc.tools.bench.suite import random_tokens, summarize, train_step
+from torch_mhc.tools.bench.timing import CLOCKS, time_interleaved
 
 
 def _model(kind: str, args) -> LM:

@@ -6,7 +6,7 @@
 
 Without --checkpoint, a tiny byte-level Llama (vocabulary 256) is built from a config and
 first trained for --pretrain-steps on the built-in corpus (the Python standard library's
-source, torch_mhc.data), standing in for a pretrained checkpoint. Then two copies are
+source, torch_mhc.lm.data), standing in for a pretrained checkpoint. Then two copies are
 fine-tuned for --steps on the same batches: the plain model and the model converted to
 --kind with --streams streams. The script prints the logit difference at conversion, the
 validation loss of both, and the Amax gains of the converted model's residual maps.
@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 import torch_mhc
 import torch_mhc.hf
-from torch_mhc.data import BatchSampler, load_corpus, val_batches
+from torch_mhc.lm.data import BatchSampler, load_corpus, val_batches
 
 
 def parse_args() -> argparse.Namespace:
@@ -124,7 +124,7 @@ def main() -> None:
           f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens")
 
     plain, converted = copy.deepcopy(base), copy.deepcopy(base)
-    torch_mhc.hf.convert(converted, kind=args.kind, streams=args.streams)
+    torch_mhc.integrations.hf.convert(converted, kind=args.kind, streams=args.streams)
     x, _ = next(val_batches(val_tokens, 4, args.seq_len, max_batches=1))
     with torch.no_grad():
         ref, out = plain.eval()(x).logits, converted.eval()(x).logits

@@ -48,8 +48,8 @@ def tiny_flags(tmp_path, corpus) -> list[str]:
 
 def make_tiny_config(root: Path, residual: str = "mhc", **overrides):
     """The tiny run's TrainConfig, its corpus and token cache under root."""
-    from torch_mhc.config import TrainConfig
-    from torch_mhc.model import ModelConfig
+    from torch_mhc.lm.config import TrainConfig
+    from torch_mhc.lm.model import ModelConfig
 
     corpus = root / "corpus.txt"
     if not corpus.exists():

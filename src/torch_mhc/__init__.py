@@ -1,7 +1,6 @@
 """torch-mhc: Manifold-Constrained Hyper-Connections (mHC), HC and the plain residual."""
 
-from . import diagnostics
-from .connections import (
+from torch_mhc.connections.base import (
     CONNECTION_KINDS,
     HyperConnection,
     ManifoldHyperConnection,
@@ -11,10 +10,11 @@ from .connections import (
     param_groups,
     reduce_streams,
 )
-from .diagnostics import collect_gains, collect_health
-from .sinkhorn import sinkhorn, sinkhorn_unrolled
-from .stream_head import StreamHead
-from .variants import KromHC, MHCLite, MHCStaticRes
+from torch_mhc.connections.stream_head import StreamHead
+from torch_mhc.connections.successors import KromHC, MHCLite, MHCStaticRes
+from torch_mhc.functional.sinkhorn import sinkhorn, sinkhorn_unrolled
+from torch_mhc.runtime import diagnostics
+from torch_mhc.runtime.diagnostics import collect_gains, collect_health
 
 __version__ = "0.1.0"
 

@@ -1,7 +1,7 @@
 """One op interface, several implementations, chosen by device and overridable.
 
 Every implementation provides the same six functions with the same contracts as
-`ops.reference` (the plain-torch oracle):
+`functional.maps` (the plain-torch oracle):
 
     mhc_maps(x, phi, alpha, b_pre, b_post, b_res, sinkhorn_iters=20, norm_eps=1e-6,
              sinkhorn_eps=0.0, pre_eps=0.0)    -> H_pre [..., n], H_post [..., n], H_res [..., n, n]
@@ -21,8 +21,8 @@ writes x's gradient once (hc_maps_pre's x_link is None where it made no single n
 
 Implementations:
     "reference"  plain torch, autograd through every op: the definition and the test oracle
-    "cpu"        hand-written backward passes and CPU-friendly layouts (ops/cpu.py)
-    "triton"     Triton kernels as torch.library custom ops (ops/triton_ops.py); CUDA tensors,
+    "cpu"        hand-written backward passes and CPU-friendly layouts (ops/cpu/ops.py)
+    "triton"     Triton kernels as torch.library custom ops (ops/triton/ops.py); CUDA tensors,
                  or CPU tensors under TRITON_INTERPRET=1 (for tests)
     "inductor"   the reference ops compiled by torch.compile (ops/inductor.py), any device;
                  compiles on each op's first call. Never chosen by "auto".
@@ -42,9 +42,11 @@ from dataclasses import dataclass
 
 import torch
 
+from torch_mhc.functional import maps as reference
+
 # Imported here, outside any torch.compile trace: importing `cpu` registers its custom ops
-# (its native library is built or loaded by the first native op, ops/cpu_native.py).
-from . import cpu, reference
+# (its native library is built or loaded by the first native op, ops/cpu/native.py).
+from torch_mhc.ops.cpu import ops as cpu
 
 __all__ = [
     "IMPLS",
@@ -64,13 +66,13 @@ ENV_VAR = "TORCH_MHC_IMPL"
 
 def _triton_ops_module():
     # A plain import statement, not importlib: Dynamo runs it while tracing (fullgraph=True).
-    from . import triton_ops
+    from torch_mhc.ops.triton import ops as triton_ops
 
     return triton_ops
 
 
 def _inductor_module():
-    from . import inductor
+    from torch_mhc.ops import inductor
 
     return inductor
 
@@ -97,7 +99,7 @@ class Ops:
     pre_aggregate: Callable
     post_merge: Callable
     sinkhorn: Callable
-    # mhc_maps_pre(..., link=True) and post_merge(..., linked=True) exist (ops/cpu.py: x's
+    # mhc_maps_pre(..., link=True) and post_merge(..., linked=True) exist (ops/cpu/ops.py: x's
     # gradient through maps, aggregation and merge written once).
     links: bool = False
 

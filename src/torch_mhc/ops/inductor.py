@@ -1,6 +1,6 @@
 """The `inductor` implementation: the reference ops compiled by torch.compile (Inductor).
 
-The same functions as ops.reference (the definition), each compiled as one graph with
+The same functions as functional.maps (the definition), each compiled as one graph with
 fullgraph=True: Inductor fuses the elementwise work and the Sinkhorn loop into a few
 generated kernels (Triton on CUDA, C++/OpenMP on CPU), and autograd through the graph gives
 the reference's exact gradients. A second GPU path beside the hand-written Triton kernels
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from . import reference as _ref
+from torch_mhc.functional import maps as _ref
 
 __all__ = ["hc_maps", "mhc_maps", "mhc_maps_pre", "post_merge", "pre_aggregate", "sinkhorn"]
 

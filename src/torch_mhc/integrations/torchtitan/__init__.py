@@ -10,10 +10,17 @@ override), config_registry (ready configurations), checkpoint (key checks betwee
 and unconverted models). Importing torch_mhc never imports this package.
 """
 
-from .blocks import HyperLlama3Block, HyperQwen3Block
-from .checkpoint import check_checkpoint_keys
-from .connection import TitanHyperConnection, TitanManifoldHyperConnection
-from .converter import MhcConverter, convert_model_config, mhc_override
+from torch_mhc.integrations.torchtitan.blocks import HyperLlama3Block, HyperQwen3Block
+from torch_mhc.integrations.torchtitan.checkpoint import check_checkpoint_keys
+from torch_mhc.integrations.torchtitan.connection import (
+    TitanHyperConnection,
+    TitanManifoldHyperConnection,
+)
+from torch_mhc.integrations.torchtitan.converter import (
+    MhcConverter,
+    convert_model_config,
+    mhc_override,
+)
 
 __all__ = [
     "HyperLlama3Block",

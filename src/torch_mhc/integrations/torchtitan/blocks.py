@@ -22,8 +22,8 @@ import torch
 from torchtitan.models.llama3.model import Llama3TransformerBlock
 from torchtitan.models.qwen3.model import Qwen3TransformerBlock
 
-from ...connections import expand_streams, reduce_streams
-from .connection import TITAN_CONNECTIONS
+from torch_mhc.connections.base import expand_streams, reduce_streams
+from torch_mhc.integrations.torchtitan.connection import TITAN_CONNECTIONS
 
 
 class _HyperBlock:

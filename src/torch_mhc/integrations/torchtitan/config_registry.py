@@ -16,7 +16,7 @@ from torchtitan.models.llama3 import model_registry as _llama3_model
 from torchtitan.models.qwen3 import config_registry as _qwen3
 from torchtitan.models.qwen3 import model_registry as _qwen3_model
 
-from .converter import MhcConverter
+from torch_mhc.integrations.torchtitan.converter import MhcConverter
 
 STREAMS = 4  # the paper's n
 

@@ -22,7 +22,7 @@ from torchtitan.config.override import override
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.protocols.model import ModelConfigConverter
 
-from .blocks import CONVERTIBLE, HYPER_CONFIGS
+from torch_mhc.integrations.torchtitan.blocks import CONVERTIBLE, HYPER_CONFIGS
 
 KINDS = ("hc", "mhc")
 

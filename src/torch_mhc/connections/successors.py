@@ -1,0 +1,320 @@
+"""mHC's successors: exactly doubly stochastic H_res without Sinkhorn, and a frozen H_res.
+
+All three keep mHC's read and write maps (paper Eq. 7-8, section 4.3 ordering):
+
+    v = flatten(x);  r = sqrt(mean(v^2) + eps);  logits = (v @ phi) / r     # [..., 2n + R]
+    H_pre  = sigmoid(alpha_pre * logits[:n] + b_pre)
+    H_post = 2 sigmoid(alpha_post * logits[n:2n] + b_post)
+
+and differ in H_res, built from the last R logits z = alpha_res * logits[2n:] + b_res:
+
+- "mhc-lite" (arXiv 2601.05732): H_res = sum_k a_k P_k over all n! permutation matrices,
+  a = softmax(z), R = n!. A convex combination of permutations is doubly stochastic exactly
+  (Birkhoff), so there is no iteration and no column error. n <= 5 (R = 120); beyond, n!
+  logits per token outgrow the rest of the connection and the error says so.
+- "kromhc" (arXiv 2601.21579): H_res = A_1 (x) A_2 (x) ... (x) A_m, m = log2 n, each factor
+  A_k = a_k I + (1 - a_k) S (S the 2 x 2 swap), a = sigmoid(z), R = m. A Kronecker product
+  of doubly stochastic matrices is doubly stochastic exactly. n must be a power of two.
+- "mhc-static-res": H_res = I, fixed; R = 0 (no res logits, alpha = (alpha_pre,
+  alpha_post)). The identity is the matrix a small-scale speedrun froze H_res to, and the
+  only fixed choice that does not contract the streams: a fixed mixing matrix M != a
+  permutation composes over L layers to M^L, which for mHC's initial I/2 + J/(2n) tends to
+  J/n (every stream the mean: the collapse the diagnostics look for). With I the streams
+  differ only through H_pre and H_post, so this kind measures what learning H_res is worth.
+
+Initialisation (each starts as the Pre-Norm residual network, like mHC; see connections.py):
+phi = 0, gates alpha = 0.01, H_pre = e_{k mod n} / 2 + 1 / (2n), H_post = 1, and H_res
+doubly stochastic, so equal streams stay equal and F(h) is added once:
+- mhc-lite: b_res = log(n! + 1) on the identity permutation, 0 elsewhere (up to a common
+  shift that makes the difference exact in float32), so
+  a_I = 1/2 + 1/(2 n!) and every other a_k = 1/(2 n!): H_res = I/2 + J/(2n), mHC's initial
+  H_res exactly (the same start, so any difference comes from the parametrisation).
+- kromhc: b_res = log 3, a_k = 3/4: each factor is I/2 + J/4, mHC's initial map for two
+  streams ("half kept, half averaged" per factor). mHC's I/2 + J/(2n) is not a Kronecker
+  product for n >= 4; per-factor halving gives diagonal (3/4)^m (9/16 for n = 4) and every
+  entry a product of 3/4 and 1/4, exact in binary.
+- mhc-static-res: H_res = I.
+
+Ops: the maps are computed here in torch (float32, float64 stays float64) under autograd on
+every implementation; the pre-aggregation and the post-and-merge use the chosen op
+implementation's (ops.pre_aggregate, ops.post_merge: the fused CPU kernels or Triton), which
+take any H_res. Not fused: the maps themselves (the fused mHC maps kernel computes Sinkhorn,
+not a permutation mixture or a Kronecker product) and the linked dx write of ops.cpu, which
+belongs to that maps kernel.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from torch_mhc import ops as _ops
+from torch_mhc.connections.base import _assign, _Connection, _count, _pre_bias
+from torch_mhc.functional.maps import read_write_maps
+
+__all__ = [
+    "VARIANT_KINDS",
+    "KromHC",
+    "check_streams",
+    "MHCLite",
+    "MHCStaticRes",
+    "kromhc_res",
+    "make_variant",
+    "mhc_lite_res",
+    "permutation_matrices",
+    "read_write_maps",
+]
+
+VARIANT_KINDS = ("mhc-lite", "kromhc", "mhc-static-res")
+MHC_LITE_MAX_STREAMS = 5
+
+
+# ---------------------------------------------------------------------------------------------
+# The maths (plain torch; autograd differentiates it)
+# ---------------------------------------------------------------------------------------------
+
+
+def permutation_matrices(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """All n! permutation matrices [n!, n, n], identity first: P_k[i, p_k(i)] = 1, so
+    (P_k x)_i = x_{p_k(i)} (itertools.permutations order)."""
+    perms = torch.tensor(list(itertools.permutations(range(n))), dtype=torch.long)  # [n!, n]
+    return torch.nn.functional.one_hot(perms, n).to(dtype)
+
+
+def _kron_pattern(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """same[k, i, j] = 1 where bit k of i equals bit k of j (bit 0 the most significant, as
+    torch.kron(A_1, A_2) indexes): [m, n, n] with m = log2 n."""
+    m = n.bit_length() - 1
+    idx = torch.arange(n)
+    bits = (idx[:, None] >> torch.arange(m - 1, -1, -1)) & 1  # [n, m]
+    return (bits.T[:, :, None] == bits.T[:, None, :]).to(dtype)
+
+
+def mhc_lite_res(z: torch.Tensor, perms: torch.Tensor) -> torch.Tensor:
+    """sum_k softmax(z)_k P_k: z [..., n!], perms [n!, n, n] -> [..., n, n]."""
+    a = torch.softmax(z, dim=-1)
+    return (a @ perms.to(a.dtype).flatten(-2)).unflatten(-1, perms.shape[-2:])
+
+
+def kromhc_res(z: torch.Tensor, same: torch.Tensor) -> torch.Tensor:
+    """A_1 (x) ... (x) A_m with A_k = a_k I + (1 - a_k) S, a = sigmoid(z): z [..., m],
+    same [m, n, n] (_kron_pattern) -> [..., n, n]. Entry (i, j) is the product over k of
+    a_k where bit k of i and j agree and 1 - a_k where they differ."""
+    a = torch.sigmoid(z)[..., :, None, None]  # [..., m, 1, 1]
+    s = same.to(a.dtype)
+    factors = s * a + (1.0 - s) * (1.0 - a)  # [..., m, n, n]
+    if factors.shape[-3] == 0:  # n = 1: the empty product
+        return torch.ones(*z.shape[:-1], 1, 1, dtype=z.dtype, device=z.device)
+    return factors.prod(dim=-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Modules
+# ---------------------------------------------------------------------------------------------
+
+
+class _MhcReadWrite(_Connection):
+    """mHC's dynamic read/write maps plus `res_count` logits for H_res (subclasses map them).
+
+    Parameters: phi [n*C, 2n + R], alpha [3] ([2] when R = 0), b_pre [n], b_post [n] and,
+    when R > 0, b_res [R].
+    """
+
+    def __init__(self, dim: int, streams: int, layer_index: int, branch: Callable,
+                 gate_init: float = 0.01, norm_eps: float = 1e-6, check_finite: bool = False,
+                 impl: str = "auto"):
+        super().__init__(dim, streams, branch, check_finite, impl)
+        n = self.streams
+        self._check_streams(n)
+        r = self.res_count(n)
+        layer_index = _count(layer_index, type(self).__name__, "layer_index", 0)
+        self.layer_index, self.norm_eps, self.gate_init = layer_index, norm_eps, float(gate_init)
+        self.phi = nn.Parameter(torch.empty(n * self.dim, 2 * n + r))
+        self.alpha = nn.Parameter(torch.empty(3 if r else 2))
+        self.b_pre = nn.Parameter(torch.empty(n))
+        self.b_post = nn.Parameter(torch.empty(n))
+        if r:
+            self.b_res = nn.Parameter(torch.empty(r))
+        self._init_buffers()
+        self.reset_parameters()
+
+    def res_count(self, n: int) -> int:
+        """R, the number of res logits per token."""
+        raise NotImplementedError
+
+    def _check_streams(self, n: int) -> None:
+        """Raise a ValueError if this kind cannot use n streams."""
+
+    def _init_buffers(self) -> None:
+        """Register the constant tensors H_res is built from (non-persistent)."""
+
+    def _res_bias(self) -> torch.Tensor:
+        """The initial b_res [R] (see the module docstring)."""
+        raise NotImplementedError
+
+    def reset_parameters(self) -> None:
+        """Re-apply the documented initialisation (also fills the constant buffers, so a
+        module built on the meta device and moved with to_empty() is complete after it;
+        DTensor shards take their part, as in connections.py)."""
+        n = self.streams
+        self._fill_buffers()
+        _assign(self.phi, torch.zeros(self.phi.shape))
+        _assign(self.alpha, torch.full(self.alpha.shape, self.gate_init))
+        _assign(self.b_pre, _pre_bias(n, self.layer_index))
+        _assign(self.b_post, torch.zeros(n))  # 2 sigmoid(0) = 1
+        if hasattr(self, "b_res"):
+            _assign(self.b_res, self._res_bias())
+
+    def _fill_buffers(self) -> None:
+        pass
+
+    def res_map(self, z: torch.Tensor) -> torch.Tensor:
+        """H_res [..., n, n] from the scaled and biased res logits z [..., R]."""
+        raise NotImplementedError
+
+    def res_logits(self, x: torch.Tensor) -> torch.Tensor | None:
+        """z = alpha_res * logits[2n:] + b_res [..., R] (None without res logits); for the
+        health diagnostics (the logits whose exp the map takes)."""
+        if not hasattr(self, "b_res"):
+            return None
+        _, _, rest = read_write_maps(x, self.phi, self.alpha, self.b_pre, self.b_post,
+                                     self.norm_eps)
+        return rest + self.b_res.to(rest.dtype)
+
+    def maps(self, x: torch.Tensor, with_pre: bool = False):
+        """H_pre, H_post, H_res; with_pre=True appends the branch input sum_j H_pre[j] x[j]."""
+        ops = _ops.get_impl(self.impl, x.device, x.dtype)
+        maps = self._maps(x)
+        return (*maps, ops.pre_aggregate(x, maps[0])) if with_pre else maps
+
+    def _maps(self, x: torch.Tensor):
+        h_pre, h_post, rest = read_write_maps(x, self.phi, self.alpha, self.b_pre, self.b_post,
+                                              self.norm_eps)
+        z = rest + self.b_res.to(rest.dtype) if hasattr(self, "b_res") else rest
+        # H_res is built in float64 and rounded once (n! or m numbers per token: negligible
+        # work). In float32 mHC-lite's 24-term mixtures summed rows to 1 - 6e-8 at init, a
+        # bias that compounds over depth (4.3e-6 from the residual network after 16
+        # sublayers); rounded once, the initial entries are exact (0.625, 0.125; 9/16 ...).
+        wide = torch.float32 if z.device.type == "mps" else torch.float64  # MPS: no float64
+        return h_pre, h_post, self.res_map(z.to(wide)).to(z.dtype)
+
+    def _maps_and_input(self, ops, x: torch.Tensor):
+        maps = self._maps(x)
+        return (*maps, ops.pre_aggregate(x, maps[0]), None)
+
+    def no_weight_decay(self) -> set[str]:
+        return {"alpha", "b_pre", "b_post"} | ({"b_res"} if hasattr(self, "b_res") else set())
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, layer_index={self.layer_index}"
+
+
+def check_streams(kind: str, n: int) -> None:
+    """Raise a ValueError if connection kind `kind` cannot use n streams (a no-op for the
+    kinds that take any n)."""
+    if kind == "mhc-lite" and n > MHC_LITE_MAX_STREAMS:
+        raise ValueError(
+            f"mhc-lite mixes all n! permutation matrices and supports n <= "
+            f"{MHC_LITE_MAX_STREAMS} streams ({math.factorial(MHC_LITE_MAX_STREAMS)} "
+            f"logits per token); got n = {n} ({math.factorial(n):,} permutations)"
+        )
+    if kind == "kromhc" and n & (n - 1):
+        lo = 1 << (n.bit_length() - 1)
+        raise ValueError(
+            f"kromhc builds H_res as a Kronecker product of 2 x 2 factors and needs n a "
+            f"power of two (1, 2, 4, 8, ...); got n = {n} (nearest: {lo} or {2 * lo})"
+        )
+
+
+class MHCLite(_MhcReadWrite):
+    """mHC-lite (arXiv 2601.05732): H_res = sum_k softmax(z)_k P_k over all n! permutations."""
+
+    kind = "mhc-lite"
+
+    def res_count(self, n: int) -> int:
+        return math.factorial(n)
+
+    def _check_streams(self, n: int) -> None:
+        check_streams(self.kind, n)
+
+    def _init_buffers(self) -> None:
+        self.register_buffer("perms", permutation_matrices(self.streams), persistent=False)
+
+    def _fill_buffers(self) -> None:
+        _assign(self.perms, permutation_matrices(self.streams))
+
+    def _res_bias(self) -> torch.Tensor:
+        # identity first: logit log(n! + 1) above the rest, so a_I = 1/2 + 1/(2 n!) and every
+        # other a_k = 1/(2 n!). softmax ignores a common shift: the rest get the tiny float32
+        # number y = fl(fl(log(n! + 1)) - log(n! + 1)), which makes the float32 difference
+        # exact to ~1e-14 (with 0 there, log's rounding moved the off-diagonals one ulp).
+        k = math.factorial(self.streams)
+        top = torch.tensor(math.log(k + 1), dtype=torch.float32, device="cpu")
+        rest = (top.double() - math.log(k + 1)).float()
+        return torch.cat([top[None], rest.expand(k - 1)])
+
+    def res_map(self, z: torch.Tensor) -> torch.Tensor:
+        return mhc_lite_res(z, self.perms)
+
+
+class KromHC(_MhcReadWrite):
+    """KromHC (arXiv 2601.21579): H_res = kron(A_1, ..., A_m), A_k = a_k I + (1 - a_k) S."""
+
+    kind = "kromhc"
+
+    def res_count(self, n: int) -> int:
+        return n.bit_length() - 1
+
+    def _check_streams(self, n: int) -> None:
+        check_streams(self.kind, n)
+
+    def _init_buffers(self) -> None:
+        self.register_buffer("same", _kron_pattern(self.streams), persistent=False)
+
+    def _fill_buffers(self) -> None:
+        _assign(self.same, _kron_pattern(self.streams))
+
+    def _res_bias(self) -> torch.Tensor:
+        return torch.full((self.res_count(self.streams),), math.log(3.0))  # a_k = 3/4
+
+    def res_map(self, z: torch.Tensor) -> torch.Tensor:
+        return kromhc_res(z, self.same)
+
+    def res_logits(self, x: torch.Tensor) -> None:
+        """None: the factors are sigmoids of one logit each, with no exp over a set of
+        logits to underflow (the health diagnostics' logit range does not apply)."""
+        return None
+
+
+class MHCStaticRes(_MhcReadWrite):
+    """mHC with H_res fixed to the identity: only H_pre and H_post are learned."""
+
+    kind = "mhc-static-res"
+
+    def res_count(self, n: int) -> int:
+        return 0
+
+    def _init_buffers(self) -> None:
+        self.register_buffer("h_res", torch.eye(self.streams), persistent=False)
+
+    def _fill_buffers(self) -> None:
+        _assign(self.h_res, torch.eye(self.streams))
+
+    def res_map(self, z: torch.Tensor) -> torch.Tensor:
+        n = self.streams
+        return self.h_res.to(z.dtype).expand(*z.shape[:-1], n, n)
+
+
+_CLASSES = {cls.kind: cls for cls in (MHCLite, KromHC, MHCStaticRes)}
+
+
+def make_variant(kind: str, dim: int, streams: int, layer_index: int, branch: Callable,
+                 **kwargs) -> _MhcReadWrite:
+    """Build one of VARIANT_KINDS (kwargs: gate_init, norm_eps, check_finite, impl)."""
+    if kind not in _CLASSES:
+        raise ValueError(f"unknown variant {kind!r}; expected one of {VARIANT_KINDS}")
+    return _CLASSES[kind](dim, streams, layer_index, branch, **kwargs)

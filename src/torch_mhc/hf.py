@@ -1,0 +1,11 @@
+"""`torch_mhc.hf` is `torch_mhc.integrations.hf` (needs `pip install 'torch-mhc[hf]'`).
+
+Kept as the short name users import; the same module object, so submodules and classes are
+shared with the full path.
+"""
+
+import sys
+
+from torch_mhc.integrations import hf as _hf
+
+sys.modules[__name__] = _hf

@@ -1,0 +1,367 @@
+"""Saving a converted model and loading it back.
+
+    torch_mhc.hf.save_pretrained(model, "out/")     # a transformers checkpoint + the connections
+    model = torch_mhc.hf.from_pretrained("out/")    # the same converted model
+
+A converted checkpoint is an ordinary transformers checkpoint of the original architecture
+(config.json, model.safetensors or shards with their index) whose config carries
+`mhc_conversion` = {"kind", "streams", "options"}, plus `mhc_connections.safetensors`: the
+connections' tensors under the converted model's own state-dict keys
+(`model.layers.<i>.mhc_attn.phi` etc.). They are kept out of transformers' weight files because
+transformers renames keys on save with per-model regexes, and some of them rewrite ours (Mixtral
+turns `.mhc_mlp.` into `.mhc.block_sparse_moe.`, its pattern `.mlp.` having unescaped dots).
+Checkpoints of the earlier format, whose connection tensors sit in the transformers weight files,
+still load.
+
+Loading builds the architecture named in config.json with transformers (its weights, dtype,
+single-device device_map handling), converts it with the recorded options, then loads the
+connections' tensors, checking that each is present and has the shape the conversion gives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from torch_mhc import __version__
+from torch_mhc.integrations.hf.convert import CONFIG_KEY, conversion_of, convert
+from torch_mhc.runtime.files import fsync_dir
+
+__all__ = ["save_pretrained", "from_pretrained"]
+
+CONNECTIONS_FILE = "mhc_connections.safetensors"
+CONNECTION_KEY = r"\.mhc_(attn|mlp)\."  # regex on state dict keys of converted layers
+_MARK = (".mhc_attn.", ".mhc_mlp.")
+# Weight files of an earlier save that the new one does not overwrite: left in place, transformers
+# could load them instead of (or mixed with) the new weights.
+_STALE = ("model*.safetensors", "model*.safetensors.index*.json", "pytorch_model*.bin",
+          "pytorch_model*.bin.index*.json")
+
+
+def _is_connection(key: str) -> bool:
+    return any(m in key for m in _MARK)
+
+
+# ------------------------------------------------------------------------------------------
+# Saving
+
+
+def save_pretrained(model: nn.Module, path: str | os.PathLike, **kwargs) -> Path:
+    """Save a converted model into the folder `path` (created if missing); returns the path.
+
+    kwargs go to transformers' save_pretrained (max_shard_size, variant, ...). As with
+    transformers, files in the folder that the save does not write (a tokenizer, a README)
+    stay; the checkpoint's files are replaced, and weight files of an earlier save that this
+    one does not overwrite (model*.safetensors, index files, pytorch_model*.bin) are removed.
+
+    The checkpoint is first written completely into a temporary folder inside `path` and its
+    connection keys read back; only then is each file renamed into `path` (a rename replaces a
+    file whole). A failure before that point leaves `path` as it was and removes the temporary
+    folder (and `path` itself, if this call created it and it is empty). A crash during the
+    renames, a moment, can leave some of the checkpoint's files new and the others old, each
+    complete, and stale weight files not yet removed: saving again repairs that. A killed
+    process also leaves its hidden `.mhc-save-*` folder in `path`, which loading ignores and
+    which can be deleted.
+    """
+    _check_saveable(model, kwargs)
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise FileExistsError(f"save_pretrained expects a folder path, {target} is a file")
+    created = not target.exists()
+    target.mkdir(parents=True, exist_ok=True)  # permissions from the umask, as os.makedirs
+    # Inside the target, not beside it: the renames stay on one file system even when the
+    # target is a mount point, and only the target needs to be writable (e.g. ".").
+    tmp = Path(tempfile.mkdtemp(prefix=".mhc-save-", dir=target))
+    try:
+        _write_checkpoint(model, tmp, kwargs)
+        _publish(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if created and not any(target.iterdir()):
+            target.rmdir()
+        raise
+    shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _check_saveable(model: nn.Module, kwargs: dict) -> None:
+    if conversion_of(model) is None:
+        raise ValueError(
+            f"{type(model).__name__} is not converted (its config has no {CONFIG_KEY!r}); "
+            "use model.save_pretrained for a plain model"
+        )
+    if kwargs.get("push_to_hub"):
+        raise ValueError(
+            "torch_mhc.hf.save_pretrained does not push (transformers would push the temporary "
+            "folder): save, then upload the folder, e.g. huggingface_hub.upload_folder"
+        )
+
+
+def _write_checkpoint(model: nn.Module, folder: Path, kwargs: dict) -> None:
+    """transformers' checkpoint without the connections, and the connections' own file."""
+    from safetensors.torch import save_file
+
+    kwargs = dict(kwargs)
+    state = kwargs.pop("state_dict", None)
+    state = model.state_dict() if state is None else state
+    connections = {k: v for k, v in state.items() if _is_connection(k)}
+    offloaded = [k for k, v in connections.items() if v.device.type == "meta"]
+    if offloaded:
+        raise ValueError(
+            f"the connection tensors {offloaded[:4]} are on the meta device (offloaded?); "
+            "expected a model whose connections are in memory"
+        )
+    model.save_pretrained(folder, state_dict={k: v for k, v in state.items()
+                                              if k not in connections}, **kwargs)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in connections.items()}
+    save_file(tensors, str(folder / CONNECTIONS_FILE),
+              metadata={"format": "pt", "torch_mhc_version": __version__})
+    _check_written(folder, set(connections))
+
+
+def _check_written(folder: Path, expected: set[str]) -> None:
+    """Read back the connection keys that reached the disk: every one must be there."""
+    from safetensors import safe_open
+
+    with safe_open(str(folder / CONNECTIONS_FILE), framework="pt") as st:
+        written = set(st.keys())
+    missing = sorted(expected - written)
+    if missing:
+        raise ValueError(
+            f"{CONNECTIONS_FILE} was written without the connection tensors {missing[:4]}"
+            f"{' ...' if len(missing) > 4 else ''} ({len(written)} of {len(expected)} keys); "
+            "nothing was saved"
+        )
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Rename every file of the complete checkpoint in tmp into target, then drop stale
+    weight files; each file's bytes are on disk before its name is."""
+    new = sorted(p for p in tmp.iterdir() if p.is_file())
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in new:
+        # safetensors writes its files readable by their owner only; a checkpoint gets a plain
+        # file's permissions (0o666 minus the umask), as files.atomic_write gives.
+        p.chmod(0o666 & ~umask)
+        _fsync(p)
+    for p in new:
+        os.replace(p, target / p.name)
+    names = {p.name for p in new}
+    for p in target.iterdir():
+        if (p.name not in names and p.is_file()
+                and any(fnmatch.fnmatchcase(p.name, pattern) for pattern in _STALE)):
+            p.unlink()
+    fsync_dir(target)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------------------------------
+# Loading
+
+
+def from_pretrained(path: str | os.PathLike, **kwargs) -> nn.Module:
+    """Load a converted checkpoint (a local folder) written by save_pretrained.
+
+    The model class is the one the checkpoint was saved from (config.json's architectures).
+    kwargs go to transformers' from_pretrained: dtype, a single-device device_map ("cpu",
+    "cuda:0", {"": 0}), config attributes (output_hidden_states=True), ... A device_map that
+    spreads the model over several devices or offloads it is refused: load it onto one device,
+    then dispatch it with accelerate.
+    """
+    from transformers import AutoConfig
+
+    if "config" in kwargs:
+        raise TypeError(
+            "torch_mhc.hf.from_pretrained takes no config=: the config is read from the "
+            "checkpoint's config.json, which records the conversion; pass config attributes "
+            "as keyword arguments (e.g. output_hidden_states=True) or edit config.json"
+        )
+    path = _checkpoint_folder(path)
+    config = AutoConfig.from_pretrained(path)
+    tensors = _connection_tensors(path)
+    conversion = _conversion_record(config, tensors, path)
+    cls = _model_class(config, path)
+    _check_device_map(kwargs.get("device_map"))
+    with _ignoring_connection_keys(cls):
+        model = cls.from_pretrained(path, **kwargs)
+    _check_not_dispatched(model, kwargs.get("device_map"))
+    delattr(model.config, CONFIG_KEY)  # the plain model is converted now; convert() records it
+    convert(model, conversion["kind"], conversion["streams"], **conversion.get("options", {}))
+    _load_connections(model, tensors, path)
+    return model
+
+
+def _checkpoint_folder(path: str | os.PathLike) -> Path:
+    """The folder, if it exists and holds a config.json (else transformers would look for a
+    hub repository of that name)."""
+    path = Path(path)
+    expected = ("a local folder written by torch_mhc.hf.save_pretrained (config.json, "
+                f"model.safetensors, {CONNECTIONS_FILE}); a hub repository must be downloaded "
+                "first (huggingface_hub.snapshot_download)")
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such folder; from_pretrained expects {expected}")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{path} has no config.json (it holds {sorted(p.name for p in path.iterdir())}); "
+            f"from_pretrained expects {expected}"
+        )
+    return path
+
+
+def _conversion_record(config, tensors: dict[str, torch.Tensor], path: Path) -> dict:
+    """config.json's mhc_conversion, checked to hold the kind and the number of streams."""
+    conversion = getattr(config, CONFIG_KEY, None)
+    if conversion is None and tensors:
+        raise ValueError(
+            f"{path}: the weights hold connection parameters (e.g. {next(iter(tensors))}) "
+            f"but config.json lacks {CONFIG_KEY!r} (kind, streams, options), so the "
+            "conversion cannot be rebuilt; restore it in config.json"
+        )
+    if conversion is None:
+        raise ValueError(
+            f"{path} is not a converted checkpoint: config.json has no {CONFIG_KEY!r}; load it "
+            "with transformers' from_pretrained and convert it with torch_mhc.hf.convert"
+        )
+    if (not isinstance(conversion, dict) or not isinstance(conversion.get("kind"), str)
+            or not isinstance(conversion.get("streams"), int)
+            or not isinstance(conversion.get("options", {}), dict)):
+        raise ValueError(
+            f"{path}/config.json: {CONFIG_KEY!r} is damaged: expected {{'kind': str, "
+            f"'streams': int, 'options': dict}} as save_pretrained writes it, got {conversion!r}"
+        )
+    return conversion
+
+
+def _model_class(config, path: Path) -> type:
+    """The transformers class named first in config.json's architectures, which
+    model.save_pretrained records: a converted classifier comes back as a classifier."""
+    import transformers
+
+    names = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, names[0], None) if names else None
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise ValueError(
+            f"{path}/config.json: expected 'architectures' to name the transformers model "
+            f"class the checkpoint was saved from (e.g. ['LlamaForCausalLM']), got {names!r}, "
+            f"which transformers {transformers.__version__} does not provide"
+        )
+    return cls
+
+
+def _connection_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The connections' tensors: from their own file, or (earlier format) from the
+    transformers weight files, where they were stored under the same keys."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    own = path / CONNECTIONS_FILE
+    if own.is_file():
+        try:
+            return load_file(str(own))
+        except Exception as e:
+            raise ValueError(f"{own}: expected a safetensors file, cannot read it: {e}") from e
+    out = {}
+    for f in _weight_files(path):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                if _is_connection(key):
+                    out[key] = st.get_tensor(key)
+    return out
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(
+        f"{path}: expected model.safetensors or model.safetensors.index.json (save with "
+        f"torch_mhc.hf.save_pretrained), found {sorted(p.name for p in path.iterdir())}"
+    )
+
+
+@contextlib.contextmanager
+def _ignoring_connection_keys(cls: type):
+    """Earlier-format checkpoints hold the connection tensors in the weight files; they are
+    loaded after conversion, so transformers must not report them as unexpected. The class
+    attribute is read once, while the model is built."""
+    had = "_keys_to_ignore_on_load_unexpected" in cls.__dict__
+    previous = cls.__dict__.get("_keys_to_ignore_on_load_unexpected")
+    inherited = getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or []
+    cls._keys_to_ignore_on_load_unexpected = [*inherited, CONNECTION_KEY]
+    try:
+        yield
+    finally:
+        if had:
+            cls._keys_to_ignore_on_load_unexpected = previous
+        else:
+            del cls._keys_to_ignore_on_load_unexpected
+
+
+def _dispatch_error(device_map, placed) -> ValueError:
+    # accelerate's hooks keep each layer's forward as it was when they were attached (the plain
+    # layer's) and place only the modules that existed then (not the connections).
+    return ValueError(
+        f"torch_mhc.hf.from_pretrained loads a converted model onto one device; "
+        f"device_map={device_map!r} places it on {placed} with accelerate hooks, which would "
+        "run the unconverted layers. Load it with no device_map or a single device ('cpu', "
+        "'cuda:0', {'': 0}), then dispatch the converted model: accelerate.dispatch_model("
+        "model, accelerate.infer_auto_device_map(model, max_memory=..., "
+        "no_split_module_classes=list(model._no_split_modules)), offload_dir=...)"
+    )
+
+
+def _check_device_map(device_map) -> None:
+    """Refuse before loading what transformers would dispatch with hooks (its own test)."""
+    if isinstance(device_map, dict):
+        devices = set(device_map.values())
+        if len(devices) > 1 or "disk" in devices:
+            raise _dispatch_error(device_map, sorted(map(str, devices)))
+
+
+def _check_not_dispatched(model: nn.Module, device_map) -> None:
+    """A device_map strategy ("auto", ...) is resolved while loading: refuse hooks after it."""
+    if any(hasattr(m, "_hf_hook") for m in model.modules()):
+        placed = sorted(set(map(str, getattr(model, "hf_device_map", {}).values())))
+        raise _dispatch_error(device_map, placed or "several devices")
+
+
+def _load_connections(model: nn.Module, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    wanted = {k: v for k, v in model.state_dict().items() if _is_connection(k)}
+    missing = sorted(set(wanted) - set(tensors))
+    unexpected = sorted(set(tensors) - set(wanted))
+    if missing or unexpected:
+        raise ValueError(
+            f"{path}: the connection weights do not match the recorded conversion "
+            f"{conversion_of(model)}: missing {missing[:4]}{' ...' if len(missing) > 4 else ''}"
+            f", unexpected {unexpected[:4]}{' ...' if len(unexpected) > 4 else ''}"
+        )
+    for key, target in wanted.items():
+        got = tensors[key]
+        if got.shape != target.shape:
+            raise ValueError(
+                f"{path}: {key} has shape {tuple(got.shape)}, the recorded conversion "
+                f"{conversion_of(model)} expects {tuple(target.shape)}"
+            )
+    with torch.no_grad():
+        for key, target in wanted.items():
+            target.copy_(tensors[key])

@@ -1,0 +1,187 @@
+"""convert(): put HC / mHC (any connection kind) into a transformers causal LM, in place.
+
+    model = AutoModelForCausalLM.from_pretrained("...")
+    torch_mhc.integrations.hf.convert(model, kind="mhc", streams=4)
+
+Every decoder layer's attention and MLP sublayers become the branches of two connections
+(layer_index 2 i and 2 i + 1 for decoder layer i, as in torch_mhc.lm.model), the first layer
+expands its input to n streams and the last one reduces them (reduce_streams, the mean) before
+the model's final norm. An initialised connection computes the Pre-Norm residual network built
+from its branches, so the converted model computes the original model's function: same logits
+(up to float rounding), same greedy generations.
+
+The conversion is recorded in `model.config.mhc_conversion` ({"kind", "streams", "options"}),
+which save_pretrained writes to config.json and torch_mhc.hf.from_pretrained reads back.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Iterator
+
+from torch import nn
+
+from torch_mhc import __version__
+from torch_mhc.connections.base import _Connection, make_connection
+from torch_mhc.integrations.hf.layers import (
+    ConversionError,
+    converted_class,
+    find_decoder_layers,
+    is_converted,
+)
+
+__all__ = ["convert", "connection_parameters", "train_only_connections", "CONFIG_KEY"]
+
+CONFIG_KEY = "mhc_conversion"  # the attribute of model.config that records the conversion
+
+
+def _check_model(model: nn.Module) -> None:
+    config = getattr(model, "config", None)
+    if not isinstance(model, nn.Module) or config is None:
+        raise ConversionError(
+            f"torch_mhc.hf.convert expects a transformers PreTrainedModel (a causal LM with a "
+            f".config), got {type(model).__name__}"
+        )
+    if any(is_converted(m) for m in model.modules()):
+        done = getattr(config, CONFIG_KEY, None)
+        raise ValueError(
+            f"{type(model).__name__} is already converted ({done}); convert a model once "
+            "(load a fresh copy to convert it differently)"
+        )
+    if getattr(config, CONFIG_KEY, None) is not None:
+        raise ValueError(
+            f"{type(model).__name__}'s config records a conversion ({getattr(config, CONFIG_KEY)})"
+            " but its layers are plain: it was loaded from a converted checkpoint without "
+            "conversion; load it with torch_mhc.hf.from_pretrained(path)"
+        )
+    if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention",
+                                                                 False):
+        raise ConversionError(
+            f"torch_mhc.hf cannot convert {type(model).__name__}: expected a decoder-only "
+            "causal LM, got a model with cross-attention"
+        )
+    _check_not_dispatched(model)
+
+
+def _check_not_dispatched(model: nn.Module) -> None:
+    """accelerate's dispatch (a device_map over several devices, or offloading) replaces each
+    hooked module's forward on the instance, which would keep running the old layer, and
+    leaves offloaded weights on the meta device, where the connections would be put."""
+    hooked = next((name or "the model" for name, m in model.named_modules()
+                   if hasattr(m, "_hf_hook") or hasattr(m, "_old_forward")), None)
+    if hooked is not None:
+        raise ConversionError(
+            f"torch_mhc.hf cannot convert {type(model).__name__}: it was dispatched by "
+            f"accelerate (hooks on {hooked}, as a device_map over several devices or with "
+            "offloading puts them); expected a model that is not dispatched: convert before "
+            "dispatching (load it without device_map, convert it, then dispatch it, e.g. with "
+            "accelerate.dispatch_model)"
+        )
+
+
+def _check_options(kind: str, streams: int, options: dict) -> None:
+    if not isinstance(streams, int) or isinstance(streams, bool) or streams < 1:
+        raise ValueError(f"convert expects streams >= 1 (an int), got {streams!r}")
+    try:
+        json.dumps(options)
+    except TypeError as e:
+        raise ValueError(
+            f"connection options must be JSON values (they are saved in config.json), got "
+            f"{options!r}: {e}"
+        ) from None
+    # A connection built without options checks kind with make_connection's own error; its
+    # constructor's parameters are the options the kind takes; a second one checks the values.
+    probe = make_connection(kind, 8, streams, 0, lambda h: h)
+    known = _option_names(type(probe))
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(
+            f"unknown connection option(s) {unknown} for kind {kind!r}; expected "
+            f"{sorted(known) if known else 'none'}"
+        )
+    make_connection(kind, 8, streams, 0, lambda h: h, **options)
+
+
+def _option_names(cls: type) -> set[str]:
+    """The keyword options a connection class takes: its constructor's named parameters
+    other than the structural ones (Residual takes none and ignores the rest)."""
+    structural = {"self", "dim", "streams", "layer_index", "branch"}
+    return {
+        name for name, p in inspect.signature(cls.__init__).parameters.items()
+        if name not in structural and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+    }
+
+
+def convert(model: nn.Module, kind: str = "mhc", streams: int = 4, **connection_kwargs):
+    """Convert a transformers causal LM in place; returns the model.
+
+    kind: any kind torch_mhc.make_connection knows ("residual", "hc", "mhc", ...).
+    streams: n >= 1 (ignored by "residual", which has one stream).
+    connection_kwargs: passed to every connection (e.g. sinkhorn_iters=20, impl="cpu");
+    they must be JSON values, since they are saved in the config.
+    The connections take the device and dtype of the layer they are put in.
+    """
+    _check_model(model)
+    _check_options(kind, streams, connection_kwargs)
+    layers, specs = find_decoder_layers(model)
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+        else model.config
+    dim = int(config.hidden_size)
+    n = 1 if kind == "residual" else streams
+    for i, (layer, spec) in enumerate(zip(layers, specs, strict=True)):
+        p = next(layer.parameters())
+        layer.__class__ = converted_class(type(layer))
+        layer._mhc_spec, layer._mhc_first, layer._mhc_last = spec, i == 0, i == len(layers) - 1
+        attn = make_connection(kind, dim, n, 2 * i, layer._mhc_attn_branch, **connection_kwargs)
+        mlp = make_connection(kind, dim, n, 2 * i + 1, layer._mhc_mlp_branch, **connection_kwargs)
+        layer.mhc_attn = attn.to(device=p.device, dtype=p.dtype)
+        layer.mhc_mlp = mlp.to(device=p.device, dtype=p.dtype)
+    # device_map="auto" must not split a layer from its connections (names, not classes).
+    for name in sorted({type(layer).__name__ for layer in layers}):
+        model._no_split_modules = with_no_split(model, name)
+    setattr(model.config, CONFIG_KEY, {
+        "kind": kind, "streams": n, "options": dict(connection_kwargs),
+        "torch_mhc_version": __version__,
+    })
+    return model
+
+
+def with_no_split(model: nn.Module, name: str):
+    """model._no_split_modules plus name, in the container type transformers gave it."""
+    current = getattr(model, "_no_split_modules", None) or set()
+    return {*current, name} if isinstance(current, set) else [*current, name]
+
+
+def connection_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """(name, parameter) of every connection in the model (maps, gates, static biases)."""
+    seen = set()
+    for mod_name, module in model.named_modules():
+        if isinstance(module, _Connection):
+            for name, p in module.named_parameters(recurse=False):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield (f"{mod_name}.{name}" if mod_name else name), p
+
+
+def train_only_connections(model: nn.Module) -> list[nn.Parameter]:
+    """Freeze every parameter except the connections' (requires_grad=False); returns the
+    trainable ones. torch_mhc.param_groups(model) then groups only these, since it skips
+    frozen parameters."""
+    keep = {id(p) for _, p in connection_parameters(model)}
+    if not keep:
+        raise ValueError(
+            f"{type(model).__name__} has no connection parameters: convert it first "
+            "(torch_mhc.integrations.hf.convert) with a kind that has parameters (not 'residual')"
+        )
+    trainable = []
+    for p in model.parameters():
+        p.requires_grad_(id(p) in keep)
+        if id(p) in keep:
+            trainable.append(p)
+    return trainable
+
+
+def conversion_of(model: nn.Module) -> dict | None:
+    """The recorded conversion of a converted model, else None."""
+    return getattr(getattr(model, "config", None), CONFIG_KEY, None)

@@ -1,0 +1,211 @@
+"""The training checkpoint: one format for single-process and distributed runs.
+
+A run writes `out_dir/ckpt/`, a torch_mhc.lm.parallel checkpoint directory (DCP layout: the
+tensors in `*.distcp` files, `.metadata`, the run's own state in `extra.pt`, CRC-32 sums of
+every file in `meta.json`); the checkpoint it replaces becomes `out_dir/ckpt.prev/`. Any
+layout resumes any other: one process, DDP, FSDP2 or a pipeline, at any world size.
+
+The run's state (`extra.pt`) holds: format, model_config, train_config, step, scheduler, rng
+(torch, numpy, python), sampler, spike (the policy's window) and the histories. Loading reads
+no pickled code (see torch_mhc.lm.parallel.checkpoint), checks the sums first and the
+configuration second, and only then reads tensors. A checkpoint that fails the sums or cannot
+be read falls back to `ckpt.prev` with a message; one made for another model is refused.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from torch_mhc.lm import parallel as par
+from torch_mhc.lm.config import TrainConfig, resolve_device
+from torch_mhc.lm.model import LM, ModelConfig
+from torch_mhc.lm.train.errors import CheckpointError, DiskFullError, is_disk_full
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "LAST_CHECKPOINT",
+    "PREVIOUS_CHECKPOINT",
+    "check_resumable",
+    "find_checkpoint",
+    "load_checkpoint",
+    "load_model",
+    "open_for_resume",
+    "restore",
+    "save_checkpoint",
+]
+
+CHECKPOINT_FORMAT = 2  # of the run's state in extra.pt; 2: the DCP layout for every run
+LAST_CHECKPOINT = "ckpt"
+PREVIOUS_CHECKPOINT = "ckpt.prev"
+_RUN_STATE_KEYS = ("format", "model_config", "train_config", "step")
+_RESUME_KEYS = ("sampler", "rng", "history", "spike")
+
+
+def save_checkpoint(out_dir: str | os.PathLike, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer | None, state: dict,
+                    keep_previous: bool = True) -> Path:
+    """Write out_dir/ckpt (every rank calls it); the checkpoint it replaces becomes ckpt.prev.
+
+    model: what the step runs (bare, DDP, FSDP2, a pipeline's module). state: the run's own
+    plain values and tensors. keep_previous=False: the checkpoints already there belong to
+    another run (an overwritten one): both are deleted once the new one is complete, so
+    ckpt and ckpt.prev are always of one run. A full disk is a DiskFullError; the previous
+    checkpoint is then untouched and no partial one is left.
+    """
+    out = Path(out_dir)
+    had_one = (out / LAST_CHECKPOINT).exists()
+    try:
+        path = par.save_checkpoint(out / LAST_CHECKPOINT, model, optimizer, extra=state,
+                                   previous=out / PREVIOUS_CHECKPOINT if keep_previous else None)
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt) or not is_disk_full(e):
+            raise
+        if had_one and keep_previous:
+            kept = ("this run's previous checkpoint there is intact (free space, then "
+                    "mhc train --resume continues from it)")
+        elif had_one:
+            kept = ("the earlier run's checkpoint there is left as it was (free space, then "
+                    "run again)")
+        else:
+            kept = "this run has no checkpoint yet (free space, then run again)"
+        raise DiskFullError(
+            errno.ENOSPC, f"no space left on the device writing the checkpoint "
+            f"{out / LAST_CHECKPOINT}; {kept}"
+        ) from None
+    if not keep_previous and par.is_rank0() and (out / PREVIOUS_CHECKPOINT).exists():
+        shutil.rmtree(out / PREVIOUS_CHECKPOINT)
+    return path
+
+
+def find_checkpoint(path: str | os.PathLike) -> Path:
+    """The checkpoint directory meant by `path`: a checkpoint itself, or a run folder (its
+    ckpt). CheckpointError when there is none."""
+    path = Path(path).expanduser()
+    if path.is_file():
+        raise CheckpointError(
+            f"{path} is a file; torch-mhc checkpoints are folders (a run's out_dir/"
+            f"{LAST_CHECKPOINT}) in the DCP layout, single-file .pt checkpoints are no longer "
+            "read")
+    for candidate in (path, path / LAST_CHECKPOINT, path / PREVIOUS_CHECKPOINT):
+        if _is_checkpoint(candidate):
+            return candidate
+    raise CheckpointError(f"no checkpoint at {path} (neither a checkpoint folder nor a run "
+                          f"folder holding {LAST_CHECKPOINT}/)")
+
+
+def _is_checkpoint(path: Path) -> bool:
+    try:
+        par.resolve_checkpoint(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def open_for_resume(cfg: TrainConfig, say=print) -> tuple[Path, dict]:
+    """(checkpoint, its run state) that cfg.resume names, checked to fit cfg, no tensor read.
+
+    resume = True: out_dir/ckpt, falling back to ckpt.prev (with a message through `say`)
+    when ckpt is missing, corrupt or unreadable. A path: that checkpoint or run folder.
+    """
+    if isinstance(cfg.resume, str):
+        path = find_checkpoint(cfg.resume)
+        candidates = [path]
+        if path.name == LAST_CHECKPOINT:
+            candidates.append(path.with_name(PREVIOUS_CHECKPOINT))
+    else:
+        out = Path(cfg.out_dir)
+        candidates = [out / LAST_CHECKPOINT, out / PREVIOUS_CHECKPOINT]
+    errors = []
+    for candidate in candidates:
+        if not _is_checkpoint(candidate):
+            continue
+        try:
+            state = read_run_state(candidate)
+        except CheckpointError as e:
+            errors.append(str(e))
+            continue
+        if errors:
+            say(f"warning: {errors[0]}; resuming from the previous checkpoint {candidate}")
+        check_resumable(state, cfg, candidate)
+        return candidate, state
+    if errors:
+        raise CheckpointError(errors[0] + (f" (and its previous: {errors[1]})"
+                                           if len(errors) > 1 else ""))
+    raise CheckpointError(f"no checkpoint to resume from: {candidates[0]} does not exist")
+
+
+def read_run_state(path: Path) -> dict:
+    """The run's own state in a checkpoint (sums checked), without reading any tensor."""
+    state = par.read_extra(path)
+    missing = [k for k in _RUN_STATE_KEYS if k not in state]
+    if missing:
+        raise CheckpointError(f"{path} is not a torch-mhc training checkpoint (no {missing})")
+    if state["format"] != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path} has checkpoint format {state['format']}, this version "
+                              f"reads {CHECKPOINT_FORMAT}")
+    return state
+
+
+def check_resumable(state: dict, cfg: TrainConfig, path: Path) -> None:
+    """The checkpoint must hold this model and this data stream."""
+    saved = _model_config(state, path).to_dict()
+    mine = cfg.model.to_dict()
+    diff = [f"{k}: checkpoint {saved[k]!r}, config {mine[k]!r}" for k in mine
+            if saved.get(k) != mine[k]]
+    if diff:
+        raise CheckpointError(
+            f"checkpoint {path} was made for another model ({'; '.join(diff)})"
+        )
+    if state["step"] > cfg.steps:
+        raise CheckpointError(
+            f"checkpoint {path} is at step {state['step']}, beyond steps = {cfg.steps}"
+        )
+    for key in _RESUME_KEYS:
+        if key not in state:
+            raise CheckpointError(f"{path} has no {key!r} state: it cannot be resumed")
+
+
+def _model_config(state: dict, path: Path) -> ModelConfig:
+    try:
+        return ModelConfig.from_dict(state["model_config"])
+    except (ValueError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path} holds an invalid model config: {e}") from None
+
+
+def restore(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Read the tensors of `path` into model (and optimizer), in place; every rank calls it."""
+    par.load_checkpoint(path, model, optimizer)
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict:
+    """Everything a checkpoint holds, for inspection: the run state plus "model" (name ->
+    tensor) and "optimizer" (flattened names -> values), on the CPU."""
+    path = find_checkpoint(path)
+    read_run_state(path)
+    full = par.read_state_dict(path)
+    return {**full["extra"], "model": full["model"], "optimizer": full["optim"]}
+
+
+def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", say=print) -> LM:
+    """The LM saved in a checkpoint, in eval mode, for generation. A run folder's ckpt falls
+    back to its ckpt.prev (with a message through `say`) when ckpt is damaged."""
+    device = resolve_device(device) if isinstance(device, str) else device
+    path = find_checkpoint(path)
+    candidates = [path]
+    if path.name == LAST_CHECKPOINT and _is_checkpoint(path.with_name(PREVIOUS_CHECKPOINT)):
+        candidates.append(path.with_name(PREVIOUS_CHECKPOINT))
+    for i, candidate in enumerate(candidates):
+        try:
+            model = LM(_model_config(read_run_state(candidate), candidate))
+            restore(candidate, model, None)
+            return model.to(device).eval()
+        except CheckpointError as e:
+            if i + 1 == len(candidates):
+                raise
+            say(f"warning: {e}; loading the previous checkpoint {candidates[i + 1]}")
+    raise AssertionError("unreachable")

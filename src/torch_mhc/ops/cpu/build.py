@@ -1,0 +1,145 @@
+"""Build, cache and verify the native CPU library (ops/cpu/native.c) on its first use.
+
+Nothing here runs at import; `build_library()` is called by the first native op
+(native.load) and returns the path of a complete library, or None after one warning.
+
+- Compiler: $CC parsed as a shell would ("ccache gcc -O2" is a command with arguments),
+  else cc, gcc or clang on PATH; $CFLAGS (also parsed as a shell would) is appended to our
+  flags. OpenMP (-fopenmp) first; a compiler without it builds the serial library.
+- Cache: torch_mhc_cpu_<key>.so in $TORCH_MHC_CACHE, else $XDG_CACHE_HOME/torch_mhc, else
+  ~/.cache/torch_mhc; key = sha256 of the source, the command, the flags and the CPU's
+  signature (-march=native depends on it).
+- Publishing: the compiler writes into a private temporary directory; the bytes are copied
+  to a temporary file in the cache, fsynced and renamed over the final name
+  (files.atomic_write), then the same for a sidecar <name>.sha256 holding the library's
+  hash. Concurrent builders publish identical complete files.
+- Verification: a cached library is used only when its bytes hash to the sidecar. A file cut
+  short (a crash or a full disk mid-write, or an older version that renamed without fsync)
+  is rebuilt instead of handed to dlopen: mapping a truncated ELF file kills the process
+  with SIGBUS when the missing pages are touched, which no exception handler can catch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+from torch_mhc.runtime.files import atomic_write, fsync_dir
+
+__all__ = ["build_library", "cache_dir", "warn_fallback"]
+
+SOURCE = Path(__file__).with_name("native.c")
+FLAGS = ["-O3", "-march=native", "-std=gnu11", "-ffp-contract=fast", "-shared", "-fPIC"]
+OPENMP = ["-fopenmp"]
+_BUILD_TIMEOUT_S = 600
+
+
+def cache_dir() -> Path:
+    if os.environ.get("TORCH_MHC_CACHE"):
+        return Path(os.environ["TORCH_MHC_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "torch_mhc"
+
+
+def warn_fallback(why: str) -> None:
+    """The one warning of a process whose native library is unavailable."""
+    warnings.warn(
+        f"torch_mhc: native CPU kernels unavailable ({why}); the 'cpu' ops use their "
+        "pure-torch fallback instead (same results, slower). Install a C compiler (cc, gcc "
+        "or clang on PATH, or set CC), or set TORCH_MHC_NATIVE=0 to use the fallback "
+        "without this warning.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def _compiler() -> list[str] | None:
+    """The compiler command as an argument list, or None when there is none."""
+    if os.environ.get("CC", "").strip():
+        return shlex.split(os.environ["CC"])
+    for name in ("cc", "gcc", "clang"):
+        found = shutil.which(name)
+        if found:
+            return [found]
+    return None
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the machine and its CPU flags."""
+    flags = ""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.startswith("flags"):
+                flags = line
+                break
+    return f"{platform.machine()}|{platform.processor()}|{flags}"
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _verified(lib: Path) -> bool:
+    """Whether lib is complete: its bytes hash to its sidecar's content."""
+    sidecar = lib.with_name(lib.name + ".sha256")
+    try:
+        return sidecar.read_text().strip() == _sha256(lib)
+    except OSError:
+        return False
+
+
+def _compile(command: list[str], flags: list[str], lib: Path) -> None:
+    """Compile the source with command + flags and publish it (and its sidecar) as lib."""
+    with tempfile.TemporaryDirectory(prefix="torch_mhc_build_") as tmp:
+        out = Path(tmp) / lib.name
+        proc = subprocess.run([*command, *flags, str(SOURCE), "-o", str(out)],
+                              capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{shlex.join(command)} failed: {proc.stderr.strip()[-1500:]}")
+        data = out.read_bytes()
+    atomic_write(lib, data)  # temporary file, fsync, rename
+    atomic_write(lib.with_name(lib.name + ".sha256"), hashlib.sha256(data).hexdigest().encode())
+    fsync_dir(lib.parent)
+
+
+def _library_path(command: list[str], flags: list[str]) -> Path:
+    text = SOURCE.read_text()
+    key = hashlib.sha256(
+        "\n".join([text, shlex.join(command), " ".join(flags), _cpu_signature()]).encode()
+    ).hexdigest()[:16]
+    return cache_dir() / f"torch_mhc_cpu_{key}.so"
+
+
+def build_library(rebuild: bool = False) -> Path | None:
+    """The path of a complete library for this machine (built now unless a verified one is
+    cached; rebuild=True builds anyway), or None after warning once."""
+    if sys.platform == "win32":
+        warn_fallback("not built on Windows")
+        return None
+    command = _compiler()
+    if command is None:
+        warn_fallback("no C compiler: none of $CC, cc, gcc, clang found")
+        return None
+    extra = shlex.split(os.environ.get("CFLAGS", ""))
+    errors = []
+    for flags in ([*FLAGS, *OPENMP, *extra], [*FLAGS, *extra]):
+        lib = _library_path(command, flags)
+        if not rebuild and lib.exists() and _verified(lib):
+            return lib
+        try:
+            lib.parent.mkdir(parents=True, exist_ok=True)
+            _compile(command, flags, lib)
+            return lib
+        except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+            errors.append(str(err))
+    warn_fallback("; ".join(dict.fromkeys(errors)))
+    return None

@@ -1,0 +1,418 @@
+"""Native CPU loops for the connection's passes over the streams (source: native.c).
+
+Why C: these ops contract a tiny per-token n x n (or n) map with [n, C] rows, plus two
+skinny matmuls with phi. In torch they become batched matmuls of 4 x 4 matrices (slow on the
+CPU), several passes over [T, n, C] temporaries and a dozen small ops per Sinkhorn
+iteration; a loop per token tile reads each row once, writes each result once, keeps the
+per-token partial sums in vector registers, and handles bfloat16 storage (converted to fp32
+in registers). native.c says what each kernel fuses; benchmarks/NOTES_ops.md has the
+measurements.
+
+Building (ops/cpu/build.py): nothing happens at import. The first native op builds the
+library with the system C compiler (plain C11 with GCC/Clang vector extensions and OpenMP,
+no torch headers; once per machine and source version) into a cache directory, or finds it
+there, and loads it with ctypes. Without a working compiler one warning names the
+pure-torch fallback that ops.cpu then uses; TORCH_MHC_NATIVE=0 turns the native path off
+(and the warning with it).
+
+Threads: a call splits the tokens into torch.get_num_threads() contiguous ranges over an
+OpenMP team of libgomp, the runtime torch itself uses (native.c), so the kernels share
+torch's intra-op threads instead of competing with them. ctypes releases the GIL during the
+call. In a process forked after the parent ran a parallel region, libgomp's team cannot be
+used (its threads were not copied; torch's own parallel ops wait forever there too), so
+an at-fork handler switches the child to ranges run on threads it starts itself.
+
+Memory: large outputs come from a BlockPool of private anonymous mappings, reused once no
+tensor holds them (TORCH_MHC_CPU_POOL_MB caps it, default 1024 MiB; 0 turns it off).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import mmap
+import os
+import threading
+import weakref
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from torch_mhc.ops.cpu.build import build_library, warn_fallback
+
+__all__ = ["load", "NativeOps"]
+
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_MIN_TOKENS_PER_THREAD = 64
+
+
+class BlockPool:
+    """Reusable page-aligned memory for the kernels' large outputs ([T, n, C] and [T, C]).
+
+    Why: glibc hands large blocks back to the system when they are freed, so every fresh
+    output of a training step is faulted in and zeroed by the kernel again, which cost about
+    as much as the merge itself (benchmarks/NOTES_ops.md). The pool keeps the private
+    anonymous mappings it made (copy-on-write after fork: a child's writes never reach its
+    parent, nor the other way) and lends each out as a tensor over a small ctypes view of
+    the mapping; the tensor's storage holds the view, and when the last tensor (or view of
+    one) goes, the view is freed and its weak-reference callback puts the block back on the
+    free list. Blocks are kept up to `cap_bytes` in all (in use or not); beyond that, and
+    below `min_bytes`, outputs are ordinary torch.empty tensors. TORCH_MHC_CPU_POOL_MB sets
+    the cap (default 1024; 0 turns the pool off).
+    """
+
+    def __init__(self, cap_bytes: int, min_bytes: int = 1 << 20):
+        self.cap_bytes, self.min_bytes = cap_bytes, min_bytes
+        self.held = 0  # bytes of all blocks made, in use or not
+        self._free: dict[int, deque] = {}  # size -> mappings no tensor holds
+        self._lent: dict[int, tuple] = {}  # id(view) -> (weakref to the view, its mapping)
+        self._lock = threading.Lock()  # guards held and making blocks (not the callbacks)
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, numel: int | None = None
+              ) -> torch.Tensor:
+        """An uninitialised tensor: a free pooled block, a new one, or torch.empty
+        (numel: the product of shape, where the caller has it)."""
+        if numel is None:
+            numel = math.prod(shape)
+        nbytes = numel * dtype.itemsize
+        if nbytes < self.min_bytes or self.cap_bytes <= 0:
+            return torch.empty(shape, dtype=dtype)
+        free = self._free.setdefault(nbytes, deque())
+        try:
+            block = free.pop()  # deque.pop / append are atomic: callbacks may run anywhere
+        except IndexError:
+            with self._lock:
+                if self.held + nbytes > self.cap_bytes:
+                    return torch.empty(shape, dtype=dtype)
+                self.held += nbytes
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+            block = mmap.mmap(-1, nbytes, flags=flags)
+        return self._lend(block, nbytes, dtype, numel).view(shape)
+
+    def _lend(self, block: mmap.mmap, nbytes: int, dtype: torch.dtype, numel: int):
+        view = (ctypes.c_char * nbytes).from_buffer(block)
+        key = id(view)
+
+        def give_back(_, free=self._free[nbytes], lent=self._lent, key=key, block=block):
+            lent.pop(key, None)
+            free.append(block)
+
+        self._lent[key] = (weakref.ref(view, give_back), block)
+        return torch.frombuffer(view, dtype=dtype, count=numel)
+
+
+def _pool_cap() -> int:
+    text = os.environ.get("TORCH_MHC_CPU_POOL_MB", "1024").strip()
+    try:
+        return int(float(text) * (1 << 20))
+    except ValueError:
+        raise ValueError(f"TORCH_MHC_CPU_POOL_MB must be a number of MiB, got {text!r}") from None
+
+
+_P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+# Argument types after the pointers, t0, t1 and the thread count (native.c's exports).
+_SIGNATURES = {
+    "merge_fwd": (5, [_I, _I]),  # n, C
+    "merge_bwd": (9, [_I, _I]),
+    "pre_fwd": (3, [_I, _I]),
+    "pre_bwd": (5, [_I, _I]),
+    "maps_fwd": (9, [_I, _I, _I, _I, _I, _D, _D, _D]),  # n, C, M, MV, iters, 3 epsilons
+    "maps_bwd": (15, [_I, _I, _I, _I, _I, _D, _D]),  # n, C, M, MV, iters, sk_eps, pre_eps
+    "hc_fwd": (7, [_I, _I, _I, _D]),  # n, C, MV, norm_eps
+    "hc_bwd": (17, [_I, _I, _I, _I]),  # n, C, M, MV
+    "rows_fwd": (4, [_I, _I]),  # K, MV
+    "rows_bwd": (6, [_I, _I, _I]),  # K, M, MV
+}
+
+
+class PerThread:
+    """A [threads, ...] buffer: each thread of a call gets its own slice (partial sums)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+def padded_width(m: int) -> int:
+    """Columns of phi padded to whole 8-float vectors (the skinny matmuls' register tiles)."""
+    return -(-m // 8) * 8
+
+
+class NativeOps:
+    """The loaded library; each method runs one op over all tokens on torch's threads."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._lib = ctypes.CDLL(str(path))
+        self._fns = {}  # (name, dtype) -> the entry point
+        for name, (n_ptrs, sizes) in _SIGNATURES.items():
+            for dtype, suffix in _SUFFIX.items():
+                fn = getattr(self._lib, f"{name}_{suffix}")
+                fn.argtypes = [_P] * n_ptrs + [_I, _I, _I] + sizes
+                fn.restype = None
+                self._fns[name, dtype] = fn
+        self.openmp = bool(self._lib.native_openmp())
+        # Threads this process started itself: used where OpenMP cannot be (a forked child,
+        # or a library built without OpenMP). Reset in a forked child (its threads are gone).
+        self.own_threads = not self.openmp
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
+        self.blocks = BlockPool(_pool_cap())
+
+    def after_fork_in_child(self) -> None:
+        """libgomp's team and our executor's threads exist only in the parent."""
+        self.own_threads = True
+        self._pool, self._pool_size = None, 0
+
+    def threads_for(self, tokens: int) -> int:
+        """How many threads a call over `tokens` tokens uses."""
+        if tokens < 2 * _MIN_TOKENS_PER_THREAD:  # decoding: skip the query
+            return 1
+        return max(1, min(torch.get_num_threads(), tokens // _MIN_TOKENS_PER_THREAD))
+
+    def _run(self, name: str, dtype: torch.dtype, tensors: list, tokens: int, *sizes):
+        """Call name_<dtype>(pointers..., t0, t1, threads, *sizes) over [0, tokens).
+
+        A None among tensors passes NULL (an optional operand); a PerThread passes the
+        address of its slice 0 (the library offsets thread k to slice k), or of slice k to
+        the range run by our own thread k.
+        """
+        fn = self._fns[name, dtype]
+        threads = self.threads_for(tokens)
+
+        def pointers(k):
+            return [None if t is None else
+                    t.tensor[k].data_ptr() if isinstance(t, PerThread) else t.data_ptr()
+                    for t in tensors]
+
+        if threads == 1 or not self.own_threads:
+            fn(*pointers(0), 0, tokens, threads, *sizes)
+            return
+        if self._pool is None or self._pool_size != threads:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="torch_mhc")
+            self._pool_size = threads
+        bounds = [tokens * k // threads for k in range(threads + 1)]
+        futures = [self._pool.submit(fn, *pointers(k), bounds[k], bounds[k + 1], 1, *sizes)
+                   for k in range(threads)]
+        for fut in futures:
+            fut.result()
+
+    def merge_fwd(self, x, f, h_post, h_res):
+        """H_res x + H_post^T f for x [T, n, C], f [T, C], h_post [T, n], h_res [T, n, n]
+        (contiguous; any leading shape in place of T: the output has x's shape)."""
+        numel = x.numel()
+        t = numel // (x.shape[-2] * x.shape[-1]) if numel else 0
+        out = self.blocks.empty(x.shape, x.dtype, numel)
+        self._run("merge_fwd", x.dtype, [x, f, h_post, h_res, out], t, *x.shape[-2:])
+        return out
+
+    def merge_bwd(self, x, f, h_post, h_res, g, linked=False):
+        """(dx, df, dh_post, dh_res) for the merge's upstream gradient g; linked=True leaves
+        dx and dh_res to the maps' backward (None here) and does not read x."""
+        t, n, c = x.shape
+        dx = None if linked else self.blocks.empty(x.shape, x.dtype)
+        df = self.blocks.empty(f.shape, f.dtype)
+        dh_post = torch.empty_like(h_post)
+        dh_res = None if linked else torch.empty_like(h_res)
+        self._run("merge_bwd", x.dtype, [x, f, h_post, h_res, g, dx, df, dh_post, dh_res],
+                  t, n, c)
+        return dx, df, dh_post, dh_res
+
+    def pre_fwd(self, x, h):
+        t, n, c = x.shape
+        out = self.blocks.empty((t, c), x.dtype)
+        self._run("pre_fwd", x.dtype, [x, h, out], t, n, c)
+        return out
+
+    def pre_bwd(self, x, h, da):
+        t, n, c = x.shape
+        dx, dh = self.blocks.empty(x.shape, x.dtype), torch.empty_like(h)
+        self._run("pre_bwd", x.dtype, [x, h, da, dx, dh], t, n, c)
+        return dx, dh
+
+    def maps_fwd(self, x, phip, ab, iters, norm_eps, sk_eps, pre_eps, with_pre):
+        """The mHC maps of x [T, n, C] (and the pre-aggregation when with_pre).
+
+        phip: phi [n*C, M] in float32 with columns zero-padded to padded_width(M); ab: [2, M]
+        float32, the gate per logit row and the static biases. Returns lt [T, M] (logits
+        after the RMS division), r [T], H_pre [T, n], H_post [T, n], H_res [T, n, n] and
+        a [T, C] in x's dtype (None without with_pre).
+        """
+        t, n, c = x.shape
+        m = ab.shape[1]
+        f32 = dict(dtype=torch.float32, device=x.device)
+        lt, r = torch.empty((t, m), **f32), torch.empty((t,), **f32)
+        h_pre, h_post = torch.empty((t, n), **f32), torch.empty((t, n), **f32)
+        h_res = torch.empty((t, n, n), **f32)
+        a = self.blocks.empty((t, c), x.dtype) if with_pre else None
+        self._run("maps_fwd", x.dtype, [x, phip, ab, lt, r, h_pre, h_post, h_res, a], t,
+                  n, c, m, phip.shape[1] // 8, iters, norm_eps, sk_eps, pre_eps)
+        return lt, r, h_pre, h_post, h_res, a
+
+    def maps_infer(self, x, phip, ab, iters, norm_eps, sk_eps, pre_eps):
+        """maps_fwd's H_pre [..., n], H_post [..., n], H_res [..., n, n] and a [..., C] for
+        contiguous x [..., n, C] of any leading shape, in that shape, without the logits and
+        the RMS (inference: nothing is kept for a backward)."""
+        *lead, n, c = x.shape
+        t = math.prod(lead)
+        h_pre, h_post, h_res, a = self._maps_outputs(x, lead, t, True)
+        self._run("maps_fwd", x.dtype, [x, phip, ab, None, None, h_pre, h_post, h_res, a], t,
+                  n, c, ab.shape[1], phip.shape[1] // 8, iters, norm_eps, sk_eps, pre_eps)
+        return h_pre, h_post, h_res, a
+
+    def hc_infer(self, x, wp, p, norm_eps, with_pre):
+        """HC's H_pre [..., n], H_post [..., n], H_res [..., n, n] and, with with_pre,
+        a [..., C] for contiguous x [..., n, C] of any leading shape (inference).
+
+        wp: W [C, n + 2] in float32 with columns zero-padded to padded_width; p: float32
+        (s_alpha, s_beta, static_pre [n], static_post [n], static_res [n n]).
+        """
+        *lead, n, c = x.shape
+        t = math.prod(lead)
+        h_pre, h_post, h_res, a = self._maps_outputs(x, lead, t, with_pre)
+        self._run("hc_fwd", x.dtype, [x, wp, p, h_pre, h_post, h_res, a], t, n, c,
+                  wp.shape[1] // 8, norm_eps)
+        return (h_pre, h_post, h_res, a) if with_pre else (h_pre, h_post, h_res)
+
+    def _maps_outputs(self, x, lead, t, with_pre):
+        """Uninitialised H_pre, H_post, H_res (float32) and a (x's dtype, or None) for
+        streams x [*lead, n, C] of t tokens."""
+        n, c = x.shape[-2:]
+        f32 = torch.float32
+        return (torch.empty((*lead, n), dtype=f32), torch.empty((*lead, n), dtype=f32),
+                torch.empty((*lead, n, n), dtype=f32),
+                self.blocks.empty((*lead, c), x.dtype, t * c) if with_pre else None)
+
+    def maps_bwd(self, x, phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_link, iters, sk_eps,
+                 pre_eps):
+        """dx [T, n, C] (x's dtype), dh~ [T, M] and dphi [n*C, M] of the maps (and of the
+        aggregation when g_a is given; of the merge's H_res x when g_link is given).
+
+        phit: phi^T [M, n*C] float32; the gradients are float32 [T, n], [T, n], [T, n, n]
+        and x's dtype [T, C], [T, n, C]; any may be None.
+        """
+        t, n, c = x.shape
+        m = ab.shape[1]
+        mp = padded_width(m)
+        dx = self.blocks.empty(x.shape, x.dtype)
+        dht = torch.empty((t, m), dtype=torch.float32, device=x.device)
+        threads = self.threads_for(t)
+        dphi = torch.zeros((threads, n * c, mp), dtype=torch.float32, device=x.device)
+        # Sinkhorn's recomputed iterates and denominators for 16 tokens, per thread (torch's
+        # CPU allocations are 64-byte aligned, and so is each row: a multiple of 16 floats).
+        steps = 2 * iters - 1
+        sk_y = torch.empty((threads, steps * (n * n + n) * 16), dtype=torch.float32)
+        # The per-token part of dx for a tile of 8 tokens, in float32, per thread.
+        base = torch.empty((threads, 8 * n * c), dtype=torch.float32)
+        self._run("maps_bwd", x.dtype,
+                  [x, phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_link, dx, dht,
+                   PerThread(dphi), PerThread(sk_y), PerThread(base)], t, n, c, m, mp // 8,
+                  iters, sk_eps, pre_eps)
+        dphi = dphi[0] if dphi.shape[0] == 1 else dphi.sum(dim=0)
+        return dx, dht, dphi[:, :m].contiguous()
+
+    def hc_bwd(self, x, wt, d, u, r, h_pre, h_res, g_pre, g_post, g_res, g_a, g_link, sc):
+        """The backward of HC's maps and pre-aggregation (and of the merge's H_res x when
+        g_link is given) for x [T, n, C]: dx [T, n, C] in x's dtype, gtot [T, n + n n] (the
+        total gradients of H_pre, then H_res, aggregation and merge included) and dw [C, M].
+
+        wt: W^T [M, C] float32 (M = n + 2); d = tanh(u), u [T n, M] and r [T n] from the
+        forward's rows; h_pre [T, n], h_res [T, n, n] its maps; the gradients are float32
+        [T, n], [T, n], [T, n, n] and x's dtype [T, C], [T, n, C], any may be None;
+        sc = (s_alpha, s_beta) float32.
+        """
+        t, n, c = x.shape
+        m = wt.shape[0]
+        mp = padded_width(m)
+        dx = self.blocks.empty(x.shape, x.dtype)
+        gtot = torch.empty((t, n + n * n), dtype=torch.float32)
+        threads = self.threads_for(t)
+        dw = torch.zeros((threads, c, mp), dtype=torch.float32)
+        base = torch.empty((threads, 8 * c), dtype=torch.float32)  # 8 rows of dx, in float
+        self._run("hc_bwd", x.dtype,
+                  [x, wt, d, u, r, h_pre, h_res, g_pre, g_post, g_res, g_a, g_link, sc, dx,
+                   gtot, PerThread(dw), PerThread(base)], t, n, c, m, mp // 8)
+        dw = dw[0] if threads == 1 else dw.sum(dim=0)
+        return dx, gtot, dw[:, :m].contiguous()
+
+    def rows_fwd(self, x, wp):
+        """z [R, Mp] = x @ wp and the sums of squares ss [R] of x's rows, for x [R, K]
+        (fp32 or bf16) and wp [K, Mp] float32 (columns padded to padded_width)."""
+        rows, k = x.shape
+        z = torch.empty((rows, wp.shape[1]), dtype=torch.float32)
+        ss = torch.empty((rows,), dtype=torch.float32)
+        self._run("rows_fwd", x.dtype, [x, wp, z, ss], rows, k, wp.shape[1] // 8)
+        return z, ss
+
+    def rows_bwd(self, x, wt, dz, coef):
+        """dx = coef[:, None] x + dz[:, :M] @ wt (x's dtype) and dw = x^T dz [K, M] float32,
+        for x [R, K], wt [M, K] = W^T, dz [R, Mp] float32 zero past column M, coef [R]."""
+        rows, k = x.shape
+        m, mp = wt.shape[0], dz.shape[1]
+        dx = self.blocks.empty(x.shape, x.dtype)
+        threads = self.threads_for(rows)
+        dw = torch.zeros((threads, k, mp), dtype=torch.float32)
+        self._run("rows_bwd", x.dtype, [x, wt, dz, coef, dx, PerThread(dw)], rows, k, m,
+                  mp // 8)
+        dw = dw[0] if threads == 1 else dw.sum(dim=0)
+        return dx, dw[:, :m].contiguous()
+
+
+MAX_STREAMS = 8  # native.c's MAXN: per-token arrays of n (n x n) vectors
+
+
+def supports(x: torch.Tensor) -> bool:
+    """Whether the native loops handle streams x [..., n, C]: CPU, float32 or bfloat16
+    storage (the maps are float32), n <= MAX_STREAMS."""
+    return (x.device.type == "cpu" and x.dtype in _SUFFIX and x.dim() >= 2
+            and x.shape[-2] <= MAX_STREAMS)
+
+
+_loaded: NativeOps | None = None
+_tried = False
+_load_lock = threading.Lock()
+_OFF = ("0", "false", "no", "off")
+_hooks: list = []  # the at-fork handler, once registered (it cannot be unregistered)
+
+
+def _after_fork_in_child() -> None:
+    if _loaded is not None:
+        _loaded.after_fork_in_child()
+
+
+def _open() -> NativeOps | None:
+    """Build or find the library and load it; a verified file that still fails to load
+    (say, a dependency missing since it was built) is built once more."""
+    path = build_library()
+    if path is None:
+        return None
+    try:
+        return NativeOps(path)
+    except OSError:
+        path = build_library(rebuild=True)
+    try:
+        return None if path is None else NativeOps(path)
+    except OSError as err:
+        warn_fallback(f"{path} does not load: {err}")
+        return None
+
+
+def load() -> NativeOps | None:
+    """The native library, built or found in the cache on the first call; None if disabled
+    (TORCH_MHC_NATIVE=0) or unavailable (ops.cpu then runs its pure-torch fallback, after
+    one warning)."""
+    global _loaded, _tried
+    if _tried:
+        return _loaded
+    with _load_lock:
+        if not _tried:
+            if os.environ.get("TORCH_MHC_NATIVE", "1").strip().lower() not in _OFF:
+                _loaded = _open()
+                if _loaded is not None and not _hooks:
+                    os.register_at_fork(after_in_child=_after_fork_in_child)
+                    _hooks.append(_after_fork_in_child)
+            _tried = True
+    return _loaded

@@ -1,0 +1,562 @@
+"""Triton kernels of the mHC ops, forward and backward; launched by ops/triton/ops.py.
+
+Layouts (all contiguous, T tokens after flattening the leading dimensions, K = n*C,
+M = n*n + 2n):
+    x [T, n, C] (read as [T, K] by the map kernels), f [T, C], out [T, n, C]
+    h_pre, h_post [T, n], h_res [T, n, n]   (float32)
+    phi [K, M], columns: pre (n), post (n), res (n*n, row-major)
+    logits [T, M] = (x @ phi) / r, r [T] the RMS of each token's x   (float32)
+    scratch [T, 2*ITERS, NP] (float32): Sinkhorn's normalisers, written and read by one
+    backward program (see below)
+
+Every kernel loads its inputs, computes in float32 and casts on store, so fp16/bf16 streams
+get fp32 arithmetic. Streams are padded to NP = a power of two >= max(n, 4) inside the map
+kernels (tl.dot needs 16 columns); padded lanes are masked.
+
+The map kernels keep the M logit columns in two tiles: the "res" tile [BLOCK_T, NP*NP]
+holds H_res's logits at q = i*NP + j, so that reshaping it to [BLOCK_T, NP, NP] gives
+Sinkhorn its matrices without register shuffles; the "pp" tile [BLOCK_T, PW] holds logits
+columns 0 .. 2n-1 (pre, then post) as they are, PW = max(16, next power of two >= 2n).
+Each tile is one tl.dot against the matching columns of phi.
+
+Sinkhorn runs per token on the [NP, NP] matrix in registers (paper Eq. 9, eps as DeepSeek-V4).
+Its backward is the exact reverse of the unrolled loop in time linear in the iterations: it
+reruns the forward once, writing each step's normaliser vector (NP floats) to scratch, then
+(after a barrier: other threads of the program read them) walks the steps backwards. Every
+step multiplies rows or columns by a vector, so the step's input is its output times the
+stored normaliser, and with w = g * y (the upstream gradient
+times the step's output) the reverse of y = m / d along one axis is
+    w <- w - sum_axis(w) * y,   y <- y * d.
+Counted in O(n^2) passes over a matrix: forward 2*ITERS - 1 normalisations; backward
+2*ITERS - 1 recomputed plus 2*ITERS - 1 reversed (ratio 2; per entry, forward 2 operations
+per step (add, divide), backward 2 + 3 (add, multiply-add, multiply), ratio 2.5).
+
+Large logits, as torch_mhc.functional.sinkhorn decides (its docstring): a matrix whose logit range
+max - min is not <= LINEAR_RANGE (32; NaN counts as far), when eps = 0, is iterated in the
+log domain (z <- z - logsumexp(z) along columns, then rows), the same unrolled function
+without exp underflowing whole rows to 0 (which would make 0/0). The decision is per token;
+a block of tokens runs the log path only if one of its tokens needs it. Its backward is the
+same reverse with y = exp(z) and z <- z + lse per step.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# ---------------------------------------------------------------------------------------------
+# Helpers: phi's column of each tile position, Sinkhorn forward and backward
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _res_columns(N: tl.constexpr, NP: tl.constexpr):
+    """Column of phi / logits at each position of the res tile, its mask."""
+    q = tl.arange(0, NP * NP)
+    i = q // NP
+    j = q % NP
+    return 2 * N + i * N + j, (i < N) & (j < N)
+
+
+@triton.jit
+def _expand(v, AXIS: tl.constexpr):
+    """A reduction over AXIS of a [BT, NP, NP] tensor, broadcastable back."""
+    return tl.expand_dims(v, AXIS)
+
+
+@triton.jit
+def _col_softmax(h, ok):
+    """exp(h - max) / colsum over axis 1 of h [BT, NP, NP]; masked entries are 0."""
+    hm = tl.where(ok, h, -1e30)
+    mx = tl.max(hm, axis=1)
+    e = tl.where(ok, tl.exp(hm - mx[:, None, :]), 0.0)
+    s = tl.sum(e, axis=1)
+    return e / tl.where(s > 0.0, s, 1.0)[:, None, :]
+
+
+@triton.jit
+def _scratch(scratch_ptr, t, s, NS: tl.constexpr, NP: tl.constexpr):
+    """Addresses of normaliser vector s of each token: scratch [T, NS, NP]."""
+    return scratch_ptr + (t[:, None] * NS + s) * NP + tl.arange(0, NP)[None, :]
+
+
+@triton.jit
+def _normalise(m, ok, eps, s, scratch_ptr, t, keep, AXIS: tl.constexpr,
+               ITERS: tl.constexpr, NP: tl.constexpr, STORE: tl.constexpr):
+    """m / (sum over AXIS + eps), a zero denominator left at 1; stores it as step s if STORE."""
+    d = tl.sum(m, axis=AXIS) + eps
+    d = tl.where(d != 0.0, d, 1.0)  # [BT, NP]
+    if STORE:
+        tl.store(_scratch(scratch_ptr, t, s, 2 * ITERS, NP), d, mask=keep[:, None])
+    return tl.where(ok, m / _expand(d, AXIS), 0.0)
+
+
+@triton.jit
+def _sinkhorn_exp(h, ok, eps, scratch_ptr, t, keep, ITERS: tl.constexpr, NP: tl.constexpr,
+                  STORE: tl.constexpr):
+    """Paper Eq. 9 on h [BT, NP, NP]: softmax + eps, rows, then (columns, rows) ITERS - 1
+    times; step s (1 .. 2*ITERS - 1) normalises rows for odd s, columns for even s."""
+    m = tl.where(ok, _col_softmax(h, ok) + eps, 0.0)
+    m = _normalise(m, ok, eps, 1, scratch_ptr, t, keep, 2, ITERS, NP, STORE)
+    for k in range(1, ITERS):
+        m = _normalise(m, ok, eps, 2 * k, scratch_ptr, t, keep, 1, ITERS, NP, STORE)
+        m = _normalise(m, ok, eps, 2 * k + 1, scratch_ptr, t, keep, 2, ITERS, NP, STORE)
+    return m
+
+
+@triton.jit
+def _lse_step(z, ok, s, scratch_ptr, t, keep, AXIS: tl.constexpr, ITERS: tl.constexpr,
+              NP: tl.constexpr, STORE: tl.constexpr):
+    """z - logsumexp(z) over AXIS (masked entries -1e30); stores the lse as step s if STORE."""
+    mx = tl.max(z, axis=AXIS)
+    e = tl.where(ok, tl.exp(z - _expand(mx, AXIS)), 0.0)
+    s_ = tl.sum(e, axis=AXIS)
+    lse = mx + tl.log(tl.where(s_ > 0.0, s_, 1.0))  # [BT, NP]
+    if STORE:
+        tl.store(_scratch(scratch_ptr, t, s, 2 * ITERS, NP), lse, mask=keep[:, None])
+    return tl.where(ok, z - _expand(lse, AXIS), -1e30)
+
+
+@triton.jit
+def _sinkhorn_log(h, ok, scratch_ptr, t, keep, ITERS: tl.constexpr, NP: tl.constexpr,
+                  STORE: tl.constexpr):
+    """The same iterates in the log domain: step 2k (columns) and 2k + 1 (rows), k < ITERS.
+    Returns the final log-iterate z (masked entries -1e30)."""
+    z = tl.where(ok, h, -1e30)
+    for k in range(ITERS):
+        z = _lse_step(z, ok, 2 * k, scratch_ptr, t, keep, 1, ITERS, NP, STORE)
+        z = _lse_step(z, ok, 2 * k + 1, scratch_ptr, t, keep, 2, ITERS, NP, STORE)
+    return z
+
+
+@triton.jit
+def _needs_log(h, ok, t_ok, log_range):
+    """[BT]: the tokens whose logit range is not <= log_range (iterated in the log domain)."""
+    hi = tl.max(tl.max(tl.where(ok, h, -1e30), axis=2), axis=1)
+    lo = tl.min(tl.min(tl.where(ok, h, 1e30), axis=2), axis=1)
+    return t_ok & ((hi - lo <= log_range) == 0)
+
+
+@triton.jit
+def _sinkhorn_fwd(h, ok, t, t_ok, eps, log_range, scratch_ptr, ITERS: tl.constexpr,
+                  NP: tl.constexpr, LOG_OK: tl.constexpr, STORE: tl.constexpr):
+    """Sinkhorn of each token's h [BT, NP, NP]; the log domain for the tokens that need it
+    (only when LOG_OK, i.e. eps = 0). With STORE, the normalisers go to scratch."""
+    if LOG_OK:
+        big = _needs_log(h, ok, t_ok, log_range)
+    else:
+        big = t < 0  # no token
+    m = _sinkhorn_exp(h, ok, eps, scratch_ptr, t, t_ok & (big == 0), ITERS, NP, STORE)
+    if LOG_OK:
+        if tl.max(big.to(tl.int32), axis=0) > 0:
+            z = _sinkhorn_log(h, ok, scratch_ptr, t, big, ITERS, NP, STORE)
+            m = tl.where(big[:, None, None], tl.where(ok, tl.exp(z), 0.0), m)
+    return m
+
+
+@triton.jit
+def _reverse_step(w, y, v, ok, AXIS: tl.constexpr, LOG: tl.constexpr):
+    """Undo one step of output y: w <- w - sum_axis(w) y; y <- its input (v the normaliser,
+    or for LOG, y holds z and v the lse). Returns (w, y or z)."""
+    if LOG:
+        e = tl.where(ok, tl.exp(y), 0.0)
+        w = w - _expand(tl.sum(w, axis=AXIS), AXIS) * e
+        y = tl.where(ok, y + _expand(v, AXIS), -1e30)
+    else:
+        w = w - _expand(tl.sum(w, axis=AXIS), AXIS) * y
+        y = y * _expand(v, AXIS)
+    return w, y
+
+
+@triton.jit
+def _load_step(scratch_ptr, t, keep, s, ITERS: tl.constexpr, NP: tl.constexpr):
+    return tl.load(_scratch(scratch_ptr, t, s, 2 * ITERS, NP), mask=keep[:, None], other=1.0)
+
+
+@triton.jit
+def _reverse(w, y, ok, scratch_ptr, t, keep, FIRST: tl.constexpr, ITERS: tl.constexpr,
+             NP: tl.constexpr, LOG: tl.constexpr):
+    """Walk steps 2*ITERS - 1 down to FIRST (rows odd, columns even) from w = g * y."""
+    for kk in range(ITERS):
+        k = ITERS - 1 - kk
+        w, y = _reverse_step(w, y, _load_step(scratch_ptr, t, keep, 2 * k + 1, ITERS, NP),
+                             ok, 2, LOG)
+        if 2 * k >= FIRST:
+            w, y = _reverse_step(w, y, _load_step(scratch_ptr, t, keep, 2 * k, ITERS, NP),
+                                 ok, 1, LOG)
+    return w, y
+
+
+@triton.jit
+def _sinkhorn_bwd(h, g, ok, t, t_ok, eps, log_range, scratch_ptr, ITERS: tl.constexpr,
+                  NP: tl.constexpr, LOG_OK: tl.constexpr):
+    """dL/dh for _sinkhorn_fwd given dL/dout g [BT, NP, NP]: the exact reverse of the unrolled
+    loop, linear in ITERS (module docstring). Recomputes the forward once into scratch."""
+    if LOG_OK:
+        big = _needs_log(h, ok, t_ok, log_range)
+    else:
+        big = t < 0  # no token
+    keep = t_ok & (big == 0)
+    y = _sinkhorn_exp(h, ok, eps, scratch_ptr, t, keep, ITERS, NP, True)
+    # The reverse reads what other threads of this program wrote: make it visible to them.
+    tl.debug_barrier()
+    w, y = _reverse(tl.where(ok, g * y, 0.0), y, ok, scratch_ptr, t, keep, 1, ITERS, NP, False)
+    # y is back to softmax + eps; w = g_0 * y with g_0 the gradient of the softmax's output.
+    p0 = _col_softmax(h, ok)
+    g0 = tl.where(ok & (y > 0.0), w / tl.where(y > 0.0, y, 1.0), 0.0)
+    dh = tl.where(ok, p0 * (g0 - tl.sum(g0 * p0, axis=1)[:, None, :]), 0.0)
+    if LOG_OK:
+        if tl.max(big.to(tl.int32), axis=0) > 0:
+            z = _sinkhorn_log(h, ok, scratch_ptr, t, big, ITERS, NP, True)
+            tl.debug_barrier()
+            e = tl.where(ok, tl.exp(z), 0.0)
+            w_log, z = _reverse(tl.where(ok, g * e, 0.0), z, ok, scratch_ptr, t, big, 0, ITERS,
+                                NP, True)
+            dh = tl.where(big[:, None, None], w_log, dh)
+    return dh
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) mHC maps
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gate_params(alpha_ptr, b_pre_ptr, b_post_ptr, b_res_ptr, res_col, res_ok,
+                 N: tl.constexpr, PW: tl.constexpr):
+    """Per pp column: alpha and bias of its gate, whether it is pre; alpha_res, res biases."""
+    p = tl.arange(0, PW)
+    is_pre = p < N
+    a_pp = tl.where(is_pre, tl.load(alpha_ptr).to(tl.float32),
+                    tl.load(alpha_ptr + 1).to(tl.float32))
+    b_pp = tl.where(is_pre, tl.load(b_pre_ptr + p, mask=is_pre, other=0.0),
+                    tl.load(b_post_ptr + (p - N), mask=(p >= N) & (p < 2 * N), other=0.0))
+    b_res = tl.load(b_res_ptr + (res_col - 2 * N), mask=res_ok, other=0.0).to(tl.float32)
+    return p, is_pre, a_pp, b_pp.to(tl.float32), tl.load(alpha_ptr + 2).to(tl.float32), b_res
+
+
+@triton.jit
+def mhc_maps_fwd_kernel(
+    x_ptr, phi_ptr, alpha_ptr, b_pre_ptr, b_post_ptr, b_res_ptr,
+    h_pre_ptr, h_post_ptr, h_res_ptr, logits_ptr, r_ptr,
+    T, K, norm_eps, sk_eps, pre_eps, log_range,
+    N: tl.constexpr, NP: tl.constexpr, PW: tl.constexpr, ITERS: tl.constexpr,
+    LOG_OK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One pass over x gives x @ phi (two tiles) and the sum of squares; then the maps."""
+    M: tl.constexpr = N * N + 2 * N
+    NQ: tl.constexpr = NP * NP
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    t_ok = t < T
+    res_col, res_ok = _res_columns(N, NP)
+    p = tl.arange(0, PW)
+    pp_ok = p < 2 * N
+
+    acc_res = tl.zeros([BLOCK_T, NQ], dtype=tl.float32)
+    acc_pp = tl.zeros([BLOCK_T, PW], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        xk = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=t_ok[:, None] & k_ok[None, :],
+                     other=0.0).to(tl.float32)  # [BT, BK]
+        ss += tl.sum(xk * xk, axis=1)
+        w_res = tl.load(phi_ptr + k[:, None] * M + res_col[None, :],
+                        mask=k_ok[:, None] & res_ok[None, :], other=0.0).to(tl.float32)
+        w_pp = tl.load(phi_ptr + k[:, None] * M + p[None, :],
+                       mask=k_ok[:, None] & pp_ok[None, :], other=0.0).to(tl.float32)
+        acc_res = tl.dot(xk, w_res, acc_res, input_precision=PRECISION)
+        acc_pp = tl.dot(xk, w_pp, acc_pp, input_precision=PRECISION)
+
+    r = tl.sqrt(ss / K + norm_eps)  # [BT], RMS over n*C; divide after the matmul
+    l_res = acc_res / r[:, None]  # [BT, NQ]
+    l_pp = acc_pp / r[:, None]  # [BT, PW]
+    m_res = t_ok[:, None] & res_ok[None, :]
+    tl.store(r_ptr + t, r, mask=t_ok)
+    tl.store(logits_ptr + t[:, None] * M + res_col[None, :], l_res, mask=m_res)
+    tl.store(logits_ptr + t[:, None] * M + p[None, :], l_pp, mask=t_ok[:, None] & pp_ok[None, :])
+
+    p, is_pre, a_pp, b_pp, a_res, b_res = _gate_params(alpha_ptr, b_pre_ptr, b_post_ptr,
+                                                       b_res_ptr, res_col, res_ok, N, PW)
+    # Pre and post gates: pp column p < n is H_pre[p], n <= p < 2n is H_post[p - n].
+    sig = tl.sigmoid(l_pp * a_pp[None, :] + b_pp[None, :])
+    tl.store(h_pre_ptr + t[:, None] * N + p[None, :], sig + pre_eps,
+             mask=t_ok[:, None] & is_pre[None, :])
+    tl.store(h_post_ptr + t[:, None] * N + (p - N)[None, :], 2.0 * sig,
+             mask=t_ok[:, None] & (pp_ok & ~is_pre)[None, :])
+
+    # Residual map: Sinkhorn on [BT, NP, NP] (no scratch: STORE is off).
+    h = tl.reshape(l_res * a_res + b_res[None, :], [BLOCK_T, NP, NP])
+    ok = tl.reshape(m_res, [BLOCK_T, NP, NP])
+    hr = _sinkhorn_fwd(h, ok, t, t_ok, sk_eps, log_range, r_ptr, ITERS, NP, LOG_OK, False)
+    tl.store(h_res_ptr + t[:, None] * (N * N) + (res_col - 2 * N)[None, :],
+             tl.reshape(hr, [BLOCK_T, NQ]), mask=m_res)
+
+
+@triton.jit
+def mhc_maps_bwd_kernel(
+    x_ptr, phi_ptr, alpha_ptr, b_pre_ptr, b_post_ptr, b_res_ptr, logits_ptr, r_ptr,
+    g_pre_ptr, g_post_ptr, g_res_ptr,
+    dx_ptr, dgate_ptr, dz_ptr, scratch_ptr,
+    T, K, sk_eps, log_range,
+    N: tl.constexpr, NP: tl.constexpr, PW: tl.constexpr, ITERS: tl.constexpr,
+    LOG_OK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Per token block: dL/dgate-logits, dz = dL/d(x @ phi), and dx = dz @ phi^T + coef * x.
+
+    Writes dgate [T, M] (the host sums it and dgate * logits over tokens for the biases and
+    gates) and dz [T, M] (for dphi = x^T dz, a second kernel).
+    """
+    M: tl.constexpr = N * N + 2 * N
+    NQ: tl.constexpr = NP * NP
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    t_ok = t < T
+    res_col, res_ok = _res_columns(N, NP)
+    p, is_pre, a_pp, b_pp, a_res, b_res = _gate_params(alpha_ptr, b_pre_ptr, b_post_ptr,
+                                                       b_res_ptr, res_col, res_ok, N, PW)
+    pp_ok = p < 2 * N
+    m_res = t_ok[:, None] & res_ok[None, :]
+    m_pp = t_ok[:, None] & pp_ok[None, :]
+
+    l_res = tl.load(logits_ptr + t[:, None] * M + res_col[None, :], mask=m_res, other=0.0)
+    l_pp = tl.load(logits_ptr + t[:, None] * M + p[None, :], mask=m_pp, other=0.0)
+    r = tl.load(r_ptr + t, mask=t_ok, other=1.0)
+
+    # Gates: H_pre = sigmoid(g) + pre_eps, H_post = 2 sigmoid(g).
+    sig = tl.sigmoid(l_pp * a_pp[None, :] + b_pp[None, :])
+    g_pp = tl.load(g_pre_ptr + t[:, None] * N + p[None, :], mask=t_ok[:, None] & is_pre[None, :],
+                   other=0.0) + \
+        tl.load(g_post_ptr + t[:, None] * N + (p - N)[None, :],
+                mask=t_ok[:, None] & (pp_ok & ~is_pre)[None, :], other=0.0)
+    dgate_pp = tl.where(m_pp, g_pp * sig * (1.0 - sig) * tl.where(is_pre, 1.0, 2.0)[None, :], 0.0)
+
+    # Residual map: Sinkhorn backward on [BT, NP, NP].
+    h = tl.reshape(l_res * a_res + b_res[None, :], [BLOCK_T, NP, NP])
+    ok = tl.reshape(m_res, [BLOCK_T, NP, NP])
+    g_res = tl.load(g_res_ptr + t[:, None] * (N * N) + (res_col - 2 * N)[None, :], mask=m_res,
+                    other=0.0)
+    dh = _sinkhorn_bwd(h, tl.reshape(g_res, [BLOCK_T, NP, NP]), ok, t, t_ok, sk_eps, log_range,
+                       scratch_ptr, ITERS, NP, LOG_OK)
+    dgate_res = tl.reshape(dh, [BLOCK_T, NQ])
+    tl.store(dgate_ptr + t[:, None] * M + res_col[None, :], dgate_res, mask=m_res)
+    tl.store(dgate_ptr + t[:, None] * M + p[None, :], dgate_pp, mask=m_pp)
+
+    # logits = z / r, r = sqrt(mean(x^2) + eps): dz = dlogits / r, and r's share of dx is
+    # coef * x with coef = -sum(dlogits * logits) / (K r^2).
+    dl_res = dgate_res * a_res
+    dl_pp = dgate_pp * a_pp[None, :]
+    coef = -(tl.sum(dl_res * l_res, axis=1) + tl.sum(dl_pp * l_pp, axis=1)) / (K * r * r)
+    dz_res = dl_res / r[:, None]
+    dz_pp = dl_pp / r[:, None]
+    tl.store(dz_ptr + t[:, None] * M + res_col[None, :], dz_res, mask=m_res)
+    tl.store(dz_ptr + t[:, None] * M + p[None, :], dz_pp, mask=m_pp)
+
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        # phi's columns, transposed: [NQ, BK] and [PW, BK]
+        wt_res = tl.load(phi_ptr + k[None, :] * M + res_col[:, None],
+                         mask=res_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        wt_pp = tl.load(phi_ptr + k[None, :] * M + p[:, None],
+                        mask=pp_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        m_xk = t_ok[:, None] & k_ok[None, :]
+        xk = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=m_xk, other=0.0).to(tl.float32)
+        dxk = coef[:, None] * xk
+        dxk = tl.dot(dz_res, wt_res, dxk, input_precision=PRECISION)
+        dxk = tl.dot(dz_pp, wt_pp, dxk, input_precision=PRECISION)
+        tl.store(dx_ptr + t[:, None] * K + k[None, :], dxk.to(dx_ptr.dtype.element_ty), mask=m_xk)
+
+
+@triton.jit
+def mhc_dphi_kernel(
+    x_ptr, dz_ptr, dphi_ptr, T, K, tokens_per_split,
+    N: tl.constexpr, NP: tl.constexpr, PW: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Partial dphi = x^T dz over one split of the tokens: dphi_ptr is [splits, K, M]."""
+    M: tl.constexpr = N * N + 2 * N
+    NQ: tl.constexpr = NP * NP
+    k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = k < K
+    split = tl.program_id(1)
+    res_col, res_ok = _res_columns(N, NP)
+    p = tl.arange(0, PW)
+    pp_ok = p < 2 * N
+    acc_res = tl.zeros([BLOCK_K, NQ], dtype=tl.float32)
+    acc_pp = tl.zeros([BLOCK_K, PW], dtype=tl.float32)
+    t_begin = split * tokens_per_split
+    for t0 in range(0, tokens_per_split, BLOCK_T):
+        t = (t_begin + t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
+        t_ok = (t < T) & (t0 + tl.arange(0, BLOCK_T) < tokens_per_split)
+        xt = tl.load(x_ptr + t[None, :] * K + k[:, None], mask=k_ok[:, None] & t_ok[None, :],
+                     other=0.0).to(tl.float32)  # [BK, BT]
+        dz_res = tl.load(dz_ptr + t[:, None] * M + res_col[None, :],
+                         mask=t_ok[:, None] & res_ok[None, :], other=0.0)
+        dz_pp = tl.load(dz_ptr + t[:, None] * M + p[None, :],
+                        mask=t_ok[:, None] & pp_ok[None, :], other=0.0)
+        acc_res = tl.dot(xt, dz_res, acc_res, input_precision=PRECISION)
+        acc_pp = tl.dot(xt, dz_pp, acc_pp, input_precision=PRECISION)
+    out = dphi_ptr + split.to(tl.int64) * K * M + k[:, None].to(tl.int64) * M
+    tl.store(out + res_col[None, :], acc_res, mask=k_ok[:, None] & res_ok[None, :])
+    tl.store(out + p[None, :], acc_pp, mask=k_ok[:, None] & pp_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) pre-aggregation
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def pre_fwd_kernel(
+    x_ptr, h_ptr, out_ptr, T, C,
+    N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """out[t, c] = sum_j h[t, j] x[t, j, c]; grid (token blocks, channel blocks)."""
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    s = tl.arange(0, NP)
+    t_ok, c_ok, s_ok = t < T, c < C, s < N
+    h = tl.load(h_ptr + t[:, None] * N + s[None, :], mask=t_ok[:, None] & s_ok[None, :],
+                other=0.0).to(tl.float32)  # [BT, NP]
+    m3 = t_ok[:, None, None] & s_ok[None, :, None] & c_ok[None, None, :]
+    x = tl.load(x_ptr + (t[:, None, None] * N + s[None, :, None]) * C + c[None, None, :],
+                mask=m3, other=0.0).to(tl.float32)  # [BT, NP, BC]
+    out = tl.sum(h[:, :, None] * x, axis=1)
+    tl.store(out_ptr + t[:, None] * C + c[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=t_ok[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def pre_bwd_kernel(
+    x_ptr, h_ptr, da_ptr, dx_ptr, dh_ptr, T, C,
+    N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """dx[t, j, c] = h[t, j] da[t, c]; dh[t, j] = sum_c x[t, j, c] da[t, c] (loop over C)."""
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    s = tl.arange(0, NP)
+    t_ok, s_ok = t < T, s < N
+    m2 = t_ok[:, None] & s_ok[None, :]
+    h = tl.load(h_ptr + t[:, None] * N + s[None, :], mask=m2, other=0.0).to(tl.float32)
+    dh = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        c_ok = c < C
+        da = tl.load(da_ptr + t[:, None] * C + c[None, :], mask=t_ok[:, None] & c_ok[None, :],
+                     other=0.0).to(tl.float32)  # [BT, BC]
+        offs = (t[:, None, None] * N + s[None, :, None]) * C + c[None, None, :]
+        m3 = m2[:, :, None] & c_ok[None, None, :]
+        x = tl.load(x_ptr + offs, mask=m3, other=0.0).to(tl.float32)  # [BT, NP, BC]
+        dh += tl.sum(x * da[:, None, :], axis=2)
+        dx = h[:, :, None] * da[:, None, :]
+        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=m3)
+    tl.store(dh_ptr + t[:, None] * N + s[None, :], dh, mask=m2)
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) post-and-merge
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def merge_fwd_kernel(
+    x_ptr, f_ptr, h_post_ptr, h_res_ptr, out_ptr, T, C,
+    N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """out[t, i] = sum_j h_res[t, i, j] x[t, j] + h_post[t, i] f[t]: reads (n+1)C, writes nC."""
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    i = tl.arange(0, NP)
+    t_ok, c_ok, i_ok = t < T, c < C, i < N
+    m2 = t_ok[:, None] & i_ok[None, :]
+    mtc = t_ok[:, None] & c_ok[None, :]
+    h_post = tl.load(h_post_ptr + t[:, None] * N + i[None, :], mask=m2, other=0.0)
+    f = tl.load(f_ptr + t[:, None] * C + c[None, :], mask=mtc, other=0.0).to(tl.float32)
+    acc = h_post.to(tl.float32)[:, :, None] * f[:, None, :]  # [BT, NP, BC]
+    for j in tl.static_range(N):
+        h_col = tl.load(h_res_ptr + (t[:, None] * N + i[None, :]) * N + j, mask=m2, other=0.0)
+        xj = tl.load(x_ptr + (t[:, None] * N + j) * C + c[None, :], mask=mtc,
+                     other=0.0).to(tl.float32)  # [BT, BC]
+        acc += h_col.to(tl.float32)[:, :, None] * xj[:, None, :]
+    offs = (t[:, None, None] * N + i[None, :, None]) * C + c[None, None, :]
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty),
+             mask=m2[:, :, None] & c_ok[None, None, :])
+
+
+@triton.jit
+def merge_bwd_kernel(
+    x_ptr, f_ptr, h_post_ptr, h_res_ptr, g_ptr,
+    dx_ptr, df_ptr, dh_post_ptr, dh_res_ptr, T, C,
+    N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """One pass over g, x, f: dx = H_res^T g, df = H_post^T g, dH_post = g f, dH_res = g x^T."""
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    i = tl.arange(0, NP)
+    t_ok, i_ok = t < T, i < N
+    m2 = t_ok[:, None] & i_ok[None, :]
+    h_post = tl.load(h_post_ptr + t[:, None] * N + i[None, :], mask=m2, other=0.0).to(tl.float32)
+    dh_post = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
+    dh_res = tl.zeros([BLOCK_T, NP, NP], dtype=tl.float32)  # [t, i, j]
+    for c0 in range(0, C, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        c_ok = c < C
+        mtc = t_ok[:, None] & c_ok[None, :]
+        m3 = m2[:, :, None] & c_ok[None, None, :]
+        g = tl.load(g_ptr + (t[:, None, None] * N + i[None, :, None]) * C + c[None, None, :],
+                    mask=m3, other=0.0).to(tl.float32)  # [BT, NP(i), BC]
+        f = tl.load(f_ptr + t[:, None] * C + c[None, :], mask=mtc, other=0.0).to(tl.float32)
+        dh_post += tl.sum(g * f[:, None, :], axis=2)
+        df = tl.sum(h_post[:, :, None] * g, axis=1)
+        tl.store(df_ptr + t[:, None] * C + c[None, :], df.to(df_ptr.dtype.element_ty), mask=mtc)
+        for j in tl.static_range(N):
+            h_col = tl.load(h_res_ptr + (t[:, None] * N + i[None, :]) * N + j, mask=m2,
+                            other=0.0).to(tl.float32)  # [BT, NP(i)] = H_res[t, :, j]
+            xj = tl.load(x_ptr + (t[:, None] * N + j) * C + c[None, :], mask=mtc,
+                         other=0.0).to(tl.float32)  # [BT, BC]
+            dxj = tl.sum(h_col[:, :, None] * g, axis=1)  # [BT, BC]
+            tl.store(dx_ptr + (t[:, None] * N + j) * C + c[None, :],
+                     dxj.to(dx_ptr.dtype.element_ty), mask=mtc)
+            col = tl.sum(g * xj[:, None, :], axis=2)  # [BT, NP(i)] = dH_res[t, :, j]
+            dh_res += tl.where(i[None, None, :] == j, col[:, :, None], 0.0)
+    tl.store(dh_post_ptr + t[:, None] * N + i[None, :], dh_post, mask=m2)
+    offs = (t[:, None, None] * N + i[None, :, None]) * N + i[None, None, :]
+    tl.store(dh_res_ptr + offs, dh_res, mask=m2[:, :, None] & i_ok[None, None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# (d) Sinkhorn on its own
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_matrices(ptr, t, t_ok, N: tl.constexpr, NP: tl.constexpr):
+    i = tl.arange(0, NP)
+    ok = t_ok[:, None, None] & (i < N)[None, :, None] & (i < N)[None, None, :]
+    offs = (t[:, None, None] * N + i[None, :, None]) * N + i[None, None, :]
+    return tl.load(ptr + offs, mask=ok, other=0.0).to(tl.float32), offs, ok
+
+
+@triton.jit
+def sinkhorn_fwd_kernel(
+    logits_ptr, out_ptr, T, eps, log_range,
+    N: tl.constexpr, NP: tl.constexpr, ITERS: tl.constexpr, LOG_OK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    h, offs, ok = _load_matrices(logits_ptr, t, t < T, N, NP)
+    p = _sinkhorn_fwd(h, ok, t, t < T, eps, log_range, out_ptr, ITERS, NP, LOG_OK, False)
+    tl.store(out_ptr + offs, p.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def sinkhorn_bwd_kernel(
+    logits_ptr, g_ptr, dlogits_ptr, scratch_ptr, T, eps, log_range,
+    N: tl.constexpr, NP: tl.constexpr, ITERS: tl.constexpr, LOG_OK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    h, offs, ok = _load_matrices(logits_ptr, t, t < T, N, NP)
+    g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    dh = _sinkhorn_bwd(h, g, ok, t, t < T, eps, log_range, scratch_ptr, ITERS, NP, LOG_OK)
+    tl.store(dlogits_ptr + offs, dh.to(dlogits_ptr.dtype.element_ty), mask=ok)

@@ -1,0 +1,593 @@
+"""The `triton` implementation: Triton kernels registered as torch.library custom ops.
+
+Each op and its backward are custom ops (namespace `torch_mhc`) with fake implementations,
+so torch.compile(fullgraph=True) traces through them and CUDA graphs capture them:
+
+    torch_mhc::mhc_maps_fwd / mhc_maps_bwd          (a) maps, Sinkhorn fused in
+    torch_mhc::pre_aggregate_fwd / pre_aggregate_bwd (b)
+    torch_mhc::post_merge_fwd / post_merge_bwd       (c) reads (n+1)C, writes nC per token
+    torch_mhc::sinkhorn_fwd / sinkhorn_bwd           (d)
+
+The public functions below have the contracts of functional.maps (same shapes, maps in
+float32, aggregation and merge in the streams' dtype) and flatten the leading dimensions
+into T tokens. The kernels compute in float32 whatever the storage dtype (fp32, fp16, bf16):
+H_pre and H_post are not rounded to the streams' dtype as the reference's matmuls round
+them. The map kernels' matmuls are exact fp32 for fp32 streams and TF32 for fp16/bf16
+streams (whose values TF32 holds exactly; phi is rounded to TF32's 10-bit mantissa).
+
+The kernels need CUDA tensors, or CPU tensors when triton.kernels was imported with
+TRITON_INTERPRET=1 (Triton's interpreter; how the tests run without a GPU).
+
+Each custom op builds its launches with a `plan_*` function (outputs, grid, arguments,
+constexprs and compile options from `kernel_config`) and runs them; ops/triton/aot.py calls
+the same plans on meta tensors to compile every launch ahead of time for sm_80 / sm_90 and
+check registers and spills, so the check and the launcher cannot drift apart. A kernel that
+fails to compile or launch raises a RuntimeError naming the kernel, the op, the input shapes
+and dtypes, and the other implementations to select.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import triton
+from torch import Tensor
+
+from torch_mhc.functional import maps as _ref
+from torch_mhc.functional.sinkhorn import LINEAR_RANGE
+from torch_mhc.ops.triton import kernels as _k
+
+__all__ = ["Launch", "PLANS", "hc_maps", "interpreted", "mhc_maps", "post_merge", "pre_aggregate",
+           "sinkhorn"]
+
+hc_maps = _ref.hc_maps  # HC's maps stay in torch; its aggregation and merge use the kernels
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_F32 = torch.float32
+
+
+# Decided when triton.kernels was imported; a constant, so torch.compile never traces a
+# check on the kernel objects themselves.
+_INTERPRETED = not isinstance(_k.merge_fwd_kernel, triton.runtime.jit.JITFunction)
+
+
+def interpreted() -> bool:
+    """True when the kernels run in Triton's interpreter (CPU tensors allowed)."""
+    return _INTERPRETED
+
+
+def _padded(n: int) -> int:
+    """Streams padded to a power of two >= 4 (tl.dot needs tiles of 16 = 4 x 4 columns)."""
+    return max(4, triton.next_power_of_2(n))
+
+
+def _pp_width(n: int) -> int:
+    """Width of the map kernels' pre/post tile: the 2n columns, at least tl.dot's 16."""
+    return max(16, triton.next_power_of_2(2 * n))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _device(t: Tensor):
+    """Launch on t's GPU (Triton uses the current device)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch, exactly as a custom op runs it (tests/ops/test_triton_aot.py compiles
+    these ahead of time, so launcher and check cannot drift apart)."""
+
+    kernel: object  # a triton JITFunction (an interpreted function under TRITON_INTERPRET=1)
+    grid: tuple[int, ...]
+    args: tuple  # tensors and scalars, in the kernel's argument order
+    constexprs: dict
+    num_warps: int = 4
+    num_stages: int = 3
+    maxnreg: int | None = None  # ptxas register cap (None: ptxas decides)
+
+    @property
+    def name(self) -> str:
+        return getattr(self.kernel, "__name__", None) or self.kernel.fn.__name__
+
+    def run(self) -> None:
+        extra = {} if self.maxnreg is None else {"maxnreg": self.maxnreg}
+        self.kernel[self.grid](*self.args, **self.constexprs, num_warps=self.num_warps,
+                               num_stages=self.num_stages, **extra)
+
+
+_ENV_VAR = "TORCH_MHC_IMPL"
+
+
+def _run(op: str, launches: list[Launch], *inputs: Tensor) -> None:
+    """Run the launches on the inputs' device; a failure names op, shapes, dtype and the way out."""
+    with _device(inputs[0]):
+        for launch in launches:
+            try:
+                launch.run()
+            except Exception as err:  # compile errors, ptxas errors, launch failures alike
+                shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in inputs)
+                raise RuntimeError(
+                    f"triton kernel {launch.name} of op {op} failed for inputs {shapes} "
+                    f"(constexprs {launch.constexprs}, num_warps {launch.num_warps}): "
+                    f"{type(err).__name__}: {err}. Select another implementation with "
+                    f"impl='inductor', 'cpu' or 'reference' (or {_ENV_VAR}=inductor)"
+                ) from err
+
+
+def kernel_config(kernel: str, n: int, dtype: torch.dtype) -> dict:
+    """Launch parameters of one kernel for n streams of `dtype`: chosen with the ahead-of-time
+    compile check (ops/triton/aot.py, table in benchmarks/README.md) so that no kernel spills
+    on sm_80 or sm_90 and registers stay well below 255.
+
+    kernel: maps_fwd, maps_bwd, dphi (BLOCK_T, BLOCK_K); sinkhorn_fwd, sinkhorn_bwd (BLOCK_T);
+    pre_fwd, pre_bwd, merge_fwd, merge_bwd (TILE: elements per [BLOCK_T, NP, BLOCK_C] tile);
+    each also num_warps, num_stages and maxnreg (None: no register cap).
+    """
+    np_ = _padded(n)
+    fp32 = dtype == torch.float32
+    # maxnreg: an explicit register cap. Without one, ptxas sometimes aims at a low register
+    # count and spills a few bytes (seen at 64-128 registers); with one it also uses more
+    # registers where it could do with fewer, so caps are set only where the check needs them.
+    if kernel in ("maps_fwd", "maps_bwd", "dphi"):
+        # fp32 streams: ieee dots run on FMA units with the whole tile in registers; n > 8
+        # holds [BLOCK_T, 256]-wide tiles, so fewer tokens per program.
+        cap = {"maps_fwd": not fp32 or np_ >= 16, "maps_bwd": np_ >= 8,
+               "dphi": np_ >= 8}[kernel]
+        return dict(BLOCK_T=32 if np_ <= 8 else 16,
+                    BLOCK_K=32 if (fp32 and np_ >= 16) else 64,
+                    num_warps=8 if (np_ >= 8 or fp32) else 4, num_stages=3,
+                    maxnreg=255 if cap else None)
+    if kernel in ("sinkhorn_fwd", "sinkhorn_bwd"):
+        return dict(BLOCK_T=32 if np_ <= 8 else 16, num_warps=4 if np_ <= 4 else 8, num_stages=3,
+                    maxnreg=255 if (kernel == "sinkhorn_bwd" and np_ >= 16) else None)
+    if kernel in ("pre_fwd", "pre_bwd", "merge_fwd"):
+        return dict(TILE=2048, num_warps=4, num_stages=3, maxnreg=None)
+    if kernel == "merge_bwd":  # also holds g [BT, NP, BC] and dH_res [BT, NP, NP]
+        return dict(TILE=2048, num_warps=8, num_stages=3, maxnreg=128 if np_ <= 8 else 255)
+    raise ValueError(f"unknown kernel {kernel!r}")
+
+
+def _opts(cfg: dict) -> dict:
+    """The compile options of a kernel_config entry, as Launch fields."""
+    return dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], maxnreg=cfg["maxnreg"])
+
+
+def _channel_blocks(n: int, c: int, tile: int = 2048) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_C) for the streaming kernels: about `tile` elements per [T, NP, C] tile."""
+    np_ = triton.next_power_of_2(n)
+    block_c = min(256, triton.next_power_of_2(c), max(32, tile // np_))
+    return max(1, tile // (np_ * block_c)), block_c
+
+
+def _check(name: str, *tensors: Tensor) -> None:
+    for t in tensors:
+        if t.dtype not in _DTYPES:
+            raise TypeError(
+                f"triton {name} supports float32, float16 and bfloat16 tensors, got {t.dtype}; "
+                "use impl='cpu' or 'reference' for other dtypes"
+            )
+        if t.device.type not in ("cuda", "meta") and not _INTERPRETED:
+            raise RuntimeError(
+                f"triton {name} needs CUDA tensors, got a tensor on {t.device}; use impl='cpu', "
+                "or set TRITON_INTERPRET=1 before torch_mhc.ops.triton.kernels is imported "
+                "to run the kernels in Triton's interpreter"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) mHC maps
+# ---------------------------------------------------------------------------------------------
+
+
+def plan_maps_fwd(x, phi, alpha, b_pre, b_post, b_res, iters, norm_eps, sk_eps, pre_eps):
+    """Outputs and launches of mhc_maps_fwd (any device, meta included: nothing runs)."""
+    t, n, c = x.shape
+    m = n * n + 2 * n
+    h_pre, h_post = x.new_empty((t, n), dtype=_F32), x.new_empty((t, n), dtype=_F32)
+    h_res = x.new_empty((t, n, n), dtype=_F32)
+    logits, r = x.new_empty((t, m), dtype=_F32), x.new_empty((t,), dtype=_F32)
+    cfg = kernel_config("maps_fwd", n, x.dtype)
+    launch = Launch(
+        _k.mhc_maps_fwd_kernel, (triton.cdiv(t, cfg["BLOCK_T"]),),
+        (x, phi, alpha, b_pre, b_post, b_res, h_pre, h_post, h_res, logits, r,
+         t, n * c, norm_eps, sk_eps, pre_eps, LINEAR_RANGE),
+        dict(N=n, NP=_padded(n), PW=_pp_width(n), ITERS=iters, LOG_OK=sk_eps == 0.0,
+             BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], PRECISION=_precision(x.dtype)),
+        **_opts(cfg),
+    )
+    return [launch], (h_pre, h_post, h_res, logits, r)
+
+
+@torch.library.custom_op("torch_mhc::mhc_maps_fwd", mutates_args=())
+def _maps_fwd(
+    x: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Tensor, b_res: Tensor,
+    iters: int, norm_eps: float, sk_eps: float, pre_eps: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """x [T, n, C] -> H_pre, H_post [T, n], H_res [T, n, n], logits [T, M], r [T] (fp32)."""
+    launches, out = plan_maps_fwd(x, phi, alpha, b_pre, b_post, b_res, iters, norm_eps, sk_eps,
+                                  pre_eps)
+    _run("mhc_maps (forward)", launches, x, phi)
+    return out
+
+
+@_maps_fwd.register_fake
+def _(x, phi, alpha, b_pre, b_post, b_res, iters, norm_eps, sk_eps, pre_eps):
+    t, n, _ = x.shape
+    return (
+        x.new_empty((t, n), dtype=_F32), x.new_empty((t, n), dtype=_F32),
+        x.new_empty((t, n, n), dtype=_F32),
+        x.new_empty((t, n * n + 2 * n), dtype=_F32), x.new_empty((t,), dtype=_F32),
+    )
+
+
+def plan_maps_bwd(x, phi, alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post, g_res, iters,
+                  sk_eps):
+    """Launches of mhc_maps_bwd and its buffers (dx, dgate, dphi parts)."""
+    t, n, c = x.shape
+    k, m, np_ = n * c, n * n + 2 * n, _padded(n)
+    cfg, dcfg = kernel_config("maps_bwd", n, x.dtype), kernel_config("dphi", n, x.dtype)
+    dx = torch.empty_like(x)
+    dgate = x.new_empty((t, m), dtype=_F32)
+    dz = x.new_empty((t, m), dtype=_F32)
+    scratch = x.new_empty((t, 2 * iters, np_), dtype=_F32)  # Sinkhorn's normalisers
+    # dphi = x^T dz over T: split the tokens so that about 512 programs run, then sum.
+    k_blocks = triton.cdiv(k, dcfg["BLOCK_K"])
+    splits = max(1, min(triton.cdiv(t, dcfg["BLOCK_T"]), 512 // k_blocks))
+    per_split = triton.cdiv(triton.cdiv(t, splits), dcfg["BLOCK_T"]) * dcfg["BLOCK_T"]
+    splits = triton.cdiv(t, per_split)
+    dphi_parts = x.new_empty((splits, k, m), dtype=_F32)
+    shape = dict(N=n, NP=np_, PW=_pp_width(n))
+    launches = [
+        Launch(_k.mhc_maps_bwd_kernel, (triton.cdiv(t, cfg["BLOCK_T"]),),
+               (x, phi, alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post, g_res,
+                dx, dgate, dz, scratch, t, k, sk_eps, LINEAR_RANGE),
+               dict(**shape, ITERS=iters, LOG_OK=sk_eps == 0.0, BLOCK_T=cfg["BLOCK_T"],
+                    BLOCK_K=cfg["BLOCK_K"], PRECISION=_precision(x.dtype)),
+               **_opts(cfg)),
+        Launch(_k.mhc_dphi_kernel, (k_blocks, splits), (x, dz, dphi_parts, t, k, per_split),
+               dict(**shape, BLOCK_T=dcfg["BLOCK_T"], BLOCK_K=dcfg["BLOCK_K"],
+                    PRECISION=_precision(x.dtype)),
+               **_opts(dcfg)),
+    ]
+    return launches, (dx, dgate, dphi_parts)
+
+
+@torch.library.custom_op("torch_mhc::mhc_maps_bwd", mutates_args=())
+def _maps_bwd(
+    x: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Tensor, b_res: Tensor,
+    logits: Tensor, r: Tensor, g_pre: Tensor, g_post: Tensor, g_res: Tensor,
+    iters: int, sk_eps: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of x, phi, alpha, b_pre, b_post, b_res (in their dtypes)."""
+    n = x.shape[1]
+    launches, (dx, dgate, dphi_parts) = plan_maps_bwd(
+        x, phi, alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post, g_res, iters, sk_eps)
+    _run("mhc_maps (backward)", launches, x, phi)
+    d_b = dgate.sum(dim=0)  # [M]: the biases' gradients in the logits' column order
+    d_a = (dgate * logits).sum(dim=0)  # [M]: then summed per gate
+    d_alpha = torch.stack([d_a[:n].sum(), d_a[n : 2 * n].sum(), d_a[2 * n :].sum()])
+    # Custom ops may not return aliases of each other: copy the slices of d_b.
+    return (
+        dx,
+        dphi_parts.sum(dim=0).to(phi.dtype),
+        d_alpha.to(alpha.dtype),
+        d_b[:n].to(b_pre.dtype, copy=True),
+        d_b[n : 2 * n].to(b_post.dtype, copy=True),
+        d_b[2 * n :].reshape(n, n).to(b_res.dtype, copy=True),
+    )
+
+
+@_maps_bwd.register_fake
+def _(x, phi, alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post, g_res, iters, sk_eps):
+    return (
+        torch.empty_like(x), torch.empty_like(phi), torch.empty_like(alpha),
+        torch.empty_like(b_pre), torch.empty_like(b_post), torch.empty_like(b_res),
+    )
+
+
+def _maps_setup(ctx, inputs, output):
+    x, phi, alpha, b_pre, b_post, b_res, iters, _, sk_eps, _ = inputs
+    _, _, _, logits, r = output
+    ctx.save_for_backward(x, phi, alpha, b_pre, b_post, b_res, logits, r)
+    ctx.iters, ctx.sk_eps = iters, sk_eps
+
+
+def _maps_backward(ctx, g_pre, g_post, g_res, _g_logits, _g_r):
+    x, phi, alpha, b_pre, b_post, b_res, logits, r = ctx.saved_tensors
+    t, n, _ = x.shape
+    g_pre = torch.zeros((t, n), dtype=_F32, device=x.device) if g_pre is None else g_pre
+    g_post = torch.zeros((t, n), dtype=_F32, device=x.device) if g_post is None else g_post
+    g_res = torch.zeros((t, n, n), dtype=_F32, device=x.device) if g_res is None else g_res
+    grads = torch.ops.torch_mhc.mhc_maps_bwd(
+        x, phi, alpha, b_pre, b_post, b_res, logits, r,
+        g_pre.to(_F32).contiguous(), g_post.to(_F32).contiguous(), g_res.to(_F32).contiguous(),
+        ctx.iters, ctx.sk_eps,
+    )
+    return (*grads, None, None, None, None)
+
+
+_maps_fwd.register_autograd(_maps_backward, setup_context=_maps_setup)
+
+
+def mhc_maps(
+    x: Tensor,
+    phi: Tensor,
+    alpha: Tensor,
+    b_pre: Tensor,
+    b_post: Tensor,
+    b_res: Tensor,
+    sinkhorn_iters: int = 20,
+    norm_eps: float = 1e-6,
+    sinkhorn_eps: float = 0.0,
+    pre_eps: float = 0.0,
+):
+    """Same contract as functional.maps.mhc_maps; one kernel for all three maps."""
+    _check("mhc_maps", x, phi)
+    lead, (n, c) = x.shape[:-2], x.shape[-2:]
+    m = n * n + 2 * n
+    if tuple(phi.shape) != (n * c, m):
+        raise ValueError(f"mhc_maps expects phi of shape {(n * c, m)}, got {tuple(phi.shape)}")
+    h_pre, h_post, h_res, _, _ = _maps_fwd(
+        x.reshape(-1, n, c).contiguous(), phi.contiguous(), alpha.contiguous(),
+        b_pre.contiguous(), b_post.contiguous(), b_res.contiguous(),
+        int(sinkhorn_iters), float(norm_eps), float(sinkhorn_eps), float(pre_eps),
+    )
+    return h_pre.reshape(*lead, n), h_post.reshape(*lead, n), h_res.reshape(*lead, n, n)
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) pre-aggregation
+# ---------------------------------------------------------------------------------------------
+
+
+def plan_pre_fwd(x, h):
+    t, n, c = x.shape
+    out = x.new_empty((t, c))
+    cfg = kernel_config("pre_fwd", n, x.dtype)
+    block_t, block_c = _channel_blocks(n, c, cfg["TILE"])
+    return [Launch(_k.pre_fwd_kernel, (triton.cdiv(t, block_t), triton.cdiv(c, block_c)),
+                   (x, h, out, t, c),
+                   dict(N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c),
+                   **_opts(cfg))], out
+
+
+@torch.library.custom_op("torch_mhc::pre_aggregate_fwd", mutates_args=())
+def _pre_fwd(x: Tensor, h: Tensor) -> Tensor:
+    """x [T, n, C], h [T, n] (fp32) -> [T, C] in x's dtype."""
+    launches, out = plan_pre_fwd(x, h)
+    _run("pre_aggregate (forward)", launches, x, h)
+    return out
+
+
+@_pre_fwd.register_fake
+def _(x, h):
+    return x.new_empty((x.shape[0], x.shape[2]))
+
+
+def plan_pre_bwd(x, h, da):
+    t, n, c = x.shape
+    dx, dh = torch.empty_like(x), torch.empty_like(h)
+    cfg = kernel_config("pre_bwd", n, x.dtype)
+    block_t, block_c = _channel_blocks(n, c, cfg["TILE"])
+    return [Launch(_k.pre_bwd_kernel, (triton.cdiv(t, block_t),), (x, h, da, dx, dh, t, c),
+                   dict(N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t,
+                        BLOCK_C=block_c), **_opts(cfg))], (dx, dh)
+
+
+@torch.library.custom_op("torch_mhc::pre_aggregate_bwd", mutates_args=())
+def _pre_bwd(x: Tensor, h: Tensor, da: Tensor) -> tuple[Tensor, Tensor]:
+    launches, out = plan_pre_bwd(x, h, da)
+    _run("pre_aggregate (backward)", launches, x, h)
+    return out
+
+
+@_pre_bwd.register_fake
+def _(x, h, da):
+    return torch.empty_like(x), torch.empty_like(h)
+
+
+def _pre_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _pre_backward(ctx, da):
+    x, h = ctx.saved_tensors
+    return torch.ops.torch_mhc.pre_aggregate_bwd(x, h, da.to(x.dtype).contiguous())
+
+
+_pre_fwd.register_autograd(_pre_backward, setup_context=_pre_setup)
+
+
+def pre_aggregate(x: Tensor, h_pre: Tensor) -> Tensor:
+    """sum_j H_pre[j] x[j]: [..., n, C], [..., n] -> [..., C] in x's dtype."""
+    _check("pre_aggregate", x)
+    if x.dim() < 2 or h_pre.shape != x.shape[:-1]:
+        raise ValueError(
+            f"pre_aggregate expects x [..., n, C] and h_pre [..., n], got {tuple(x.shape)} "
+            f"and {tuple(h_pre.shape)}"
+        )
+    lead, (n, c) = x.shape[:-2], x.shape[-2:]
+    out = _pre_fwd(x.reshape(-1, n, c).contiguous(), h_pre.reshape(-1, n).to(_F32).contiguous())
+    return out.reshape(*lead, c)
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) post-and-merge
+# ---------------------------------------------------------------------------------------------
+
+
+def plan_merge_fwd(x, f, h_post, h_res):
+    t, n, c = x.shape
+    out = torch.empty_like(x)
+    cfg = kernel_config("merge_fwd", n, x.dtype)
+    block_t, block_c = _channel_blocks(n, c, cfg["TILE"])
+    return [Launch(_k.merge_fwd_kernel, (triton.cdiv(t, block_t), triton.cdiv(c, block_c)),
+                   (x, f, h_post, h_res, out, t, c),
+                   dict(N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c),
+                   **_opts(cfg))], out
+
+
+@torch.library.custom_op("torch_mhc::post_merge_fwd", mutates_args=())
+def _merge_fwd(x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor) -> Tensor:
+    """x [T, n, C], f [T, C] (x's dtype), h_post [T, n], h_res [T, n, n] (fp32)."""
+    launches, out = plan_merge_fwd(x, f, h_post, h_res)
+    _run("post_merge (forward)", launches, x, f, h_res)
+    return out
+
+
+@_merge_fwd.register_fake
+def _(x, f, h_post, h_res):
+    return torch.empty_like(x)
+
+
+def plan_merge_bwd(x, f, h_post, h_res, g):
+    t, n, c = x.shape
+    dx, df = torch.empty_like(x), torch.empty_like(f)
+    dh_post, dh_res = torch.empty_like(h_post), torch.empty_like(h_res)
+    cfg = kernel_config("merge_bwd", n, x.dtype)
+    block_t, block_c = _channel_blocks(n, c, cfg["TILE"])
+    return [Launch(_k.merge_bwd_kernel, (triton.cdiv(t, block_t),),
+                   (x, f, h_post, h_res, g, dx, df, dh_post, dh_res, t, c),
+                   dict(N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c),
+                   **_opts(cfg))], \
+        (dx, df, dh_post, dh_res)
+
+
+@torch.library.custom_op("torch_mhc::post_merge_bwd", mutates_args=())
+def _merge_bwd(
+    x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor, g: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    launches, out = plan_merge_bwd(x, f, h_post, h_res, g)
+    _run("post_merge (backward)", launches, x, f, h_res)
+    return out
+
+
+@_merge_bwd.register_fake
+def _(x, f, h_post, h_res, g):
+    return (
+        torch.empty_like(x), torch.empty_like(f),
+        torch.empty_like(h_post), torch.empty_like(h_res),
+    )
+
+
+def _merge_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _merge_backward(ctx, g):
+    x, f, h_post, h_res = ctx.saved_tensors
+    return torch.ops.torch_mhc.post_merge_bwd(x, f, h_post, h_res, g.to(x.dtype).contiguous())
+
+
+_merge_fwd.register_autograd(_merge_backward, setup_context=_merge_setup)
+
+
+def post_merge(x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor) -> Tensor:
+    """H_res x + H_post^T f: [..., n, C], [..., C], [..., n], [..., n, n] -> [..., n, C]."""
+    _check("post_merge", x, f)
+    _ref.check_merge_shapes(x, f, h_post, h_res)
+    n, c = x.shape[-2:]
+    out = _merge_fwd(
+        x.reshape(-1, n, c).contiguous(),
+        f.to(x.dtype).reshape(-1, c).contiguous(),
+        h_post.reshape(-1, n).to(_F32).contiguous(),
+        h_res.reshape(-1, n, n).to(_F32).contiguous(),
+    )
+    return out.reshape(x.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# (d) Sinkhorn
+# ---------------------------------------------------------------------------------------------
+
+def plan_sinkhorn_fwd(logits, iters, eps):
+    t, n, _ = logits.shape
+    out = torch.empty_like(logits)
+    cfg = kernel_config("sinkhorn_fwd", n, logits.dtype)
+    return [Launch(_k.sinkhorn_fwd_kernel, (triton.cdiv(t, cfg["BLOCK_T"]),),
+                   (logits, out, t, eps, LINEAR_RANGE),
+                   dict(N=n, NP=triton.next_power_of_2(n), ITERS=iters, LOG_OK=eps == 0.0,
+                        BLOCK_T=cfg["BLOCK_T"]), **_opts(cfg))], out
+
+
+@torch.library.custom_op("torch_mhc::sinkhorn_fwd", mutates_args=())
+def _sinkhorn_fwd(logits: Tensor, iters: int, eps: float) -> Tensor:
+    launches, out = plan_sinkhorn_fwd(logits, iters, eps)
+    _run("sinkhorn (forward)", launches, logits)
+    return out
+
+
+@_sinkhorn_fwd.register_fake
+def _(logits, iters, eps):
+    return torch.empty_like(logits)
+
+
+def plan_sinkhorn_bwd(logits, g, iters, eps):
+    t, n, _ = logits.shape
+    np_ = triton.next_power_of_2(n)
+    dlogits = torch.empty_like(logits)
+    scratch = logits.new_empty((t, 2 * iters, np_), dtype=_F32)  # the normalisers
+    cfg = kernel_config("sinkhorn_bwd", n, logits.dtype)
+    return [Launch(_k.sinkhorn_bwd_kernel, (triton.cdiv(t, cfg["BLOCK_T"]),),
+                   (logits, g, dlogits, scratch, t, eps, LINEAR_RANGE),
+                   dict(N=n, NP=np_, ITERS=iters, LOG_OK=eps == 0.0, BLOCK_T=cfg["BLOCK_T"]),
+                   **_opts(cfg))], dlogits
+
+
+@torch.library.custom_op("torch_mhc::sinkhorn_bwd", mutates_args=())
+def _sinkhorn_bwd(logits: Tensor, g: Tensor, iters: int, eps: float) -> Tensor:
+    launches, out = plan_sinkhorn_bwd(logits, g, iters, eps)
+    _run("sinkhorn (backward)", launches, logits)
+    return out
+
+
+@_sinkhorn_bwd.register_fake
+def _(logits, g, iters, eps):
+    return torch.empty_like(logits)
+
+
+def _sinkhorn_setup(ctx, inputs, output):
+    logits, iters, eps = inputs
+    ctx.save_for_backward(logits)  # n x n per token; the backward recomputes the iterates
+    ctx.iters, ctx.eps = iters, eps
+
+
+def _sinkhorn_backward(ctx, g):
+    (logits,) = ctx.saved_tensors
+    dlogits = torch.ops.torch_mhc.sinkhorn_bwd(
+        logits, g.to(logits.dtype).contiguous(), ctx.iters, ctx.eps
+    )
+    return dlogits, None, None
+
+
+_sinkhorn_fwd.register_autograd(_sinkhorn_backward, setup_context=_sinkhorn_setup)
+
+
+def sinkhorn(logits: Tensor, iters: int = 20, *, eps: float = 0.0) -> Tensor:
+    """Same as torch_mhc.sinkhorn(logits, iters, eps=eps): fp32 inside, logits' dtype out."""
+    _check("sinkhorn", logits)
+    if logits.dim() < 2 or logits.shape[-1] != logits.shape[-2]:
+        raise ValueError(f"sinkhorn expects matrices [..., n, n], got {tuple(logits.shape)}")
+    if not isinstance(iters, int) or iters < 1:
+        raise ValueError(f"sinkhorn expects iters >= 1, got {iters!r}")
+    n = logits.shape[-1]
+    out = _sinkhorn_fwd(logits.reshape(-1, n, n).contiguous(), iters, float(eps))
+    return out.reshape(logits.shape)
+
+
+# Every custom op's plan, for the ahead-of-time compile check (ops/triton/aot.py).
+PLANS = {
+    "mhc_maps_fwd": plan_maps_fwd,
+    "mhc_maps_bwd": plan_maps_bwd,
+    "pre_aggregate_fwd": plan_pre_fwd,
+    "pre_aggregate_bwd": plan_pre_bwd,
+    "post_merge_fwd": plan_merge_fwd,
+    "post_merge_bwd": plan_merge_bwd,
+    "sinkhorn_fwd": plan_sinkhorn_fwd,
+    "sinkhorn_bwd": plan_sinkhorn_bwd,
+}

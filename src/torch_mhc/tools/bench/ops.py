@@ -1,0 +1,128 @@
+"""Time the connection ops per implementation, in one process.
+
+    python -m torch_mhc.tools.bench.ops --tokens 2048 --streams 4 --dim 512 --impls reference cpu
+
+For each implementation, maps + pre-aggregation + post-merge, forward and backward with a
+random upstream gradient, around an identity branch (so only the connection is timed),
+against the plain residual's x + f on the same tokens. Whole training steps of the
+reference LM with each connection are `mhc bench --only step` (torch_mhc.tools.bench.suite).
+
+Runs alternate between the entries and the median is reported (torch_mhc.tools.bench.timing), which
+keeps a shared machine's load from favouring one of them; --clock process times this
+process's CPU time instead of wall time (steadier when other processes compete for the
+cores). Prints JSON, then a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from torch_mhc.ops import get_impl
+from torch_mhc.tools.bench.timing import CLOCKS, time_interleaved
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _connection_step(impl: str, tokens: int, n: int, c: int, dtype: torch.dtype, device: str):
+    """A closure running one forward + backward of the connection's ops."""
+    g = torch.Generator().manual_seed(0)
+    m = n * n + 2 * n
+    x = torch.randn(tokens, n, c, generator=g).to(device=device, dtype=dtype).requires_grad_()
+    params = [
+        (torch.randn(n * c, m, generator=g) / (n * c) ** 0.5),
+        torch.full((3,), 0.5),
+        torch.zeros(n),
+        torch.zeros(n),
+        torch.randn(n, n, generator=g),
+    ]
+    params = [p.to(device).requires_grad_() for p in params]
+    upstream = torch.randn(tokens, n, c, generator=g).to(device=device, dtype=dtype)
+    ops = get_impl(impl, device, dtype)
+
+    def step():  # what ManifoldHyperConnection runs, around an identity branch
+        if ops.links:
+            _, h_post, h_res, f, x_link = ops.mhc_maps_pre(x, *params, link=True)
+            out = ops.post_merge(x_link, f, h_post, h_res, linked=True)
+        else:
+            _, h_post, h_res, f = ops.mhc_maps_pre(x, *params)
+            out = ops.post_merge(x, f, h_post, h_res)
+        out.backward(upstream)
+
+    return step
+
+
+def _residual_step(tokens: int, c: int, dtype: torch.dtype, device: str):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, c, generator=g).to(device=device, dtype=dtype).requires_grad_()
+    upstream = torch.randn(tokens, c, generator=g).to(device=device, dtype=dtype)
+
+    def step():
+        (x + x * 1.0).backward(upstream)  # x + F(x) with a (nearly free) branch
+
+    return step
+
+
+def measure(
+    impls: list[str],
+    tokens: int = 2048,
+    streams: int = 4,
+    dim: int = 512,
+    dtype: str = "float32",
+    device: str = "cpu",
+    repeats: int = 15,
+    warmup: int = 2,
+    clock: str = "wall",
+) -> dict:
+    """Median milliseconds of each implementation's connection step and of the residual."""
+    dt = _DTYPES[dtype]
+    steps = {name: _connection_step(name, tokens, streams, dim, dt, device) for name in impls}
+    steps["residual"] = _residual_step(tokens, dim, dt, device)
+    times = time_interleaved(steps, repeats, warmup, clock, device)
+    return {
+        "config": {"tokens": tokens, "streams": streams, "dim": dim, "dtype": dtype,
+                   "device": device, "threads": torch.get_num_threads(), "repeats": repeats,
+                   "clock": clock},
+        "median_ms": {name: statistics.median(ts) for name, ts in times.items()},
+        "min_ms": {name: min(ts) for name, ts in times.items()},
+    }
+
+
+def markdown(result: dict) -> str:
+    """One row per implementation (and the residual): median and min ms, speed-up."""
+    med, mins = result["median_ms"], result["min_ms"]
+    base = med.get("reference")
+    lines = ["| connection ops | median ms | min ms | speed-up vs reference |",
+             "|---|---:|---:|---:|"]
+    for name, ms in med.items():
+        ratio = f"{base / ms:.2f}x" if base and name not in ("reference", "residual") else ""
+        label = "residual x + f" if name == "residual" else name
+        lines.append(f"| {label} | {ms:.2f} | {mins[name]:.2f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=2048, help="ops: tokens (B*T)")
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--impls", nargs="+", default=["reference", "cpu"])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--clock", choices=CLOCKS, default="wall")
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    result = measure(args.impls, args.tokens, args.streams, args.dim, args.dtype, args.device,
+                     args.repeats, clock=args.clock)
+    print(json.dumps(result, indent=2))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,987 @@
+"""The benchmark suite behind `mhc bench`: what residual, HC and mHC cost in time and memory.
+
+    mhc bench                                     # every benchmark at the default sizes
+    mhc bench --only step,saved --sizes 256,512 --threads 1 --clock process --json out.json
+    mhc bench --quick                             # tiny sizes, seconds: a smoke test
+    python -m torch_mhc.tools.bench.suite ...                 # the same without the CLI
+
+Benchmarks (choose with --only, comma-separated; the default runs all five):
+
+    step               one training step of the reference LM (torch_mhc.lm.model): forward,
+                       cross-entropy and backward; the optimizer is excluded unless
+                       --optimizer (AdamW). Residual vs HC vs mHC at each --sizes width,
+                       as ratios to the residual.
+    hyper_connections  the same block stack wrapped by lucidrains' `hyper-connections` mHC
+                       (an optional dependency: pip install 'torch-mhc[bench]'), against our
+                       mHC and the residual, at each --sizes width. When `step` runs too,
+                       both share one interleaved measurement per width.
+    saved              bytes saved for backward per token per connection (all of the LM's
+                       saved activations divided by its 2L connections), residual vs HC vs
+                       mHC, without and with selective recomputation, as ratios to the
+                       residual. Counted with saved_tensors_hooks: deterministic, no timing.
+    sinkhorn           functional.sinkhorn forward + backward (saves the logits, recomputes
+                       its iterates) against autograd through the unrolled loop, and the ops'
+                       cpu Sinkhorn: time and bytes saved for backward.
+    decode             tokens/s of KV-cached greedy generation (LM.generate), residual vs HC
+                       vs mHC, per batch size.
+
+Timing. The variants of one comparison live in one process and run round-robin (one run of
+each, then the next round), so a change in the machine's load hits all of them alike. A
+figure is the median over rounds, with the min and max as its spread; a ratio is a median
+over the baseline's median, and the ratios within each round give its range. `--clock
+process` counts this process's CPU time (all threads together) instead of wall time: on a
+machine shared with other jobs it does not count time spent waiting for a core, and with
+`--threads 1` it is the single-thread cost.
+
+Output: JSON (on stdout, or written atomically to --json PATH) and a markdown table per
+benchmark on stdout; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torch_mhc import ops as _ops
+from torch_mhc.functional.sinkhorn import sinkhorn, sinkhorn_unrolled
+from torch_mhc.lm.model import LM, ModelConfig, rope_angles
+from torch_mhc.runtime.files import atomic_write
+from torch_mhc.runtime.recompute import optimal_interval
+from torch_mhc.tools.bench.timing import CLOCKS, time_interleaved
+
+__all__ = [
+    "BENCHMARKS",
+    "LucidrainsMHCLM",
+    "bench_decode",
+    "bench_main",
+    "bench_saved",
+    "bench_sinkhorn",
+    "bench_training_steps",
+    "build_model",
+    "markdown",
+    "random_tokens",
+    "saved_bytes",
+    "summarize",
+    "time_interleaved",
+    "train_step",
+]
+
+BENCHMARKS = ("step", "hyper_connections", "saved", "sinkhorn", "decode")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Model variants: our three connections, and lucidrains' mHC around the same blocks.
+VARIANTS = ("residual", "hc", "mhc", "lucidrains_mhc")
+
+
+def summarize(times: dict[str, list[float]], baseline: str) -> dict[str, dict]:
+    """Per entry: median, min, max ms, the runs, and the ratio to the baseline.
+
+    ratio = median / the baseline's median (exactly 1.0 for the baseline); ratio_min and
+    ratio_max are the extremes of the per-round ratios (run r over the baseline's run r).
+    """
+    if baseline not in times:
+        raise ValueError(f"baseline {baseline!r} is not among the timed entries {list(times)}")
+    base = times[baseline]
+    base_median = statistics.median(base)
+    out = {}
+    for name, ts in times.items():
+        per_round = [t / b for t, b in zip(ts, base, strict=True)]
+        out[name] = {
+            "median_ms": statistics.median(ts),
+            "min_ms": min(ts),
+            "max_ms": max(ts),
+            "ratio": statistics.median(ts) / base_median,
+            "ratio_min": min(per_round),
+            "ratio_max": max(per_round),
+            "runs_ms": [round(t, 3) for t in ts],
+        }
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Models and a training step
+# ---------------------------------------------------------------------------------------------
+
+
+def lm_config(kind: str, dim: int, layers: int, streams: int, seq: int, **fields) -> ModelConfig:
+    """The benchmark LM: heads of width 64 (one head below dim 64), max_seq_len = seq."""
+    return ModelConfig(dim=dim, n_layers=layers, n_heads=max(1, dim // 64), max_seq_len=seq,
+                       residual=kind, streams=streams, **fields)
+
+
+class LucidrainsMHCLM(nn.Module):
+    """The reference LM's blocks wrapped by lucidrains' `hyper_connections.mHC` instead.
+
+    Built from an LM with plain residual connections, whose embedding, branches (pre-norm
+    attention and MLP), final norm and head it reuses; each branch is wrapped by
+    `hyper_connections.mHC(n, dim=C, branch=..., layer_index=...)`. That package keeps the
+    streams folded into the batch, [B * n, T, C], expands by repetition and reduces by sum.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hc = _import_hyper_connections()
+        base = LM(dataclasses.replace(cfg, residual="residual"))
+        self.cfg = cfg
+        self.tok_emb, self.norm_f, self.lm_head = base.tok_emb, base.norm_f, base.lm_head
+        self.expand, self.reduce = hc.mc_get_expand_reduce_stream_functions(cfg.streams)
+        n = cfg.streams
+        self.attn = nn.ModuleList(
+            hc.mHC(n, dim=cfg.dim, branch=b.attn.branch, layer_index=2 * i)
+            for i, b in enumerate(base.blocks)
+        )
+        self.mlp = nn.ModuleList(
+            hc.mHC(n, dim=cfg.dim, branch=b.mlp.branch, layer_index=2 * i + 1)
+            for i, b in enumerate(base.blocks)
+        )
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        B, T = idx.shape
+        cos, sin = rope_angles(0, T, self.cfg.head_dim, self.cfg.rope_base, idx.device)
+        x = self.expand(self.tok_emb(idx))  # [B * n, T, C]
+        for attn, mlp in zip(self.attn, self.mlp, strict=True):
+            x = mlp(attn(x, cos, sin))  # [B * n, T, C]
+        logits = self.lm_head(self.norm_f(self.reduce(x)))  # [B, T, V]
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().reshape(B * T, -1), targets.reshape(B * T))
+        return logits, loss
+
+
+def _import_hyper_connections():
+    """lucidrains' package, or ImportError with the install hint."""
+    try:
+        import hyper_connections
+    except ImportError as err:
+        raise ImportError(
+            "the hyper_connections benchmark needs lucidrains' hyper-connections package "
+            f"(pip install 'torch-mhc[bench]'): {err}"
+        ) from err
+    return hyper_connections
+
+
+def _hyper_connections_version() -> str | None:
+    try:
+        return importlib.metadata.version("hyper-connections")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def build_model(
+    variant: str,
+    dim: int,
+    layers: int,
+    streams: int = 4,
+    seq: int = 256,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    **fields,
+) -> nn.Module:
+    """One of VARIANTS, initialised from `seed`; `fields` go to ModelConfig (e.g. recompute)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown model variant {variant!r}; expected one of {VARIANTS}")
+    torch.manual_seed(seed)
+    if variant == "lucidrains_mhc":
+        model = LucidrainsMHCLM(lm_config("mhc", dim, layers, streams, seq))
+    else:
+        model = LM(lm_config(variant, dim, layers, streams, seq, **fields))
+    return model.to(device=device, dtype=dtype)
+
+
+def random_tokens(batch: int, length: int, vocab: int = 256, device="cpu", seed: int = 1):
+    """Token ids [batch, length] from a fixed seed (the same for every variant)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=g).to(device)
+
+
+def train_step(
+    model: nn.Module, idx: torch.Tensor, impl: str | None = None, optimizer: bool = False
+) -> Callable[[], None]:
+    """A closure running one training step on idx [B, T + 1] (inputs idx[:, :-1], targets
+    idx[:, 1:]): forward, cross-entropy, backward, then AdamW's step if `optimizer`.
+
+    impl: the op implementation "auto" resolves to during the step (None: leave it alone).
+    Gradients are dropped after each step, so every run does the same work.
+    """
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5) if optimizer else None
+
+    def step():
+        if impl is not None:
+            _ops.set_default_impl(impl)
+        try:
+            _, loss = model(idx[:, :-1], idx[:, 1:])
+            loss.backward()
+        finally:
+            if impl is not None:
+                _ops.set_default_impl(None)
+        if opt is not None:
+            opt.step()
+        for p in model.parameters():
+            p.grad = None
+
+    return step
+
+
+# ---------------------------------------------------------------------------------------------
+# Bytes saved for backward
+# ---------------------------------------------------------------------------------------------
+
+
+def saved_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] = ()):
+    """Bytes of the distinct storages autograd saves for backward while fn() runs.
+
+    Storages of `exclude` (e.g. the parameters, alive anyway) are not counted; neither is
+    anything kept outside autograd's saved tensors (see RecomputeStats.kept). Returns
+    (bytes, fn's result); keep the result alive until the count is used.
+    """
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in skip:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(storages.values()), out
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmarks
+# ---------------------------------------------------------------------------------------------
+
+
+def _log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def default_step_repeats(dim: int) -> int:
+    """Rounds of the step benchmarks: 5, or 3 above d = 512 (a d = 1024 step takes seconds)."""
+    return 5 if dim <= 512 else 3
+
+
+def bench_training_steps(
+    sizes: list[int],
+    variants: list[str],
+    *,
+    layers: int = 8,
+    streams: int = 4,
+    batch: int = 8,
+    seq: int = 256,
+    dtype: str = "float32",
+    device: str = "cpu",
+    impl: str = "auto",
+    optimizer: bool = False,
+    repeats: int | None = None,
+    warmup: int = 1,
+    clock: str = "wall",
+) -> dict:
+    """Training-step time of each variant at each width, interleaved, ratios to the residual.
+
+    repeats None: default_step_repeats(dim). Returns {"config": ..., "results": [per width]}.
+    """
+    if "residual" not in variants:
+        variants = ["residual", *variants]
+    dt = DTYPES[dtype]
+    results = []
+    for dim in sizes:
+        r = repeats or default_step_repeats(dim)
+        idx = random_tokens(batch, seq + 1, device=device)  # [B, T + 1]
+        steps = {}
+        for v in variants:
+            # mhc_inductor: mHC on the inductor ops (the reference under torch.compile).
+            kind, ops_impl = ("mhc", "inductor") if v == "mhc_inductor" else (v, impl)
+            model = build_model(kind, dim, layers, streams, seq, dtype=dt, device=device)
+            steps[v] = train_step(model, idx, impl=None if v == "residual" else ops_impl,
+                                  optimizer=optimizer)
+        _log(f"training step d={dim}: {', '.join(variants)}; {warmup} + {r} rounds")
+        times = time_interleaved(steps, r, warmup, clock, device)
+        results.append({"dim": dim, "repeats": r, "entries": summarize(times, "residual")})
+        del steps
+    return {
+        "config": {
+            "layers": layers, "streams": streams, "batch": batch, "seq": seq, "dtype": dtype,
+            "device": device, "impl": _ops.resolve_impl_name(impl, device, dt),
+            "optimizer": "AdamW included" if optimizer else "excluded",
+            "warmup": warmup, "clock": clock,
+            "timed": "forward + cross-entropy + backward" + (" + AdamW step" if optimizer else ""),
+        },
+        "results": results,
+    }
+
+
+def _select(steps_result: dict, variants: list[str]) -> dict:
+    """The same measurement restricted to some variants (ratios are per entry, unchanged)."""
+    out = {"config": dict(steps_result["config"]), "results": []}
+    for res in steps_result["results"]:
+        entries = {v: e for v, e in res["entries"].items() if v in variants}
+        out["results"].append({**res, "entries": entries})
+    return out
+
+
+def bench_saved(
+    *,
+    dim: int = 512,
+    layers: int = 8,
+    streams: int = 4,
+    batch: int = 2,
+    seqs: tuple[int, ...] = (32, 64),
+    dtype: str = "float32",
+    device: str = "cpu",
+    impl: str = "auto",
+) -> dict:
+    """Bytes saved for backward per token per connection, per variant; ratios to residual.
+
+    Everything the LM saves (blocks included; parameters excluded) plus, with recomputation,
+    what the recompute groups keep outside autograd (RecomputeStats.kept), divided by the
+    tokens and the 2L connections. Measured at every seq in `seqs` to show the figure is per
+    token; the figures reported are those at the longest. The mHC+recompute row uses the
+    optimal interval L_r = round(sqrt(n * 2L / (n + 2))); `by_interval` sweeps others.
+    """
+    dt = DTYPES[dtype]
+    n_conn = 2 * layers
+    opt = optimal_interval(streams, n_conn)
+    variants = {  # name -> (kind, ModelConfig fields)
+        "residual": ("residual", {}),
+        "hc": ("hc", {}),
+        "mhc": ("mhc", {}),
+        "hc+recompute": ("hc", {"recompute": True}),
+        "mhc+recompute": ("mhc", {"recompute": True}),
+    }
+
+    def per_token(kind: str, seq: int, fields: dict) -> float:
+        model = build_model(kind, dim, layers, streams, seq, dtype=dt, device=device, **fields)
+        idx = random_tokens(batch, seq, device=device)  # [B, T]
+        _ops.set_default_impl(impl)
+        try:
+            nbytes, loss = saved_bytes(lambda: model(idx, idx)[1], exclude=model.parameters())
+        finally:
+            _ops.set_default_impl(None)
+        if fields.get("recompute"):
+            nbytes += model.recompute_stats.kept
+        del loss
+        return nbytes / (batch * seq) / n_conn
+
+    by_seq = {}
+    for seq in seqs:
+        _log(f"saved bytes d={dim} T={seq}: {', '.join(variants)}")
+        by_seq[seq] = {name: per_token(kind, seq, f) for name, (kind, f) in variants.items()}
+    longest = max(seqs)
+    main = by_seq[longest]
+    esize = torch.empty((), dtype=dt).element_size()
+    entries = {
+        name: {
+            "bytes_per_token_per_connection": b,
+            "ratio": b / main["residual"],
+            "extra_over_residual_in_C": (b - main["residual"]) / (dim * esize),
+            "by_seq": {str(s): by_seq[s][name] for s in seqs},
+        }
+        for name, b in main.items()
+    }
+    # Bytes scale per token when every length gives the same per-token figure.
+    spread = max(
+        max(by_seq[s][name] for s in seqs) / min(by_seq[s][name] for s in seqs) - 1.0
+        for name in main
+    )
+    intervals = sorted({1, 2, opt, 4, 8, n_conn} & set(range(1, n_conn + 1)))
+    by_interval = {
+        str(k): per_token("mhc", longest, {"recompute": True, "recompute_interval": k})
+        for k in intervals
+    }
+    return {
+        "config": {
+            "dim": dim, "layers": layers, "connections": n_conn, "streams": streams,
+            "batch": batch, "seqs": list(seqs), "reported_seq": longest, "dtype": dtype,
+            "device": device, "impl": _ops.resolve_impl_name(impl, device, dt),
+            "recompute_interval": opt,
+        },
+        "entries": entries,
+        "per_token_relative_spread_across_seqs": spread,
+        "mhc_recompute_by_interval": {
+            k: {"bytes_per_token_per_connection": b, "ratio": b / main["residual"]}
+            for k, b in by_interval.items()
+        },
+    }
+
+
+def bench_sinkhorn(
+    *,
+    tokens: int = 2048,
+    sizes: tuple[int, ...] = (4, 8),
+    iters: int = 20,
+    repeats: int = 30,
+    warmup: int = 1,
+    clock: str = "wall",
+    device: str = "cpu",
+    seed: int = 0,
+    inductor: bool = False,
+) -> dict:
+    """Sinkhorn forward + backward (random upstream gradient) on [tokens, n, n] fp32 logits.
+
+    Entries: "unrolled" (autograd through sinkhorn_unrolled's loop: the baseline),
+    "sinkhorn" (functional.sinkhorn: saves the logits, recomputes the iterates in backward),
+    and "ops.cpu" (the cpu implementation's token-last Sinkhorn). saved_bytes counts every
+    storage saved for backward, the input logits included when a function saves them.
+    max_abs_diff: largest difference from the baseline, output and input gradient.
+    """
+    fns = {"unrolled": sinkhorn_unrolled, "sinkhorn": sinkhorn}
+    cpu_sinkhorn = _ops.get_impl("cpu").sinkhorn
+    if cpu_sinkhorn is not sinkhorn:
+        fns["ops.cpu"] = cpu_sinkhorn
+    if inductor:  # the reference under torch.compile (compiled in the warm-up round)
+        fns["ops.inductor"] = _ops.get_impl("inductor").sinkhorn
+    results = []
+    for n in sizes:
+        g = torch.Generator().manual_seed(seed)
+        logits = torch.randn(tokens, n, n, generator=g).to(device).requires_grad_()  # [T, n, n]
+        upstream = torch.randn(tokens, n, n, generator=g).to(device)  # [T, n, n]
+
+        def fwd_bwd(fn, logits=logits, upstream=upstream):
+            out = fn(logits, iters)
+            return out, torch.autograd.grad(out, logits, upstream)[0]
+
+        want_out, want_grad = fwd_bwd(sinkhorn_unrolled)
+        entries = {}
+        for name, fn in fns.items():
+            out, grad = fwd_bwd(fn)
+            nbytes, _ = saved_bytes(lambda fn=fn, z=logits: fn(z, iters))
+            entries[name] = {
+                "saved_bytes": nbytes,
+                "saved_bytes_per_matrix": nbytes / tokens,
+                "max_abs_diff": max((out - want_out).abs().max().item(),
+                                    (grad - want_grad).abs().max().item()),
+            }
+        steps = {name: (lambda fn=fn: fwd_bwd(fn)) for name, fn in fns.items()}
+        _log(f"sinkhorn [{tokens}, {n}, {n}]: {', '.join(fns)}; {warmup} + {repeats} rounds")
+        times = time_interleaved(steps, repeats, warmup, clock, device)
+        for name, stats in summarize(times, "unrolled").items():
+            entries[name].update(stats)
+            entries[name]["saved_ratio"] = (
+                entries[name]["saved_bytes"] / entries["unrolled"]["saved_bytes"]
+            )
+        results.append({"shape": [tokens, n, n], "entries": entries})
+    return {
+        "config": {"tokens": tokens, "sizes": list(sizes), "iters": iters, "dtype": "float32",
+                   "device": device, "repeats": repeats, "warmup": warmup, "clock": clock,
+                   "timed": "forward + backward (random upstream gradient)"},
+        "results": results,
+    }
+
+
+def bench_decode(
+    *,
+    dim: int = 512,
+    layers: int = 8,
+    streams: int = 4,
+    batches: tuple[int, ...] = (1, 8),
+    prompt: int = 128,
+    new_tokens: int = 128,
+    variants: tuple[str, ...] = ("residual", "hc", "mhc"),
+    dtype: str = "float32",
+    device: str = "cpu",
+    impl: str = "auto",
+    repeats: int = 3,
+    warmup: int = 1,
+    clock: str = "wall",
+) -> dict:
+    """KV-cached greedy generation (LM.generate, temperature 0) per variant and batch size.
+
+    Timed side by side: the whole generate call (prefill of the prompt, then new_tokens - 1
+    one-token steps) and the prefill alone. tokens_per_s = batch * new_tokens / generate time;
+    decode_tokens_per_s = batch * (new_tokens - 1) / (generate - prefill), from the medians.
+    """
+    if "residual" not in variants:
+        variants = ("residual", *variants)
+    dt = DTYPES[dtype]
+    seq = prompt + new_tokens
+    models = {v: build_model(v, dim, layers, streams, seq, dtype=dt, device=device).eval()
+              for v in variants}
+    results = []
+    for batch in batches:
+        idx = random_tokens(batch, prompt, device=device)  # [B, T0]
+
+        def generate(model, idx=idx):
+            _ops.set_default_impl(impl)
+            try:
+                return model.generate(idx, new_tokens, temperature=0.0)
+            finally:
+                _ops.set_default_impl(None)
+
+        def prefill(model, idx=idx, batch=batch):
+            _ops.set_default_impl(impl)
+            try:
+                with torch.no_grad():
+                    return model(idx, kv_cache=model.new_kv_cache(batch, prompt))
+            finally:
+                _ops.set_default_impl(None)
+
+        steps = {}
+        for v, m in models.items():
+            steps[v] = lambda m=m: generate(m)
+            steps[f"{v}/prefill"] = lambda m=m: prefill(m)
+        _log(f"decode B={batch}: {prompt} + {new_tokens} tokens, {', '.join(variants)}; "
+             f"{warmup} + {repeats} rounds")
+        times = time_interleaved(steps, repeats, warmup, clock, device)
+        gen = summarize({v: times[v] for v in variants}, "residual")
+        pre = {v: statistics.median(times[f"{v}/prefill"]) for v in variants}
+        entries = {}
+        for v in variants:
+            g_ms = gen[v]["median_ms"]
+            decode_ms = g_ms - pre[v]
+            entries[v] = {
+                **gen[v],
+                "prefill_median_ms": pre[v],
+                "tokens_per_s": batch * new_tokens / g_ms * 1e3,
+                "decode_tokens_per_s": batch * (new_tokens - 1) / decode_ms * 1e3
+                if decode_ms > 0 else None,
+            }
+        for v in variants:
+            e, base = entries[v], entries["residual"]
+            e["tokens_per_s_ratio"] = e["tokens_per_s"] / base["tokens_per_s"]
+            e["decode_tokens_per_s_ratio"] = (
+                e["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+                if e["decode_tokens_per_s"] and base["decode_tokens_per_s"] else None
+            )
+        results.append({"batch": batch, "entries": entries})
+    return {
+        "config": {"dim": dim, "layers": layers, "streams": streams, "prompt": prompt,
+                   "new_tokens": new_tokens, "dtype": dtype, "device": device,
+                   "impl": _ops.resolve_impl_name(impl, device, dt), "repeats": repeats,
+                   "warmup": warmup, "clock": clock, "sampling": "greedy, KV cache"},
+        "results": results,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Markdown
+# ---------------------------------------------------------------------------------------------
+
+
+def _md_steps(result: dict, title: str) -> list[str]:
+    cfg = result["config"]
+    lines = [
+        f"### {title}",
+        "",
+        f"{cfg['layers']} blocks, batch {cfg['batch']} x {cfg['seq']} tokens, {cfg['dtype']}, "
+        f"n = {cfg['streams']}, ops `{cfg['impl']}`; timed: {cfg['timed']}; "
+        f"{cfg['clock']} clock, median of the rounds, min-max as the spread.",
+        "",
+        "| d | variant | median ms | min-max ms | x residual | per-round ratio range | rounds |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for res in result["results"]:
+        for v, e in res["entries"].items():
+            lines.append(
+                f"| {res['dim']} | {v} | {e['median_ms']:.0f} | {e['min_ms']:.0f}-"
+                f"{e['max_ms']:.0f} | {e['ratio']:.3f} | {e['ratio_min']:.3f}-"
+                f"{e['ratio_max']:.3f} | {res['repeats']} |"
+            )
+    return lines
+
+
+def _md_saved(result: dict) -> list[str]:
+    cfg = result["config"]
+    lines = [
+        "### saved: bytes saved for backward per token per connection",
+        "",
+        f"LM at d = {cfg['dim']}, {cfg['layers']} blocks ({cfg['connections']} connections), "
+        f"n = {cfg['streams']}, {cfg['dtype']}, batch {cfg['batch']} x {cfg['reported_seq']} "
+        f"tokens; recomputation interval L_r = {cfg['recompute_interval']} (optimal). "
+        f"Per-token figures at T = {', '.join(map(str, cfg['seqs']))} differ by at most "
+        f"{100 * result['per_token_relative_spread_across_seqs']:.2g}%. Counted: what is held "
+        "from forward to backward; not counted: the replay of one recompute group in backward, "
+        "which briefly holds up to L_r connections' intermediates (the optimal L_r balances "
+        "the two).",
+        "",
+        "| variant | bytes / token / connection | x residual | extra over residual, in C "
+        "elements |",
+        "|---|---:|---:|---:|",
+    ]
+    for v, e in result["entries"].items():
+        lines.append(f"| {v} | {e['bytes_per_token_per_connection']:.0f} | {e['ratio']:.3f} | "
+                     f"{e['extra_over_residual_in_C']:.2f} |")
+    lines += ["", "| mHC + recompute, L_r | bytes / token / connection | x residual |",
+              "|---:|---:|---:|"]
+    for k, e in result["mhc_recompute_by_interval"].items():
+        star = " (optimal)" if int(k) == cfg["recompute_interval"] else ""
+        lines.append(f"| {k}{star} | {e['bytes_per_token_per_connection']:.0f} | "
+                     f"{e['ratio']:.3f} |")
+    return lines
+
+
+def _md_sinkhorn(result: dict) -> list[str]:
+    cfg = result["config"]
+    lines = [
+        "### sinkhorn: forward + backward",
+        "",
+        f"{cfg['iters']} iterations, fp32, random upstream gradient; {cfg['clock']} clock, "
+        f"median of {cfg['repeats']} rounds, min-max as the spread; saved = bytes saved for "
+        "backward (the input logits included where a function saves them).",
+        "",
+        "| shape | implementation | median ms | min-max ms | x unrolled | saved bytes | "
+        "saved x unrolled | max abs diff |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for res in result["results"]:
+        shape = "x".join(map(str, res["shape"]))
+        for name, e in res["entries"].items():
+            lines.append(
+                f"| {shape} | {name} | {e['median_ms']:.2f} | {e['min_ms']:.2f}-"
+                f"{e['max_ms']:.2f} | {e['ratio']:.3f} | {e['saved_bytes']} | "
+                f"{e['saved_ratio']:.3f} | {e['max_abs_diff']:.1e} |"
+            )
+    return lines
+
+
+def _md_decode(result: dict) -> list[str]:
+    cfg = result["config"]
+    lines = [
+        "### decode: KV-cached greedy generation",
+        "",
+        f"d = {cfg['dim']}, {cfg['layers']} blocks, n = {cfg['streams']}, {cfg['dtype']}, "
+        f"ops `{cfg['impl']}`, {cfg['prompt']} prompt + {cfg['new_tokens']} new tokens; "
+        f"{cfg['clock']} clock, median of {cfg['repeats']} rounds. Decode tokens/s leaves out "
+        "the prefill (median generate - median prefill).",
+        "",
+        "| batch | variant | generate ms | prefill ms | tokens/s | x residual | decode tokens/s "
+        "| x residual |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def fmt(x, spec):
+        return "n/a" if x is None else format(x, spec)
+
+    for res in result["results"]:
+        for v, e in res["entries"].items():
+            lines.append(
+                f"| {res['batch']} | {v} | {e['median_ms']:.0f} | {e['prefill_median_ms']:.0f} "
+                f"| {e['tokens_per_s']:.1f} | {e['tokens_per_s_ratio']:.3f} | "
+                f"{fmt(e['decode_tokens_per_s'], '.1f')} | "
+                f"{fmt(e['decode_tokens_per_s_ratio'], '.3f')} |"
+            )
+    return lines
+
+
+def markdown(report: dict) -> str:
+    """One markdown table per benchmark in a bench_main report."""
+    meta, b = report["meta"], report["benchmarks"]
+    lines = [
+        f"torch {meta['torch']}, {meta['threads']} thread(s), {meta['clock']} clock, "
+        f"{meta['date']}; load average {meta['load_average_start']} at the start, "
+        f"{meta['load_average_end']} at the end.",
+    ]
+    if "step" in b:
+        lines += ["", *_md_steps(b["step"], "step: training step, residual vs HC vs mHC")]
+    if "hyper_connections" in b:
+        hc = b["hyper_connections"]
+        title = "hyper_connections: lucidrains' mHC around the same blocks"
+        if "skipped" in hc:
+            lines += ["", f"### {title}", "", f"Skipped: {hc['skipped']}"]
+        else:
+            lines += ["", *_md_steps(hc, f"{title} (hyper-connections "
+                                         f"{hc['config']['hyper_connections_version']})")]
+    if "saved" in b:
+        lines += ["", *_md_saved(b["saved"])]
+    if "sinkhorn" in b:
+        lines += ["", *_md_sinkhorn(b["sinkhorn"])]
+    if "decode" in b:
+        lines += ["", *_md_decode(b["decode"])]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers such as 256,512, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def _names(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    unknown = [v for v in names if v not in BENCHMARKS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown benchmark(s) {unknown or text!r}; expected a comma-separated subset of "
+            f"{','.join(BENCHMARKS)}"
+        )
+    return names
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mhc bench",
+        description="Time and memory of residual, HC and mHC: JSON and markdown tables.",
+        epilog="Benchmarks: step, hyper_connections, saved, sinkhorn, decode (see "
+               "torch_mhc.tools.bench.suite's docstring). Sizes not given default to the issue's "
+               "configuration, or to tiny ones with --quick.",
+    )
+    p.add_argument("--only", type=_names, default=list(BENCHMARKS),
+                   help=f"comma-separated benchmarks to run (default: {','.join(BENCHMARKS)})")
+    p.add_argument("--sizes", type=_int_list, default=None,
+                   help="widths d for step and hyper_connections (default 256,512,1024)")
+    p.add_argument("--dim", type=_positive, default=None,
+                   help="width for saved and decode (default 512)")
+    p.add_argument("--layers", type=_positive, default=None, help="blocks (default 8)")
+    p.add_argument("--streams", type=_positive, default=4, help="n (default 4)")
+    p.add_argument("--batch", type=_positive, default=None, help="step batch (default 8)")
+    p.add_argument("--seq", type=_positive, default=None, help="step tokens per row (256)")
+    p.add_argument("--repeats", type=_positive, default=None,
+                   help="timed rounds for every timed benchmark (default: step 5, or 3 above "
+                        "d = 512; sinkhorn 30; decode 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
+    p.add_argument("--threads", type=_positive, default=None, help="torch.set_num_threads")
+    p.add_argument("--clock", choices=CLOCKS, default="wall",
+                   help="wall time, or this process's CPU time (steadier on a shared machine)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--impl", default="auto",
+                   help="op implementation for HC and mHC: auto, reference, cpu, triton, inductor")
+    p.add_argument("--optimizer", action="store_true",
+                   help="step: include an AdamW step in the timed training step")
+    p.add_argument("--sinkhorn-tokens", type=_positive, default=None,
+                   help="matrices per Sinkhorn call (default 2048 = 8 x 256)")
+    p.add_argument("--sinkhorn-n", type=_int_list, default=[4, 8], help="default 4,8")
+    p.add_argument("--decode-batches", type=_int_list, default=None, help="default 1,8")
+    p.add_argument("--prompt", type=_positive, default=None, help="decode prompt (128)")
+    p.add_argument("--new-tokens", type=_positive, default=None, help="decode new tokens (128)")
+    p.add_argument("--json", metavar="PATH", default=None,
+                   help="write the JSON here (atomically) instead of to stdout")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes and 2 rounds: every benchmark in seconds (a smoke test)")
+    p.add_argument("--inductor", action="store_true",
+                   help="also time the inductor ops (reference under torch.compile): an "
+                        "mhc_inductor step variant and an ops.inductor Sinkhorn entry")
+    p.add_argument("--gpu", action="store_true",
+                   help="run benchmarks/gpu_check.py instead (its own options follow; "
+                        "mhc bench --gpu --help)")
+    p.add_argument("--aot", action="store_true",
+                   help="run the Triton ahead-of-time compile check instead (its own options "
+                        "follow; mhc bench --aot --help)")
+    return p
+
+
+# (full, --quick) defaults for the options left unset
+_DEFAULTS = {
+    "sizes": ([256, 512, 1024], [32]),
+    "dim": (512, 32),
+    "layers": (8, 2),
+    "batch": (8, 2),
+    "seq": (256, 16),
+    "sinkhorn_tokens": (2048, 64),
+    "decode_batches": ([1, 8], [1, 2]),
+    "prompt": (128, 8),
+    "new_tokens": (128, 8),
+}
+
+
+def _fill_defaults(args: argparse.Namespace) -> None:
+    for name, (full, quick) in _DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    if args.quick and args.repeats is None:
+        args.repeats = 2
+    if args.warmup < 0:
+        raise _UsageError(f"--warmup must be >= 0, got {args.warmup}")
+    _ops.check_impl_name(args.impl)
+    _check_device(args.device)
+    if args.json is not None:
+        _check_json_path(args.json)
+    if args.streams < 2:
+        raise _UsageError(f"--streams must be >= 2 for HC and mHC, got {args.streams}")
+    # Every model the run will build, checked now rather than after minutes of timing.
+    for dim in {*args.sizes, args.dim}:
+        lm_config("mhc", dim, args.layers, args.streams, max(args.seq, args.prompt +
+                                                              args.new_tokens))
+
+
+def _check_device(name: str) -> None:
+    """A device this machine has, checked before any benchmark runs."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise _UsageError(f"--device must be cpu, cuda or cuda:N, got {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise _UsageError(f"--device {name} asked for, but CUDA is not available here")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise _UsageError(f"--device {name} asked for, but there are "
+                          f"{torch.cuda.device_count()} GPUs")
+    if device.type not in ("cpu", "cuda"):
+        raise _UsageError(f"--device must be cpu, cuda or cuda:N, got {name!r}")
+
+
+def _check_json_path(path: str) -> None:
+    """--json names a file that can be written, checked before minutes of benchmarks."""
+    target = Path(os.path.abspath(os.path.expanduser(path)))
+    if target.is_dir():
+        raise _UsageError(f"--json {path} is a folder, expected a file path")
+    if not target.parent.is_dir():
+        raise _UsageError(f"--json {path}: its folder {target.parent} does not exist (or is "
+                          "a file), expected an existing folder")
+    if not os.access(target.parent, os.W_OK):
+        raise _UsageError(f"--json {path}: the folder {target.parent} is not writable")
+
+
+def _load_average() -> list[float] | None:
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def _meta(args: argparse.Namespace, argv: list[str]) -> dict:
+    from torch_mhc import __version__
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "mhc bench " + " ".join(argv),
+        "torch_mhc": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "clock": args.clock,
+        "quick": args.quick,
+        "load_average_start": _load_average(),
+    }
+
+
+def _write_json_atomic(path: str, report: dict) -> None:
+    """Write to a temporary file beside `path`, then rename over it (never half a file)."""
+    atomic_write(os.path.abspath(os.path.expanduser(path)),
+                 (json.dumps(report, indent=2) + "\n").encode())
+
+
+def run_benchmarks(args: argparse.Namespace) -> dict:
+    """The selected benchmarks' results, keyed by benchmark name."""
+    only = set(args.only)
+    out: dict[str, dict] = {}
+    timing = {"warmup": args.warmup, "clock": args.clock, "device": args.device}
+    want_step, want_hc = "step" in only, "hyper_connections" in only
+    if want_hc and _hyper_connections_version() is None:
+        msg = ("lucidrains' hyper-connections package is not installed "
+               "(pip install 'torch-mhc[bench]')")
+        _log(f"hyper_connections skipped: {msg}")
+        out["hyper_connections"] = {"skipped": msg}
+        want_hc = False
+    if want_step or want_hc:
+        # One interleaved measurement per width serves both: the residual and our mHC are
+        # timed once, beside every variant either benchmark needs.
+        variants = ["residual"] + (["hc"] if want_step else []) + ["mhc"]
+        variants += ["lucidrains_mhc"] if want_hc else []
+        variants += ["mhc_inductor"] if args.inductor and want_step else []
+        steps = bench_training_steps(
+            args.sizes, variants, layers=args.layers, streams=args.streams, batch=args.batch,
+            seq=args.seq, dtype=args.dtype, impl=args.impl, optimizer=args.optimizer,
+            repeats=args.repeats, **timing,
+        )
+        if want_step:
+            out["step"] = _select(steps, ["residual", "hc", "mhc", "mhc_inductor"])
+        if want_hc:
+            out["hyper_connections"] = _select(steps, ["residual", "mhc", "lucidrains_mhc"])
+            out["hyper_connections"]["config"]["hyper_connections_version"] = (
+                _hyper_connections_version()
+            )
+            out["hyper_connections"]["config"]["wrapper"] = (
+                f"hyper_connections.mHC(num_residual_streams={args.streams}, dim=d, "
+                "branch=..., layer_index=...)"
+            )
+    if "saved" in only:
+        out["saved"] = bench_saved(dim=args.dim, layers=args.layers, streams=args.streams,
+                                   seqs=(8, 16) if args.quick else (32, 64), dtype=args.dtype,
+                                   device=args.device, impl=args.impl)
+    if "sinkhorn" in only:
+        out["sinkhorn"] = bench_sinkhorn(tokens=args.sinkhorn_tokens, sizes=tuple(args.sinkhorn_n),
+                                         repeats=args.repeats or 30, inductor=args.inductor,
+                                         **timing)
+    if "decode" in only:
+        out["decode"] = bench_decode(
+            dim=args.dim, layers=args.layers, streams=args.streams,
+            batches=tuple(args.decode_batches), prompt=args.prompt, new_tokens=args.new_tokens,
+            dtype=args.dtype, impl=args.impl, repeats=args.repeats or 3, **timing,
+        )
+    # Keep the order of BENCHMARKS in the report.
+    return {name: out[name] for name in BENCHMARKS if name in out}
+
+
+def bench_main(argv: list[str] | None = None) -> int:
+    """`mhc bench`: run, print JSON (or write --json) and markdown; 0 ok, 2 bad input."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--gpu" in argv or "--aot" in argv:  # other tools, with their own options
+        rest = [a for a in argv if a not in ("--gpu", "--aot")]
+        if "--gpu" in argv:
+            from torch_mhc.tools.bench.gpu_check import NO_CUDA
+            from torch_mhc.tools.bench.gpu_check import main as gpu_main
+
+            help_asked = "-h" in rest or "--help" in rest
+            if "--dry-run" not in rest and not help_asked and not torch.cuda.is_available():
+                print(f"mhc bench: error: {NO_CUDA}", file=sys.stderr)
+                return 2
+            return gpu_main(rest)
+        from torch_mhc.ops.triton.aot import main as aot_main
+
+        return aot_main(rest)
+    try:
+        args = build_parser().parse_args(argv)
+        _fill_defaults(args)
+    except SystemExit as exc:  # --help (0) or a usage error (2, already printed)
+        return exc.code if isinstance(exc.code, int) else 0
+    except (_UsageError, ValueError) as exc:
+        print(f"mhc bench: error: {exc}", file=sys.stderr)
+        return 2
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    report = {"meta": _meta(args, argv), "benchmarks": {}}
+    report["benchmarks"] = run_benchmarks(args)
+    report["meta"]["load_average_end"] = _load_average()
+    if args.json:
+        _write_json_atomic(args.json, report)
+        _log(f"wrote {args.json}")
+    else:
+        print(json.dumps(report, indent=2))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(bench_main())

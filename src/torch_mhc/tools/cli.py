@@ -1,0 +1,375 @@
+"""The `mhc` command (also `python -m torch_mhc`).
+
+    mhc train    [--config run.toml] [--residual mhc --steps 2000 ...]
+    mhc compare  --out DIR [--preset default|tiny|stress|shakespeare] [--config f.toml] [flags]
+    mhc generate --checkpoint RUN_DIR [--prompt "def "] [--no-cache]
+    mhc cost     ...   (the analytic cost model: torch_mhc.tools.cost.model)
+    mhc bench    ...   (the benchmark suite: torch_mhc.tools.bench.suite)
+
+Each subcommand is one `_add_<name>(subparsers)` function that builds its parser and sets
+`run`; `SUBCOMMANDS` lists them, so adding a command is one function and one list entry.
+Commands that own their whole command line (cost) are in `DELEGATED` and receive the raw
+arguments.
+
+Every error is one line on stderr, `mhc <command>: error: <what was expected and what came>`,
+with no traceback, and its own exit status (`EXIT_STATUS`, listed in `mhc train --help`):
+0 done, 1 stopped by the spike policy, 2 bad input (a config value, a data path, a bad or
+foreign checkpoint, an out_dir in use by another run, a missing extra), 3 out of disk space,
+130 interrupted (Ctrl-C; a training run writes a checkpoint first).
+
+`train`, `compare` and `generate` need the `train` extra (numpy, tqdm; matplotlib for
+compare's figures); without it they say which extra to install. `cost` and `bench` need torch
+only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+
+__all__ = ["DELEGATED", "EXIT_STATUS", "SUBCOMMANDS", "build_parser", "main"]
+
+EXIT_STATUS = """exit status:
+  0    the run finished
+  1    stopped by the spike policy (a NaN/Inf or spiking loss); the last good checkpoint is kept
+  2    bad input: configuration, data, a corrupt or foreign checkpoint, out_dir in use by
+       another run, a missing extra
+  3    no space left on the device; a checkpoint written before is left intact
+  130  interrupted (Ctrl-C or SIGTERM) after writing a checkpoint of the last completed step"""
+
+# what each command imports beyond torch, and the extra that installs it
+_EXTRA_MODULES = {"train": ("numpy", "tqdm"), "compare": ("numpy", "tqdm", "matplotlib"),
+                  "generate": ("numpy", "tqdm")}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: `mhc train: error: ...`, exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class UsageError(Exception):
+    """Bad input found by a command; main prints it as one line and returns 2."""
+
+
+def _require_extra(command: str) -> None:
+    """UsageError naming the extra to install when a module the command needs is missing."""
+    for name in _EXTRA_MODULES.get(command, ()):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            raise UsageError(
+                f"{name} is not installed: mhc {command} needs the training extra, "
+                "pip install 'torch-mhc[train]'"
+            ) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# mhc train
+# ---------------------------------------------------------------------------------------------
+
+
+def _add_train(subparsers) -> None:
+    from torch_mhc.lm import config as _config
+
+    p = subparsers.add_parser(
+        "train", help="train the reference LM (residual, HC or mHC)",
+        description="Train the reference LM. Precedence: defaults < --config file < flags.\n"
+        "One run per --out-dir: a second one is refused while the first holds its lock.",
+        epilog=EXIT_STATUS, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", metavar="FILE.toml", help="TOML file of config keys")
+    _config.add_config_flags(p)
+    p.set_defaults(run=_run_train)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from torch_mhc.lm import config as _config
+
+    _require_extra("train")
+    from torch_mhc.lm.train import TrainConfig, train
+
+    cfg = _config.build_config(TrainConfig(), args.config, _config.flag_overrides(args))
+    _warn_warmup(cfg, "mhc train")
+    train(cfg)
+    return 0
+
+
+def _warn_warmup(cfg, prog: str) -> None:
+    """One warning line when the warmup never ends: the peak lr is then never reached."""
+    if cfg.warmup >= cfg.steps and _rank0():
+        print(f"{prog}: warning: warmup ({cfg.warmup}) >= steps ({cfg.steps}): the learning "
+              f"rate rises for the whole run and never reaches lr {cfg.lr}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------
+# mhc compare
+# ---------------------------------------------------------------------------------------------
+
+_COMPARE_EXCLUDED = {"out_dir", "resume", "overwrite", "residual"}
+
+
+def _add_compare(subparsers) -> None:
+    from torch_mhc.lm import config as _config
+
+    p = subparsers.add_parser(
+        "compare", help="train connection kinds alike (residual, HC, mHC, ...) and report",
+        description="Train connection kinds (default: the plain residual, HC and mHC) with the "
+        "same seed, data order and steps, on one or more seeds; write report.json, report.md "
+        "and PNG figures to --out. Precedence: preset < --config file < flags.",
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="folder for the report")
+    p.add_argument("--preset", default="default", choices=_compare_presets(),
+                   help="size of the comparison (default: default, about 6 min on 2 cores)")
+    p.add_argument("--config", metavar="FILE.toml", help="TOML file of config keys")
+    p.add_argument("--kinds", default="residual,hc,mhc", metavar="K1,K2,...",
+                   help="connection kinds to train, comma-separated (default: residual,hc,mhc; "
+                   "also mhc-lite, kromhc, mhc-static-res)")
+    p.add_argument("--seeds", type=int, default=1, metavar="K",
+                   help="train every kind on K seeds (seed .. seed+K-1, paired across kinds) "
+                   "and report mean +- sd and 95%% intervals of the differences to residual")
+    _config.add_config_flags(p, exclude=_COMPARE_EXCLUDED, preset_keys=_preset_keys())
+    p.set_defaults(run=_run_compare)
+
+
+def _compare_presets() -> list[str] | None:
+    """The preset names for --preset's choices; None (any name, checked later) when compare
+    cannot be imported without the train extra."""
+    try:
+        from torch_mhc.tools.compare.run import PRESETS
+    except ImportError:
+        return None
+    return sorted(PRESETS)
+
+
+def _preset_keys() -> set[str]:
+    """The config fields some preset sets (their help says "default: from --preset"); without
+    the train extra, every field (compare cannot run then anyway)."""
+    try:
+        from torch_mhc.tools.compare.run import PRESETS
+    except ImportError:
+        from torch_mhc.lm.config import _field_specs
+
+        return {name for name, _, _ in _field_specs(set())}
+    return {key for values in PRESETS.values() for key in values}
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from torch_mhc.lm import config as _config
+
+    _require_extra("compare")
+    from torch_mhc.lm.config import ConfigError
+    from torch_mhc.tools.compare.run import compare, preset_config, summary_table
+
+    base = preset_config(args.preset)
+    if args.config is not None:
+        values = _config.load_toml(args.config)
+        clash = sorted(_COMPARE_EXCLUDED & (set(values) | set(values.get("model", {}))))
+        if clash:
+            raise ConfigError(f"config file {args.config}: compare sets {clash} itself")
+    cfg = _config.build_config(base, args.config,
+                               _config.flag_overrides(args, exclude=_COMPARE_EXCLUDED))
+    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+    _warn_warmup(cfg, "mhc compare")
+    report = compare(args.out, preset=args.preset, config=cfg, kinds=kinds, seeds=args.seeds)
+    if not cfg.quiet and _rank0():
+        print(summary_table(report))
+        if args.seeds > 1:
+            from torch_mhc.tools.compare.seeds import seeds_table, significance_lines
+
+            print(seeds_table(report["variants"]))
+            print("\n".join(significance_lines(report["variants"])))
+        print(f"report: {args.out}/report.md ({report['wall_time_s']:.1f} s)")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# mhc generate
+# ---------------------------------------------------------------------------------------------
+
+
+def _add_generate(subparsers) -> None:
+    p = subparsers.add_parser(
+        "generate", help="sample text from a checkpoint",
+        description="Load a checkpoint written by `mhc train` / `mhc compare` and continue a "
+        "prompt, decoding with the KV cache unless --no-cache.",
+    )
+    p.add_argument("--checkpoint", required=True, metavar="PATH",
+                   help="a checkpoint folder, or a run folder holding one (ckpt/)")
+    p.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
+    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
+                   help="tokens (bytes) to generate after the prompt (default: 200)")
+    p.add_argument("--temperature", type=float, default=0.8, metavar="X",
+                   help="a finite number >= 0; 0 is greedy decoding (default: 0.8)")
+    p.add_argument("--top-k", type=int, default=None, metavar="K",
+                   help="sample from the K most likely tokens only (default: all of them)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the sampling (default: 0)")
+    p.add_argument("--device", default="auto",
+                   help="auto | cpu | cuda | cuda:N | mps (default: auto)")
+    p.add_argument("--no-cache", dest="use_cache", action="store_false",
+                   help="recompute the whole context every step instead of using the KV cache")
+    p.set_defaults(run=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    _require_extra("generate")
+    import torch
+
+    from torch_mhc.lm.data import decode, encode
+    from torch_mhc.lm.train import load_model, resolve_device
+
+    try:
+        device = resolve_device(args.device)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UsageError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if not args.prompt:
+        raise UsageError("--prompt must not be empty: the model needs a token to start from")
+    model = load_model(args.checkpoint, device,
+                       say=lambda message: print(message, file=sys.stderr, flush=True))
+    cfg = model.cfg
+    if args.top_k is not None and not 1 <= args.top_k <= cfg.vocab_size:
+        raise UsageError(f"--top-k must lie in [1, {cfg.vocab_size}], got {args.top_k}")
+    prompt = encode(args.prompt).to(device)[None]  # [1, T0]
+    t0 = prompt.shape[1]
+    if t0 > cfg.max_seq_len:
+        raise UsageError(f"the prompt is {t0} bytes, longer than the model allows "
+                         f"(max_seq_len {cfg.max_seq_len})")
+    needed = t0 + args.max_new_tokens - 1
+    if args.use_cache and needed > cfg.max_seq_len:
+        raise UsageError(
+            f"prompt ({t0} bytes) + max_new_tokens ({args.max_new_tokens}) - 1 = {needed} "
+            f"positions exceed the model's max_seq_len {cfg.max_seq_len}; ask for fewer "
+            f"tokens, or pass --no-cache (which slides the context window)"
+        )
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    start = time.perf_counter()
+    out = model.generate(prompt, args.max_new_tokens, temperature=args.temperature,
+                         top_k=args.top_k, use_cache=args.use_cache, generator=generator)
+    elapsed = time.perf_counter() - start
+    print(decode(out[0]))
+    print(f"[{args.max_new_tokens} tokens in {elapsed:.2f} s, "
+          f"{args.max_new_tokens / elapsed:,.0f} tokens/s, "
+          f"KV cache {'on' if args.use_cache else 'off'}, {cfg.residual}]", file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# mhc cost (delegated: torch_mhc.tools.cost.model parses its own command line)
+# ---------------------------------------------------------------------------------------------
+
+
+def _add_cost(subparsers) -> None:
+    subparsers.add_parser("cost", help="analytic cost model (see mhc cost --help)",
+                          add_help=False)
+
+
+def _run_cost(argv: list[str]) -> int:
+    from torch_mhc.tools.cost.model import cli_main
+
+    return cli_main(argv)
+
+
+def _add_bench(subparsers) -> None:
+    subparsers.add_parser("bench", help="benchmark suite (see mhc bench --help)",
+                          add_help=False)
+
+
+def _run_bench(argv: list[str]) -> int:
+    from torch_mhc.tools.bench.suite import bench_main
+
+    return bench_main(argv)
+
+
+SUBCOMMANDS: list[Callable] = [_add_train, _add_compare, _add_generate, _add_cost, _add_bench]
+DELEGATED: dict[str, Callable[[list[str]], int]] = {"cost": _run_cost, "bench": _run_bench}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="mhc", description="torch-mhc: residual, HC and mHC side by side.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in SUBCOMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `mhc`; returns the exit status (see EXIT_STATUS)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DELEGATED:
+        return DELEGATED[argv[0]](argv[1:])
+    parser = build_parser()
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2, already printed)
+        return e.code if isinstance(e.code, int) else 0
+    prog = f"mhc {args.command}"
+    if unknown:  # the subcommand's help lists its flags, the top level's does not
+        return _fail(prog, f"error: unrecognized arguments: {' '.join(unknown)} (see {prog} "
+                     "--help)", 2)
+    try:
+        return args.run(args)
+    except UsageError as e:
+        return _fail(prog, f"error: {_one_line(e)}", 2)
+    except KeyboardInterrupt as e:  # RunInterrupted says what was saved
+        return _fail(prog, _one_line(e) or "interrupted", 130)
+    except Exception as e:
+        return _known_error(prog, e)
+
+
+def _known_error(prog: str, e: Exception) -> int:
+    """One line and the exit status of an error the commands raise for the user; re-raise
+    anything else (a bug should show its traceback)."""
+    from torch_mhc.lm.train.errors import (
+        EXIT_BAD_INPUT,
+        EXIT_NO_SPACE,
+        EXIT_STOPPED,
+        CheckpointError,
+        ConfigError,
+        DiskFullError,
+        TrainingDiverged,
+    )
+
+    if isinstance(e, ConfigError):  # every rank has the same config: one rank says it
+        return _fail(prog, f"error: {_one_line(e)}", EXIT_BAD_INPUT, quiet=not _rank0())
+    if isinstance(e, CheckpointError):
+        return _fail(prog, f"error: {_one_line(e)}", EXIT_BAD_INPUT)
+    if isinstance(e, TrainingDiverged):
+        return _fail(prog, _one_line(e), EXIT_STOPPED)
+    if isinstance(e, DiskFullError):
+        return _fail(prog, f"error: {_one_line(e)}", EXIT_NO_SPACE)
+    if isinstance(e, OSError) and e.filename is not None:  # permissions, a vanished folder
+        return _fail(prog, f"error: {e.strerror}: {e.filename}", EXIT_BAD_INPUT)
+    raise e
+
+
+def _fail(prog: str, message: str, status: int, quiet: bool = False) -> int:
+    if not quiet:
+        print(f"{prog}: {message}", file=sys.stderr)
+    return status
+
+
+def _rank0() -> bool:
+    """False on the ranks > 0 of a torchrun launch (RANK, set before any process group)."""
+    try:
+        return int(os.environ.get("RANK", "0")) == 0
+    except ValueError:
+        return True
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+if __name__ == "__main__":  # python -m torch_mhc.tools.cli, as `mhc`
+    sys.exit(main())

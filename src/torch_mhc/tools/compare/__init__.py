@@ -1,0 +1,2 @@
+"""`mhc compare`: run (train every kind on the same batches), seeds (paired statistics over
+seeds), stats (Student's t without scipy), plots (the report's figures)."""

@@ -1,0 +1,519 @@
+"""`mhc compare`: connection kinds trained side by side, over one or more seeds, and their report.
+
+    report = compare("cmp/")                       # the "default" preset: residual, hc, mhc
+    report = compare("cmp/", preset="stress", steps=200)
+    report = compare("cmp/", kinds=("residual", "mhc", "mhc-lite"), seeds=3)
+
+The runs of one seed share everything except the connection: the seed (hence the same
+initial block weights: connections draw no random numbers), the same batches in the same
+order (the sampler is seeded alike), the same steps and schedule. HC and mHC carry the
+connection parameters on top of the residual model's; the report states every budget.
+With seeds=K every kind trains on seeds seed, seed+1, ..., seed+K-1 (paired: the same seed
+gives every kind the same blocks and batches), the report gives each kind's mean +- sd over
+seeds and its paired difference to the residual with a 95% t interval, saying which
+differences are significant (torch_mhc.tools.compare.seeds), and the loss plot shows the seed band.
+
+Written to out_dir (created if missing), each file atomically (temp file + rename):
+    report.json            one entry per variant (kind, val_loss, val_bpb, tokens_per_s,
+                           peak_mem_bytes, step_time_ratio, max_composite_gain_fwd/bwd,
+                           params, connection_params, histories) plus the configuration;
+                           strict JSON: a NaN or infinite figure (a stopped run's) is null
+    report.md              the same as a markdown table, with the configuration
+    loss_curves.png        training and validation loss of all three
+    grad_norm.png          gradient norm per step
+    composite_gain.png     composite forward / backward Amax gain versus depth, HC vs mHC
+    gain_over_training.png the largest composite gain at each measurement
+    health.png             stream similarity and H_res's distance from the identity against
+                           depth, per kind (final measurement, first seed)
+    <kind>/                each run's metrics.jsonl and final checkpoint (ckpt/);
+                           <kind>/seed<S>/ per seed when seeds > 1
+Running compare again on the same folder replaces all of these: the figures this run does
+not draw, the folders of kinds it does not train and the per-seed folders (or single-seed
+files) of another seed count are removed with the report. Files of other names are left.
+Under torchrun only rank 0 writes the report and prints.
+
+Presets (`PRESETS`):
+- "default": finishes on a 2-core CPU in about 6 minutes and every variant learns clearly
+  (validation about 2.6 bits per byte on the standard library source); see the README.
+- "tiny": seconds; for tests and smoke checks.
+- "stress": 24 blocks (48 sublayers) of width 64 at a high learning rate: the setting in
+  which the HC paper's unconstrained H_res maps compound, so HC's composite gain can grow by
+  orders of magnitude while mHC's doubly stochastic maps keep it near 1.
+- "shakespeare": nanoGPT's CPU recipe for a text file given with --data (tiny Shakespeare:
+  nanoGPT's residual model reaches about 1.88 nats there): 4 layers, 4 heads, width 128,
+  context 64, batch 12, 2000 steps, lr 1e-3 cosine to 1e-4 after 100 warmup steps, beta2
+  0.99, no dropout, the last 10% of the bytes held out. Bytes are characters for ASCII text.
+"default", "stress" and "shakespeare" run torch on one CPU thread (`threads = 1`;
+`--threads 0` restores torch's default). Their matrices are small: on an idle 2-core machine
+a second thread made a step only 1.3-1.8x faster, while on a machine shared with other work
+a two-thread step stalled whenever either thread lost its core, and whole comparisons took
+2-3x longer (9-17 minutes measured, against 5.6 on one thread).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from torch_mhc.connections.base import CONNECTION_KINDS
+from torch_mhc.lm import parallel as par
+from torch_mhc.lm.config import SEED_MAX
+from torch_mhc.lm.data import bits_per_byte
+from torch_mhc.lm.train import (
+    ConfigError,
+    TrainConfig,
+    TrainingDiverged,
+    TrainResult,
+    load_training_corpus,
+    train,
+)
+from torch_mhc.runtime.files import atomic_write
+from torch_mhc.tools.compare import plots
+from torch_mhc.tools.compare import seeds as compare_stats
+
+__all__ = ["DEFAULT_KINDS", "KINDS", "PRESETS", "compare", "preset_config", "write_report"]
+
+KINDS = CONNECTION_KINDS  # what compare accepts
+DEFAULT_KINDS = ("residual", "hc", "mhc")
+FIGURES = ("loss_curves.png", "grad_norm.png", "composite_gain.png", "gain_over_training.png",
+           "health.png")
+# what train writes into a run folder (out/<kind> with one seed)
+_RUN_FILES = ("metrics.jsonl", "ckpt", "ckpt.prev", "tb")
+
+PRESETS: dict[str, dict] = {
+    "tiny": {
+        "dim": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 32,
+        "seq_len": 32, "batch_size": 4, "steps": 20, "lr": 3e-3, "min_lr": 3e-4,
+        "warmup": 2, "eval_every": 10, "eval_batches": 2, "gain_every": 10,
+        "gain_batch_size": 2, "log_every": 5,
+    },
+    "default": {
+        "dim": 128, "n_layers": 4, "n_heads": 4, "max_seq_len": 128,
+        "seq_len": 128, "batch_size": 16, "steps": 400, "lr": 4e-3, "min_lr": 4e-4,
+        "warmup": 40, "eval_every": 100, "eval_batches": 10, "gain_every": 50,
+        "log_every": 10, "threads": 1,
+    },
+    "stress": {
+        "dim": 64, "n_layers": 24, "n_heads": 2, "max_seq_len": 64,
+        "seq_len": 64, "batch_size": 8, "steps": 500, "lr": 1e-2, "min_lr": 1e-3,
+        "warmup": 20, "eval_every": 100, "eval_batches": 5, "gain_every": 25,
+        "log_every": 10, "threads": 1,
+    },
+    "shakespeare": {
+        "dim": 128, "n_layers": 4, "n_heads": 4, "max_seq_len": 64,
+        "seq_len": 64, "batch_size": 12, "steps": 2000, "lr": 1e-3, "min_lr": 1e-4,
+        "warmup": 100, "beta2": 0.99, "val_fraction": 0.1, "eval_every": 500,
+        "eval_batches": 100, "gain_every": 250, "log_every": 50, "threads": 1,
+    },
+}
+
+
+def preset_config(preset: str) -> TrainConfig:
+    """TrainConfig defaults with the preset's values applied."""
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
+    return TrainConfig().updated(PRESETS[preset])
+
+
+def compare(out_dir: str | os.PathLike, preset: str = "default", *,
+            config: TrainConfig | None = None, kinds: tuple[str, ...] = DEFAULT_KINDS,
+            seeds: int = 1, **overrides) -> dict:
+    """Train each of `kinds` on `seeds` seeds with the same configuration and write the report
+    to out_dir.
+
+    config: the base configuration (its model.residual and seed are replaced per run); by
+    default the preset's, with `overrides` (TrainConfig or ModelConfig field names) applied.
+    Every run's configuration is validated and the corpus loaded before the first step.
+    Returns the report dict that report.json holds.
+    """
+    t_start = time.perf_counter()
+    out = Path(out_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} exists and is a file, expected a folder (or nothing)")
+    base = config if config is not None else preset_config(preset)
+    base = base.updated(overrides)
+    kinds = tuple(kinds)
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds or len(set(kinds)) != len(kinds):
+        raise ConfigError(f"kinds must be distinct names from {', '.join(KINDS)}; got "
+                          f"{', '.join(kinds) or 'none'}")
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise ConfigError(f"seeds must be an integer >= 1, got {seeds!r}")
+    if base.resume is not False:
+        raise ConfigError("compare starts fresh runs: resume is not supported")
+    if preset == "shakespeare" and base.data is None:
+        raise ConfigError("the shakespeare preset trains on a text file given with --data "
+                          "(for example tiny Shakespeare's input.txt); got no --data")
+    if base.seed + seeds - 1 > SEED_MAX:
+        raise ConfigError(f"seed + seeds - 1 must be <= {SEED_MAX} (the runs use seeds seed .. "
+                          f"seed + seeds - 1), got seed {base.seed} and seeds {seeds}")
+    models = {}
+    for kind in kinds:  # every kind checked before any training
+        try:
+            models[kind] = replace(base.model, residual=kind)
+        except ValueError as e:
+            raise ConfigError(f"kind {kind} cannot run with streams = {base.model.streams}: "
+                              f"{e}") from None
+    seed_list = [base.seed + s for s in range(seeds)]
+    configs = {
+        (kind, seed): replace(base, seed=seed, model=models[kind],
+                              out_dir=str(out / kind if seeds == 1 else
+                                          out / kind / f"seed{seed}"), overwrite=True)
+        for seed in seed_list for kind in kinds
+    }
+    for cfg in configs.values():
+        cfg.validate()
+    corpus = load_training_corpus(base)
+
+    # One throwaway step first, so that the one-time costs of a process (thread pools, kernel
+    # initialisation, lazily loaded libraries) land in none of the measured runs; and every
+    # page of the memory-mapped corpus read once, so that no run's peak RSS is charged for
+    # the pages its random batches happen to fault in first.
+    int(np.asarray(corpus.tokens[::4096], dtype=np.int64).sum())
+    try:
+        train(replace(configs[kinds[0], seed_list[0]], steps=1, warmup=0, out_dir=None,
+                      eval_batches=1, quiet=True, progress=False), corpus=corpus)
+    except TrainingDiverged:  # the measured run stops alike and is reported as stopped
+        pass
+    # seed by seed, every kind within a seed: an interrupted comparison holds whole pairs
+    results: dict[str, list[TrainResult]] = {kind: [] for kind in kinds}
+    for (kind, _), cfg in configs.items():
+        try:
+            results[kind].append(train(cfg, corpus=corpus))
+        except TrainingDiverged as e:  # a finding, not a failure: report what it reached
+            results[kind].append(e.result)
+    report = _report(base, preset_label(preset, base), results, corpus,
+                     time.perf_counter() - t_start)
+    if _rank0():
+        written = write_report(out, report, results)
+        remove_stale(out, kinds, seed_list, written)
+    return report
+
+
+def _rank0() -> bool:
+    """True on the process that writes: a single process, or rank 0 under torchrun (read
+    from the environment too, since train closes its process group when it returns)."""
+    try:
+        rank = int(os.environ.get("RANK", "0"))
+    except ValueError:
+        rank = 0
+    return rank == 0 and par.is_rank0()
+
+
+def remove_stale(out: Path, kinds: tuple[str, ...], seed_list: list[int],
+                 written: list[str]) -> None:
+    """Remove what an earlier comparison left in out that this one did not write: figures it
+    did not draw, folders of kinds it did not train, and in the kinds' folders the seed<S>
+    folders of other seeds (with one seed: every seed folder; with several: the files of a
+    single-seed run). Only names compare writes are touched."""
+    for name in FIGURES:
+        if name not in written:
+            (out / name).unlink(missing_ok=True)
+    for kind in KINDS:
+        folder = out / kind
+        if not folder.is_dir():
+            continue
+        if kind not in kinds:
+            shutil.rmtree(folder)
+            continue
+        keep = {f"seed{s}" for s in seed_list} if len(seed_list) > 1 else set()
+        for entry in folder.iterdir():
+            stale_seed = re.fullmatch(r"seed\d+", entry.name) and entry.name not in keep
+            stale_run = len(seed_list) > 1 and entry.name in _RUN_FILES
+            if stale_seed or stale_run:
+                if entry.is_dir():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+
+
+def preset_label(preset: str, base: TrainConfig) -> str:
+    """The preset's name, with ", modified" when base differs from it (shakespeare's --data,
+    which the preset requires, does not count)."""
+    if preset not in PRESETS:
+        return f"{preset}, modified"
+    ref = preset_config(preset)
+    if preset == "shakespeare":
+        ref = replace(ref, data=base.data)
+    return preset if base == ref else f"{preset}, modified"
+
+
+def _report(base: TrainConfig, preset: str, results: dict[str, list[TrainResult]], corpus,
+            wall_s: float) -> dict:
+    """Per kind: the first seed's run in full (speed, memory, gains, histories), the validation
+    figures averaged over seeds, the seed statistics and the final connection health."""
+    ref = results["residual"][0] if "residual" in results else None
+    seeds = len(next(iter(results.values())))
+    stats = compare_stats.seed_summary({
+        kind: [{"seed": base.seed + i, "val_loss": r.val_loss, "val_bpb": r.val_bpb}
+               for i, r in enumerate(runs)]
+        for kind, runs in results.items()})
+    variants = []
+    for kind, runs in results.items():
+        r = runs[0]
+        ratio = (r.step_time_median_s / ref.step_time_median_s
+                 if ref is not None and ref.step_time_median_s > 0 else None)
+        final = r.final_gains
+        variants.append({
+            "kind": kind,
+            "streams": 1 if kind == "residual" else base.model.streams,
+            "val_loss": r.val_loss,
+            "val_bpb": r.val_bpb,
+            "final_train_loss": r.final_loss,
+            "final_train_bpb": bits_per_byte(r.final_loss),
+            "tokens_per_s": r.tokens_per_s,
+            "tokens_per_s_median_step": base.batch_size * base.seq_len / r.step_time_median_s,
+            "step_time_median_s": r.step_time_median_s,
+            "step_time_ratio": ratio,
+            "peak_mem_bytes": r.peak_mem_bytes,
+            "peak_mem_kind": r.peak_mem_kind,
+            "max_composite_gain_fwd": _or_none(r.max_composite_gain_fwd),
+            "max_composite_gain_bwd": _or_none(r.max_composite_gain_bwd),
+            "final_composite_gain_fwd": final["max_composite_fwd"] if final else None,
+            "final_composite_gain_bwd": final["max_composite_bwd"] if final else None,
+            "params": r.params,
+            "connection_params": r.connection_params,
+            "extra_params_vs_residual": (r.params - ref.params) if ref is not None else None,
+            "steps_completed": r.steps,
+            "diverged": r.diverged,
+            "elapsed_s": r.elapsed_s,
+            "amp_dtype": r.amp_dtype,
+            "device": r.device,
+            "checkpoint": r.checkpoint,
+            "loss_history": r.loss_history,
+            "grad_norm_history": r.grad_norm_history,
+            "val_history": r.val_history,
+            "gain_history": [{"step": g["step"], "max_composite_fwd": g["max_composite_fwd"],
+                              "max_composite_bwd": g["max_composite_bwd"]}
+                             for g in r.gain_history],
+            "final_gains": final,
+            "health": compare_stats.health_summary(final),
+            **stats[kind],
+        })
+        if seeds > 1:
+            _average_over_seeds(variants[-1], runs, base.seed)
+    config = base.to_dict()
+    config["model"]["residual"] = "varies: " + ", ".join(results)
+    config["seed"] = f"{base.seed} to {base.seed + seeds - 1}" if seeds > 1 else base.seed
+    return {
+        "preset": preset,
+        "seeds": seeds,
+        "wall_time_s": wall_s,
+        "corpus": corpus.source_description,
+        "train_bytes": int(len(corpus.train)),
+        "val_bytes": int(len(corpus.val)),
+        "machine": {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+        },
+        "config": config,
+        "variants": variants,
+    }
+
+
+def _average_over_seeds(entry: dict, runs: list[TrainResult], first_seed: int) -> None:
+    """Validation and final training figures as means over seeds; each seed's run kept in
+    entry["seed_runs"] (for the seed band of the loss plot)."""
+    entry["val_loss"], entry["val_bpb"] = entry["val_loss_mean"], entry["val_bpb_mean"]
+    train_losses = [r.final_loss for r in runs]
+    entry["final_train_loss"] = sum(train_losses) / len(train_losses)
+    entry["final_train_bpb"] = bits_per_byte(entry["final_train_loss"])
+    entry["diverged"] = next((r.diverged for r in runs if r.diverged), None)
+    entry["seed_runs"] = [
+        {"seed": first_seed + i, "val_loss": r.val_loss, "val_bpb": r.val_bpb,
+         "final_train_loss": r.final_loss, "steps_completed": r.steps, "diverged": r.diverged,
+         "loss_history": r.loss_history, "val_history": r.val_history}
+        for i, r in enumerate(runs)]
+
+
+def _or_none(x: float) -> float | None:
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
+
+
+def write_report(out: Path, report: dict, results: dict[str, list[TrainResult]]) -> list[str]:
+    """report.json, report.md and the figures, each written atomically (gains and health:
+    the first seed's runs); returns the names of the figures written."""
+    out.mkdir(parents=True, exist_ok=True)
+    # Plots first, the report last: a report.json on disk means its figures are there too.
+    runs = {v["kind"]: v for v in report["variants"]}
+    figures = {"loss_curves.png": plots.loss_curves_png(runs),
+               "grad_norm.png": plots.grad_norm_png(runs)}
+    first = {k: rs[0] for k, rs in results.items()}
+    gains = {k: r.final_gains for k, r in first.items() if r.final_gains}
+    if gains:
+        figures["composite_gain.png"] = plots.composite_gain_png(gains)
+        figures["gain_over_training.png"] = plots.gain_over_training_png(
+            {k: r.gain_history for k, r in first.items() if r.gain_history})
+        healths = {k: g for k, g in gains.items() if "composite_health" in g}
+        if healths:
+            figures["health.png"] = plots.health_png(healths)
+    for name, png in figures.items():
+        atomic_write(out / name, png)
+    atomic_write(out / "report.md", format_markdown(report).encode("utf-8"))
+    # NaN/Inf (a stopped run's losses) as null: strict JSON, which every reader can parse
+    atomic_write(out / "report.json",
+                 (json.dumps(_json_safe(report), indent=1, allow_nan=False) + "\n").encode())
+    return list(figures)
+
+
+def _json_safe(x):
+    """x with every non-finite float replaced by None."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def _fmt(x, spec: str = ".4f", none: str = "n/a") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return none
+    return format(x, spec)
+
+
+def _fmt_gain(x) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    return f"{x:.2f}" if x < 1e3 else f"{x:.3g}"
+
+
+def summary_table(report: dict) -> str:
+    """The markdown table of the variants (also printed by `mhc compare`)."""
+    head = ("| variant | streams | params | connection params | val loss (nats) | val bpb | "
+            "train loss | tokens/s | tokens/s (median step) | step time (ms) | vs residual | "
+            "peak mem (MiB) | max composite gain fwd | bwd |")
+    rows = [head, "|" + "---|" * 14]
+    for v in report["variants"]:
+        name = v["kind"] + (" (stopped)" if v["diverged"] else "")
+        rows.append(
+            f"| {name} | {v['streams']} | {v['params']:,} | {v['connection_params']:,} | "
+            f"{_fmt(v['val_loss'])} | {_fmt(v['val_bpb'])} | {_fmt(v['final_train_loss'])} | "
+            f"{_fmt(v['tokens_per_s'], ',.0f')} | {_fmt(v['tokens_per_s_median_step'], ',.0f')} | "
+            f"{_fmt(v['step_time_median_s'] * 1e3, '.1f')} | "
+            f"{_fmt(v['step_time_ratio'], '.2f')}x | {v['peak_mem_bytes'] / 2**20:.1f} | "
+            f"{_fmt_gain(v['max_composite_gain_fwd'])} | {_fmt_gain(v['max_composite_gain_bwd'])} |"
+        )
+    return "\n".join(rows)
+
+
+def format_markdown(report: dict) -> str:
+    """report.md: the table, what each column measures, the budgets and the configuration."""
+    cfg = report["config"]
+    variants = report["variants"]
+    lines = [
+        f"# mhc compare: {' vs '.join(v['kind'] for v in variants)} (preset {report['preset']}"
+        + (f", {report['seeds']} seeds)" if report.get("seeds", 1) > 1 else ")"),
+        "",
+        summary_table(report),
+        "",
+        f"Wall time of the whole comparison: {report['wall_time_s']:.1f} s. "
+        f"Corpus: {report['corpus']} ({report['train_bytes']:,} training bytes, "
+        f"{report['val_bytes']:,} validation bytes).",
+        "",
+        "Columns: validation loss is the mean cross-entropy over the same fixed validation "
+        "windows for every variant, in nats and in bits per byte (one token is one byte); "
+        "train loss is the mean over the last 20 steps. Tokens/s, its value at the median "
+        "step time, and the step time count training steps only (no evaluation, gain "
+        "measurement or checkpoint); on a machine shared with other work the median is the "
+        "steadier figure, and 'vs residual' is the ratio of medians. Peak memory: "
+        f"{variants[0]['peak_mem_kind']}. The composite gain is the Amax gain magnitude of "
+        "H_res_l ... H_res_1 (forward: largest absolute row sum; backward: largest absolute "
+        "column sum), worst token, deepest product, worst measurement during training, "
+        f"measured every {cfg['gain_every']} steps on a fixed validation batch; the plain "
+        "residual has no H_res (n/a)."
+        + (f" With {report['seeds']} seeds the validation and train losses are means over "
+           "seeds and everything else is the first seed's run." if report.get("seeds", 1) > 1
+           else ""),
+        "",
+        *_seeds_and_health_md(report),
+        "## Parameter budgets",
+        "",
+    ]
+    ref = next((v for v in variants if v["kind"] == "residual"), None)
+    for v in variants:
+        extra = ""
+        if ref is not None and v is not ref:
+            extra = (f": {v['extra_params_vs_residual']:+,} parameters vs the residual model "
+                     f"({100 * v['extra_params_vs_residual'] / ref['params']:+.2f}%)")
+        lines.append(f"- {v['kind']}: {v['params']:,} parameters, of which "
+                     f"{v['connection_params']:,} in the connections{extra}.")
+    lines += [
+        "",
+        "All variants share the blocks (embedding, attention, MLP, norms) at the same width "
+        "and depth and start from the same block weights; HC and mHC add only their "
+        "connection parameters, so the budgets are not equalised.",
+        "",
+    ]
+    stopped = [v for v in variants if v["diverged"]]
+    if stopped:
+        lines += ["## Stopped runs", ""]
+        lines += [f"- {v['kind']}: {v['diverged']}" for v in stopped]
+        lines.append("")
+    lines += ["## Configuration", "", "| key | value |", "|---|---|"]
+    for key, value in cfg["model"].items():
+        lines.append(f"| model.{key} | {value} |")
+    for key, value in cfg.items():
+        if key != "model":
+            lines.append(f"| {key} | {value} |")
+    m = report["machine"]
+    lines += [
+        "",
+        f"Machine: {m['platform']}, {m['cpu_count']} CPUs, torch {m['torch']} with "
+        f"{m['torch_threads']} threads, Python {m['python']}; device {variants[0]['device']}, "
+        f"{variants[0]['amp_dtype']}.",
+        "",
+        "## Figures",
+        "",
+        "![loss](loss_curves.png)",
+        "",
+        "![gradient norm](grad_norm.png)",
+        "",
+    ]
+    if any(v["final_gains"] for v in variants):
+        lines += ["![composite gain versus depth](composite_gain.png)", "",
+                  "![composite gain during training](gain_over_training.png)", ""]
+    if any(v.get("health") for v in variants):
+        lines += ["![connection health versus depth](health.png)", ""]
+    return "\n".join(lines)
+
+
+def _seeds_and_health_md(report: dict) -> list[str]:
+    """The seed statistics (with the verdicts in words) and the connection-health table."""
+    variants, seeds = report["variants"], report.get("seeds", 1)
+    lines = ["## Seeds and significance", "",
+             compare_stats.seeds_table(variants), "",
+             f"Mean ± sample standard deviation over {seeds} seed(s); Δ is each kind's "
+             "validation figure minus the residual's on the same seed (same initial blocks, same "
+             "batches), averaged over seeds, with a 95% confidence interval from Student's t "
+             f"with {seeds - 1} degrees of freedom; significant when the interval excludes 0.",
+             "", *compare_stats.significance_lines(variants), ""]
+    if any(v.get("health") for v in variants):
+        lines += ["## Connection health (final measurement, first seed)", "",
+                  compare_stats.health_table(variants), "",
+                  "Composite: the product H_res_L ... H_res_1 over all sublayers. Column sums "
+                  "(rows are exact for every kind with a doubly stochastic H_res; a column sum "
+                  "far from 1 starves or floods a stream's gradient), the Frobenius distance "
+                  "of the composite from the identity and from the uniform matrix J/n (0: "
+                  "every stream the mean of all, the streams' collapse), the mean pairwise "
+                  "cosine of the streams entering the last sublayer (1: copies), the largest "
+                  "range (max - min per token) of the logits H_res exponentiates (mHC: "
+                  "Sinkhorn's; mHC-lite: the permutation softmax's) and the share of them whose "
+                  "exp underflows to 0 in float32, and the mean read and write weights "
+                  "H_pre and H_post. Per-layer figures are in report.json and in every run's "
+                  "metrics.jsonl.", ""]
+    return lines

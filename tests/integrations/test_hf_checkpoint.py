@@ -1,0 +1,331 @@
+"""torch_mhc.hf.save_pretrained / from_pretrained: what a save leaves in its folder, the
+connections' own file, the model class, device maps and bad input.
+
+Tiny models (hidden 32, 2 layers) with random weights drawn at initializer_range 0.2 and
+perturbed connections, so that a wrong or missing tensor shows in the logits; nothing is
+downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import torch_mhc.hf as mhc_hf  # noqa: E402
+from tests.helpers.hf_cases import COMMON  # noqa: E402
+from tests.helpers.hf_cases import batch as _batch  # noqa: E402
+from tests.helpers.hf_cases import logits as _logits  # noqa: E402
+from tests.helpers.hf_cases import perturb_connections as _perturb_connections  # noqa: E402
+from torch_mhc.integrations.hf.checkpoint import CONNECTIONS_FILE  # noqa: E402
+
+
+def _converted(cls=transformers.LlamaForCausalLM, config=None, seed: int = 0, streams: int = 3):
+    torch.manual_seed(seed)
+    model = cls(config or transformers.LlamaConfig(**COMMON)).eval()
+    mhc_hf.convert(model, "mhc", streams=streams)
+    _perturb_connections(model)
+    return model
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+
+def _keys(file: Path) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as st:
+        return set(st.keys())
+
+
+# ------------------------------------------------------------------------------------------
+# What a save leaves in its folder
+
+
+def test_save_keeps_other_files_and_removes_stale_weights(tmp_path):
+    model = _converted()
+    ids, mask = _batch()
+    ref = _logits(model, ids, mask)
+    folder = tmp_path / "ckpt"
+    mhc_hf.save_pretrained(model, folder, max_shard_size="20KB")
+    shards = sorted(p.name for p in folder.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (folder / "model.safetensors.index.json").is_file()
+    (folder / "tokenizer.json").write_text('{"version": "1.0"}')
+    (folder / "README.md").write_text("# my model\n")
+    (folder / "notes").mkdir()
+    (folder / "notes" / "run.txt").write_text("lr 1e-4\n")
+
+    assert mhc_hf.save_pretrained(model, folder) == folder  # one file now: the shards go
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "README.md", "config.json", "generation_config.json", CONNECTIONS_FILE,
+        "model.safetensors", "notes", "tokenizer.json"]
+    assert (folder / "tokenizer.json").read_text() == '{"version": "1.0"}'
+    assert (folder / "README.md").read_text() == "# my model\n"
+    assert (folder / "notes" / "run.txt").read_text() == "lr 1e-4\n"
+    assert torch.equal(_logits(mhc_hf.from_pretrained(folder), ids, mask), ref)
+
+
+def test_new_folder_gets_the_usual_permissions(tmp_path):
+    umask = os.umask(0o022)
+    try:
+        folder = mhc_hf.save_pretrained(_converted(), tmp_path / "runs" / "ckpt")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o755
+    assert stat.S_IMODE((folder / CONNECTIONS_FILE).stat().st_mode) == 0o644
+    assert stat.S_IMODE((folder / "model.safetensors").stat().st_mode) == 0o644
+
+
+def test_save_into_the_working_directory_and_relative_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('train')\n")
+    model = _converted()
+    ids, mask = _batch()
+    ref = _logits(model, ids, mask)
+
+    assert mhc_hf.save_pretrained(model, ".") == Path(".")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "config.json", "generation_config.json", CONNECTIONS_FILE, "model.safetensors",
+        "train.py"]  # no temporary folder left, the user's file kept
+    assert (tmp_path / "train.py").read_text() == "print('train')\n"
+    assert torch.equal(_logits(mhc_hf.from_pretrained("."), ids, mask), ref)
+
+    mhc_hf.save_pretrained(model, "runs/ckpt")
+    assert torch.equal(_logits(mhc_hf.from_pretrained("runs/ckpt"), ids, mask), ref)
+
+
+def test_failed_save_changes_nothing(tmp_path, monkeypatch):
+    model = _converted()
+    folder = mhc_hf.save_pretrained(model, tmp_path / "ckpt")
+    (folder / "tokenizer.json").write_text("{}")
+    before = _files(folder)
+
+    def broken(path, **kwargs):
+        (Path(path) / "config.json").write_text("{half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(model, "save_pretrained", broken)
+    with pytest.raises(OSError, match="disk full"):
+        mhc_hf.save_pretrained(model, folder)
+    assert _files(folder) == before
+    assert sorted(p.name for p in folder.iterdir()) == sorted(before)  # no temporary folder
+    with pytest.raises(OSError, match="disk full"):
+        mhc_hf.save_pretrained(model, tmp_path / "new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # the new folder is gone
+
+
+def test_failure_among_the_renames_leaves_whole_files(tmp_path, monkeypatch):
+    """A failure while the files are renamed into place (what a crash at that moment would
+    leave): each file is the old one or the new one, complete, and no temporary folder stays."""
+    model = _converted()
+    folder = mhc_hf.save_pretrained(model, tmp_path / "ckpt")
+    old = _files(folder)
+    _perturb_connections(model, seed=9)
+    new = _files(mhc_hf.save_pretrained(model, tmp_path / "reference"))
+    assert old[CONNECTIONS_FILE] != new[CONNECTIONS_FILE]
+
+    replace, calls = os.replace, []
+
+    def replace_once(src, dst):
+        if Path(dst).parent == folder:  # the renames into the checkpoint folder
+            calls.append(dst)
+        if len(calls) == 2:
+            raise OSError("interrupted")
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace_once)
+    with pytest.raises(OSError, match="interrupted"):
+        mhc_hf.save_pretrained(model, folder)
+    monkeypatch.undo()
+    now = _files(folder)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(old)
+    renamed = Path(calls[0]).name  # the one rename before the failure
+    assert now[renamed] == new[renamed]
+    assert all(now[name] == old[name] for name in now if name != renamed)
+
+
+def test_save_checks_the_keys_written(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    model = _converted()
+    folder = mhc_hf.save_pretrained(model, tmp_path / "ckpt")
+    before = _files(folder)
+    save_file = safetensors.torch.save_file
+
+    def dropping(tensors, filename, metadata=None):  # a writer that loses a tensor
+        if filename.endswith(CONNECTIONS_FILE):
+            tensors = {k: v for k, v in tensors.items() if k != "model.layers.1.mhc_mlp.phi"}
+        save_file(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", dropping)
+    with pytest.raises(ValueError, match=r"mhc_connections.safetensors was written without the "
+                                         r"connection tensors \['model.layers.1.mhc_mlp.phi'\]"):
+        mhc_hf.save_pretrained(model, folder)
+    assert _files(folder) == before
+
+
+# ------------------------------------------------------------------------------------------
+# The connections' own file
+
+
+def test_mixtral_round_trip(tmp_path):
+    """transformers renames Mixtral's keys on save with `.mlp.` -> `.block_sparse_moe.`, a
+    pattern that also matches `_mlp.` in the connections' keys."""
+    config = transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2)
+    model = _converted(transformers.MixtralForCausalLM, config)
+    ids, mask = _batch()
+    ref = _logits(model, ids, mask)
+    folder = mhc_hf.save_pretrained(model, tmp_path / "mixtral")
+
+    connection_keys = {k for k in model.state_dict() if ".mhc_" in k}
+    assert len(connection_keys) > 0
+    assert _keys(folder / CONNECTIONS_FILE) == connection_keys
+    assert not any("mhc" in k for k in _keys(folder / "model.safetensors"))
+    loaded = mhc_hf.from_pretrained(folder)
+    assert type(loaded) is type(model)
+    assert torch.equal(_logits(loaded, ids, mask), ref)
+
+
+def test_earlier_format_still_loads(tmp_path):
+    """Checkpoints whose connection tensors are in transformers' weight files (what
+    model.save_pretrained writes for a converted model), one file or sharded."""
+    model = _converted()
+    ids, mask = _batch()
+    ref = _logits(model, ids, mask)
+    for name, kwargs in (("single", {}), ("sharded", {"max_shard_size": "20KB"})):
+        model.save_pretrained(tmp_path / name, **kwargs)
+        assert not (tmp_path / name / CONNECTIONS_FILE).exists()
+        assert torch.equal(_logits(mhc_hf.from_pretrained(tmp_path / name), ids, mask), ref)
+
+
+# ------------------------------------------------------------------------------------------
+# The model class
+
+
+def test_model_class_comes_from_the_config(tmp_path):
+    ids, mask = _batch()
+    config = transformers.LlamaConfig(**COMMON, num_labels=3)
+    classifier = _converted(transformers.LlamaForSequenceClassification, config)
+    ref = _logits(classifier, ids, mask)
+    loaded = mhc_hf.from_pretrained(mhc_hf.save_pretrained(classifier, tmp_path / "cls"))
+    assert type(loaded) is transformers.LlamaForSequenceClassification
+    assert torch.equal(_logits(loaded, ids, mask), ref)  # the trained head, not a new one
+
+    base = _converted(transformers.LlamaModel)
+    with torch.no_grad():
+        ref = base(ids, attention_mask=mask).last_hidden_state
+    loaded = mhc_hf.from_pretrained(mhc_hf.save_pretrained(base, tmp_path / "base"))
+    assert type(loaded) is transformers.LlamaModel
+    with torch.no_grad():
+        assert torch.equal(loaded(ids, attention_mask=mask).last_hidden_state, ref)
+
+    config_file = tmp_path / "cls" / "config.json"
+    for architectures in (["NoSuchModelForCausalLM"], None):
+        config = json.loads(config_file.read_text())
+        config["architectures"] = architectures
+        config_file.write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=r"expected 'architectures' to name the transformers"
+                                             r" model class .*, got "
+                                             + (r"\['NoSuchModelForCausalLM'\]" if architectures
+                                                else r"\[\]")):
+            mhc_hf.from_pretrained(tmp_path / "cls")
+
+
+# ------------------------------------------------------------------------------------------
+# Device maps
+
+
+def test_single_device_maps_load_and_offloading_maps_are_refused(tmp_path):
+    accelerate = pytest.importorskip("accelerate")
+    model = _converted()
+    ids, mask = _batch()
+    ref = _logits(model, ids, mask)
+    folder = mhc_hf.save_pretrained(model, tmp_path / "ckpt")
+    for device_map in ("cpu", {"": "cpu"}):
+        loaded = mhc_hf.from_pretrained(folder, device_map=device_map)
+        assert torch.equal(_logits(loaded, ids, mask), ref), device_map
+
+    # transformers would place the layers on disk behind accelerate hooks
+    with pytest.raises(ValueError, match=r"loads a converted model onto one device; "
+                                         r"device_map='auto' places it on \['disk'\] with "
+                                         r"accelerate hooks.*then dispatch the converted model"):
+        mhc_hf.from_pretrained(folder, device_map="auto", max_memory={"cpu": "30KB"},
+                               offload_folder=tmp_path / "offload")
+    spread = {"model.embed_tokens": "cpu", "model.layers": "disk", "model.norm": "cpu",
+              "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    with pytest.raises(ValueError, match=r"places it on \['cpu', 'disk'\]"):
+        mhc_hf.from_pretrained(folder, device_map=spread, offload_folder=tmp_path / "offload")
+
+    # what the error advises: load onto one device, then dispatch the converted model
+    loaded = mhc_hf.from_pretrained(folder)
+    device_map = accelerate.infer_auto_device_map(
+        loaded, max_memory={"cpu": "100KB"},
+        no_split_module_classes=list(loaded._no_split_modules))
+    assert set(device_map.values()) == {"cpu", "disk"}
+    accelerate.dispatch_model(loaded, device_map, offload_dir=str(tmp_path / "offload2"))
+    assert torch.equal(_logits(loaded, ids, mask), ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_single_gpu_device_maps(tmp_path):
+    model = _converted()
+    folder = mhc_hf.save_pretrained(model, tmp_path / "ckpt")
+    ids, mask = (t.cuda() for t in _batch())
+    ref = _logits(model.cuda(), ids, mask)  # the same model on the same device
+    for device_map in ("cuda:0", {"": 0}, "auto"):
+        loaded = mhc_hf.from_pretrained(folder, device_map=device_map)
+        assert loaded.model.layers[0].mhc_attn.phi.device.type == "cuda"
+        assert torch.equal(_logits(loaded, ids, mask), ref), device_map
+
+
+# ------------------------------------------------------------------------------------------
+# Bad input
+
+
+def test_missing_folder_and_bad_arguments(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nope: no such folder; from_pretrained expects a"
+                                                r" local folder written by torch_mhc.hf.save_"):
+        mhc_hf.from_pretrained(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"empty has no config.json \(it holds \[\]\)"):
+        mhc_hf.from_pretrained(tmp_path / "empty")
+    folder = mhc_hf.save_pretrained(_converted(), tmp_path / "ckpt")
+    with pytest.raises(TypeError, match=r"takes no config=: the config is read from the "
+                                        r"checkpoint's config.json"):
+        mhc_hf.from_pretrained(folder, config=transformers.LlamaConfig(**COMMON))
+
+    # config attributes as keyword arguments reach the config, as in transformers
+    loaded = mhc_hf.from_pretrained(folder, output_hidden_states=True)
+    ids, mask = _batch()
+    with torch.no_grad():
+        assert len(loaded(ids, attention_mask=mask).hidden_states) == 3  # embeddings + 2 layers
+    with pytest.raises(ValueError, match="does not push"):
+        mhc_hf.save_pretrained(loaded, tmp_path / "pushed", push_to_hub=True)
+
+
+@pytest.mark.parametrize("record", ["mhc", {"streams": 3, "options": {}},
+                                    {"kind": "mhc", "streams": "3"},
+                                    {"kind": "mhc", "streams": 3, "options": [1]}])
+def test_damaged_conversion_record(tmp_path, record):
+    folder = mhc_hf.save_pretrained(_converted(), tmp_path / "ckpt")
+    config = json.loads((folder / "config.json").read_text())
+    config["mhc_conversion"] = record
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config.json: 'mhc_conversion' is damaged: expected "
+                                         r"\{'kind': str, 'streams': int, 'options': dict\}"):
+        mhc_hf.from_pretrained(folder)
+
+
+def test_unreadable_connection_file(tmp_path):
+    folder = mhc_hf.save_pretrained(_converted(), tmp_path / "ckpt")
+    (folder / CONNECTIONS_FILE).write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match=r"mhc_connections.safetensors: expected a safetensors "
+                                         r"file, cannot read it"):
+        mhc_hf.from_pretrained(folder)

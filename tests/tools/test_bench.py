@@ -1,0 +1,236 @@
+"""The benchmark suite: its plumbing, and the values it reports that do not depend on timing.
+
+No timing thresholds: timed figures are only checked to be positive and consistent (the
+baseline's ratio is exactly 1, shared measurements agree).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from torch_mhc.tools.bench import suite as bench
+from torch_mhc.tools.bench.suite import bench_main, saved_bytes, summarize, time_interleaved
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "out.json"
+    assert bench_main(["--quick", "--threads", "1", "--clock", "process", "--json",
+                       str(path)]) == 0
+    files = sorted(p.name for p in path.parent.iterdir())
+    assert files == ["out.json"], files  # the atomic write leaves no temporary file behind
+    return json.loads(path.read_text())
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing and counting helpers
+
+
+def test_time_interleaved_runs_round_robin_after_warmup():
+    calls = []
+    steps = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    times = time_interleaved(steps, repeats=3, warmup=2, clock="process")
+    assert calls == ["a", "b"] * 5
+    assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3}
+    assert all(t >= 0 for ts in times.values() for t in ts)
+    with pytest.raises(ValueError, match="clock must be one of"):
+        time_interleaved(steps, 1, clock="cpu")
+    with pytest.raises(ValueError, match="repeats must be an integer >= 1, got 0"):
+        time_interleaved(steps, 0)
+
+
+def test_summarize_medians_and_per_round_ratios():
+    s = summarize({"base": [1.0, 2.0, 4.0], "x": [2.0, 6.0, 4.0]}, "base")
+    assert s["base"]["ratio"] == 1.0
+    assert (s["base"]["ratio_min"], s["base"]["ratio_max"]) == (1.0, 1.0)
+    assert s["x"]["median_ms"] == 4.0 and s["x"]["ratio"] == 2.0  # 4 / 2
+    assert (s["x"]["ratio_min"], s["x"]["ratio_max"]) == (1.0, 3.0)  # 2/1, 6/2, 4/4
+    assert (s["x"]["min_ms"], s["x"]["max_ms"]) == (2.0, 6.0)
+    with pytest.raises(ValueError, match="baseline 'y' is not among"):
+        summarize({"x": [1.0]}, "y")
+
+
+def test_saved_bytes_counts_distinct_storages_and_excludes():
+    x = torch.randn(5, 7, requires_grad=True)
+    w = torch.randn(7, requires_grad=True)
+    nbytes, out = saved_bytes(lambda: x * w)  # mul saves both operands
+    assert nbytes == (5 * 7 + 7) * 4 and out.shape == (5, 7)
+    assert saved_bytes(lambda: x * w, exclude=[w])[0] == 5 * 7 * 4
+    assert saved_bytes(lambda: x * x)[0] == 5 * 7 * 4  # one storage saved twice counts once
+    assert saved_bytes(lambda: x + w)[0] == 0  # add saves nothing
+
+
+def test_lucidrains_model_reuses_the_residual_lm_blocks():
+    pytest.importorskip("hyper_connections")
+    ours = bench.build_model("residual", 32, 2, 4, 16)
+    theirs = bench.build_model("lucidrains_mhc", 32, 2, 4, 16)
+    # Same seed, same construction order: the wrapped branches hold the residual LM's weights.
+    for i, block in enumerate(ours.blocks):
+        for mine, wrapped in ((block.attn.branch, theirs.attn[i].branch),
+                              (block.mlp.branch, theirs.mlp[i].branch)):
+            for (name, p), (name2, q) in zip(mine.named_parameters(),
+                                             wrapped.named_parameters(), strict=True):
+                assert name == name2
+                torch.testing.assert_close(q, p, rtol=0, atol=0)
+    torch.testing.assert_close(theirs.tok_emb.weight, ours.tok_emb.weight, rtol=0, atol=0)
+    # It trains: every parameter, the wrappers' own included, receives a gradient.
+    idx = bench.random_tokens(2, 17)
+    bench.train_step(theirs, idx)()  # runs, drops the gradients
+    _, loss = theirs(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    assert all(p.grad is not None for p in theirs.parameters())
+
+
+# ---------------------------------------------------------------------------------------------
+# The quick suite
+
+
+def test_quick_report_has_every_benchmark(quick_report):
+    assert list(quick_report["benchmarks"]) == list(bench.BENCHMARKS)
+    meta = quick_report["meta"]
+    assert meta["threads"] == 1 and meta["clock"] == "process" and meta["quick"] is True
+
+
+def _positive_ratios(entries: dict, baseline: str):
+    assert entries[baseline]["ratio"] == 1.0  # exactly: its median over itself
+    for name, e in entries.items():
+        assert e["ratio"] > 0 and e["median_ms"] > 0, name
+        assert e["min_ms"] <= e["median_ms"] <= e["max_ms"], name
+        assert e["ratio_min"] <= e["ratio_max"], name
+
+
+def test_quick_step_and_hyper_connections(quick_report):
+    pytest.importorskip("hyper_connections")
+    b = quick_report["benchmarks"]
+    step, hc = b["step"], b["hyper_connections"]
+    assert step["config"]["optimizer"] == "excluded"
+    for res in step["results"]:
+        assert list(res["entries"]) == ["residual", "hc", "mhc"]
+        _positive_ratios(res["entries"], "residual")
+    assert hc["config"]["hyper_connections_version"]
+    for res, res_step in zip(hc["results"], step["results"], strict=True):
+        assert list(res["entries"]) == ["residual", "mhc", "lucidrains_mhc"]
+        _positive_ratios(res["entries"], "residual")
+        # One shared measurement: the residual and our mHC are the very same runs.
+        assert res["entries"]["mhc"] == res_step["entries"]["mhc"]
+
+
+def test_quick_saved_bytes_match_what_recomputation_keeps(quick_report):
+    s = quick_report["benchmarks"]["saved"]
+    cfg, e = s["config"], s["entries"]
+    assert e["residual"]["ratio"] == 1.0
+    assert e["mhc+recompute"]["bytes_per_token_per_connection"] < e["mhc"][
+        "bytes_per_token_per_connection"
+    ]
+    # With recomputation the connections' own saves are replaced by what the groups keep:
+    # the group input (n C per group) and every branch output (C per connection), so the
+    # excess over the residual is (groups * n + L) * C * 4 bytes over L connections.
+    n, c, conns = cfg["streams"], cfg["dim"], cfg["connections"]
+    residual = e["residual"]["bytes_per_token_per_connection"]
+    for k, entry in s["mhc_recompute_by_interval"].items():
+        groups = math.ceil(conns / int(k))
+        want = residual + (groups * n + conns) * c * 4 / conns
+        assert entry["bytes_per_token_per_connection"] == pytest.approx(want, rel=1e-12), k
+    opt = s["mhc_recompute_by_interval"][str(cfg["recompute_interval"])]
+    assert opt["bytes_per_token_per_connection"] == e["mhc+recompute"][
+        "bytes_per_token_per_connection"
+    ]
+
+
+def test_quick_sinkhorn_agrees_and_saves_only_the_logits(quick_report):
+    s = quick_report["benchmarks"]["sinkhorn"]
+    for res in s["results"]:
+        t, n, _ = res["shape"]
+        e = res["entries"]
+        _positive_ratios(e, "unrolled")
+        for name in ("sinkhorn", "ops.cpu"):
+            assert e[name]["max_abs_diff"] < 1e-5, name
+            assert e[name]["saved_bytes"] == t * n * n * 4, name  # the fp32 logits, once
+        # The unrolled loop keeps every iterate: 20 iterations, several [T, n, n] each.
+        assert e["unrolled"]["saved_bytes"] > 20 * t * n * n * 4
+
+
+def test_quick_decode(quick_report):
+    d = quick_report["benchmarks"]["decode"]
+    assert [r["batch"] for r in d["results"]] == [1, 2]
+    for res in d["results"]:
+        e = res["entries"]
+        _positive_ratios(e, "residual")
+        assert e["residual"]["tokens_per_s_ratio"] == 1.0
+        for v in ("residual", "hc", "mhc"):
+            assert e[v]["tokens_per_s"] > 0 and e[v]["prefill_median_ms"] > 0
+            want = res["batch"] * d["config"]["new_tokens"] / e[v]["median_ms"] * 1e3
+            assert e[v]["tokens_per_s"] == pytest.approx(want, rel=1e-12)
+
+
+def test_saved_bytes_are_deterministic_across_calls(quick_report, capsys):
+    # A second call, JSON on stdout this time (followed by the markdown tables).
+    assert bench_main(["--quick", "--only", "saved,sinkhorn"]) == 0
+    out = capsys.readouterr().out
+    report, end = json.JSONDecoder().raw_decode(out)
+    assert "### saved" in out[end:] and "### sinkhorn" in out[end:]
+    assert list(report["benchmarks"]) == ["saved", "sinkhorn"]
+    first = quick_report["benchmarks"]
+    assert report["benchmarks"]["saved"]["entries"] == first["saved"]["entries"]
+    for a, b in zip(report["benchmarks"]["sinkhorn"]["results"], first["sinkhorn"]["results"],
+                    strict=True):
+        assert ({k: v["saved_bytes"] for k, v in a["entries"].items()}
+                == {k: v["saved_bytes"] for k, v in b["entries"].items()})
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input and the optional dependency
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--only", "step,nope"], "unknown benchmark(s) ['nope']"),
+    (["--sizes", "256,x"], "comma-separated integers"),
+    (["--sizes", "0"], "integers >= 1"),
+    (["--repeats", "0"], "integer >= 1"),
+    (["--impl", "gpu"], "unknown op implementation 'gpu'"),
+    (["--streams", "1"], "--streams must be >= 2"),
+])
+def test_bad_arguments_exit_2_with_a_message(argv, needle, capsys):
+    assert bench_main(["--quick", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_hyper_connections_skipped_when_missing(monkeypatch, capsys):
+    monkeypatch.setattr(bench, "_hyper_connections_version", lambda: None)
+    assert bench_main(["--quick", "--only", "hyper_connections"]) == 0
+    out = capsys.readouterr().out
+    report, end = json.JSONDecoder().raw_decode(out)
+    skipped = report["benchmarks"]["hyper_connections"]["skipped"]
+    assert "pip install 'torch-mhc[bench]'" in skipped
+    assert "Skipped:" in out[end:]
+
+
+def test_native_kernels_script_subtracts_the_eviction_time(capsys):
+    """benchmarks/bench_native_kernels.py --evict: each kernel's figure minus the timed
+    eviction alone, and every kernel of the table present."""
+    import importlib.util
+    from pathlib import Path
+
+    from torch_mhc.ops.cpu import native
+
+    if native.load() is None:
+        pytest.skip("native CPU library unavailable")
+    path = Path(__file__).parents[2] / "benchmarks" / "bench_native_kernels.py"
+    spec = importlib.util.spec_from_file_location("bench_native_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--tokens", "32", "--dim", "16", "--repeats", "1", "--evict", "1"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out[: out.index("\n| kernel")])
+    evict = result["median_ms"].pop("writing the eviction buffer alone")
+    minus = result["median_minus_eviction_ms"]
+    assert set(minus) == set(result["median_ms"]) and "maps_bwd (+ aggregation, linked)" in minus
+    for name, ms in result["median_ms"].items():
+        assert minus[name] == pytest.approx(ms - evict)
+    with pytest.raises(SystemExit):
+        module.main(["--evict", "-1"])

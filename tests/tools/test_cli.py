@@ -1,0 +1,260 @@
+"""Tests of the `mhc` command: flags, TOML config and precedence, generation, bad input."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from torch_mhc.lm.config import build_config, load_toml
+from torch_mhc.lm.train import ConfigError, TrainConfig, load_checkpoint
+from torch_mhc.tools.cli import main
+
+
+def run(argv, capsys):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code, err, *needles):
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# train, config file, precedence
+
+
+def test_train_writes_checkpoint_and_metrics(tmp_path, tiny_flags, capsys):
+    out = tmp_path / "run"
+    code, _, err = run(["train", *tiny_flags, "--residual", "hc", "--out", out],
+                       capsys)
+    assert code == 0, err
+    state = load_checkpoint(out)
+    assert state["step"] == 4 and state["model_config"]["residual"] == "hc"
+    assert state["model_config"]["dim"] == 32
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert any('"kind": "eval"' in line for line in lines)
+
+
+def test_toml_config_and_precedence(tmp_path, tiny_flags, capsys):
+    toml = tmp_path / "run.toml"
+    toml.write_text(
+        'steps = 3\nlr = 0.002\nschedule = "step"\n\n[model]\nresidual = "mhc"\nstreams = 2\n'
+    )
+    out = tmp_path / "run"
+    # the file sets steps = 3 and lr; the flag --steps 5 wins over the file
+    code, _, err = run(["train", *tiny_flags, "--config", toml, "--steps", "5",
+                        "--out-dir", out], capsys)
+    assert code == 0, err
+    saved = load_checkpoint(out)["train_config"]
+    assert saved["steps"] == 5  # flag over file (and over TINY's --steps 4, given earlier)
+    assert saved["lr"] == 0.002 and saved["schedule"] == "step"  # file over defaults
+    assert saved["model"]["residual"] == "mhc" and saved["model"]["streams"] == 2
+    assert saved["model"]["dim"] == 32  # flag; the file does not set it
+
+
+def test_build_config_layers(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text("dim = 64\nn_heads = 2\nsteps = 10\n")
+    base = TrainConfig().updated({"steps": 99, "lr": 0.01})
+    cfg = build_config(base, toml, {"steps": 20})
+    assert (cfg.model.dim, cfg.steps, cfg.lr) == (64, 20, 0.01)
+    assert load_toml(toml) == {"dim": 64, "n_heads": 2, "steps": 10}
+
+
+def test_toml_errors(tmp_path, tiny_flags, capsys):
+    bad_key = tmp_path / "bad.toml"
+    bad_key.write_text("steps = 3\nlearning_rate = 0.1\n")
+    code, _, err = run(["train", *tiny_flags, "--config", bad_key], capsys)
+    assert_one_line_error(code, err, "unknown config key 'learning_rate'", str(bad_key))
+    bad_model_key = tmp_path / "bad_model.toml"
+    bad_model_key.write_text("[model]\nwidth = 3\n")
+    with pytest.raises(ConfigError, match="unknown model config key 'width'"):
+        load_toml(bad_model_key)
+    broken = tmp_path / "broken.toml"
+    broken.write_text("steps = = 3\n")
+    code, _, err = run(["train", *tiny_flags, "--config", broken], capsys)
+    assert_one_line_error(code, err, "is not valid TOML")
+    code, _, err = run(["train", "--config", tmp_path / "none.toml"], capsys)
+    assert_one_line_error(code, err, "does not exist")
+    wrong_type = tmp_path / "wrong_type.toml"
+    wrong_type.write_text('log_every = "often"\n')
+    code, _, err = run(["train", *tiny_flags, "--config", wrong_type], capsys)
+    assert_one_line_error(code, err, "log_every must be an integer >= 1, got 'often'")
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input: one line, exit code 2, nothing good overwritten
+
+
+def test_missing_and_empty_data(tmp_path, tiny_flags, capsys):
+    code, _, err = run(["train", *tiny_flags, "--data", tmp_path / "nope"], capsys)
+    assert_one_line_error(code, err, "mhc train: error:", "does not exist")
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    code, _, err = run(["train", *tiny_flags, "--data", empty], capsys)
+    assert_one_line_error(code, err, "is empty")
+    empty_dir = tmp_path / "empty_dir"
+    empty_dir.mkdir()
+    code, _, err = run(["train", *tiny_flags, "--data", empty_dir], capsys)
+    assert_one_line_error(code, err, "holds no bytes")
+
+
+def test_corpus_shorter_than_one_batch(tmp_path, tiny_flags, capsys):
+    short = tmp_path / "short.txt"
+    short.write_text("a = 1\n" * 5)  # 30 bytes: less than seq_len + 1 = 33
+    code, _, err = run(["train", *tiny_flags, "--data", short], capsys)
+    assert_one_line_error(code, err, "corpus shorter than one batch", "33")
+
+
+def test_unknown_residual_kind(tmp_path, tiny_flags, capsys):
+    code, _, err = run(["train", *tiny_flags, "--residual", "dense"], capsys)
+    assert_one_line_error(code, err, "residual must be one of", "'dense'")
+
+
+def test_sequence_longer_than_model(tmp_path, tiny_flags, capsys):
+    code, _, err = run(["train", *tiny_flags, "--seq-len", "64"], capsys)
+    assert_one_line_error(code, err, "seq_len 64 is longer than the model allows",
+                          "max_seq_len is 32")
+
+
+def test_bad_flag_value_is_one_line(capsys):
+    code, _, err = run(["train", "--steps", "many"], capsys)
+    assert_one_line_error(code, err, "--steps", "invalid int value")
+
+
+def test_corrupt_and_mismatched_checkpoints(tmp_path, tiny_flags, capsys, reseal):
+    out = tmp_path / "run"
+    assert run(["train", *tiny_flags, "--out", out], capsys)[0] == 0
+    good = _files(out / "ckpt")
+
+    # another model config: refused (before any tensor is read), checkpoint untouched
+    code, _, err = run(["train", *tiny_flags, "--out", out, "--resume",
+                        "--dim", "64", "--steps", "8"], capsys)
+    assert_one_line_error(code, err, "was made for another model", "dim: checkpoint 32")
+    # a fresh run into the same folder: refused
+    code, _, err = run(["train", *tiny_flags, "--out", out], capsys)
+    assert_one_line_error(code, err, "ckpt exists", "resume")
+    assert _files(out / "ckpt") == good
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(out / "ckpt", corrupt)
+    data = corrupt / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])  # a truncated save
+    code, _, err = run(["train", *tiny_flags, "--out", tmp_path / "other",
+                        "--resume", corrupt, "--steps", "8"], capsys)
+    assert_one_line_error(code, err, "is corrupt: __0_0.distcp has size")
+    code, _, err = run(["generate", "--checkpoint", corrupt], capsys)
+    assert_one_line_error(code, err, "mhc generate: error:", "is corrupt")
+    reseal(corrupt)  # the sums made to match: the truncated file itself is refused
+    code, _, err = run(["generate", "--checkpoint", corrupt], capsys)
+    assert_one_line_error(code, err, "cannot be loaded")
+    assert not (tmp_path / "other" / "ckpt").exists()
+
+    # weights that do not fit the config stored beside them
+    tampered = tmp_path / "tampered"
+    shutil.copytree(out / "ckpt", tampered)
+    state = torch.load(tampered / "extra.pt", weights_only=True)
+    state["model_config"]["n_layers"] = 3
+    torch.save(state, tampered / "extra.pt")
+    code, _, err = run(["generate", "--checkpoint", tampered], capsys)
+    assert_one_line_error(code, err, "is corrupt: extra.pt")  # the sums catch the edit
+    reseal(tampered)
+    code, _, err = run(["generate", "--checkpoint", tampered], capsys)
+    assert_one_line_error(code, err, "the weights do not fit the model")
+    # a single-file checkpoint of an older version: one line, not a traceback
+    old = tmp_path / "last.pt"
+    torch.save({"model": {}}, old)
+    code, _, err = run(["generate", "--checkpoint", old], capsys)
+    assert_one_line_error(code, err, "is a file", "no longer read")
+
+
+def _files(folder) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_resume_continues_to_more_steps(tmp_path, tiny_flags, capsys):
+    out = tmp_path / "run"
+    assert run(["train", *tiny_flags, "--out", out], capsys)[0] == 0
+    code, _, err = run(["train", *tiny_flags, "--out", out, "--resume",
+                        "--steps", "6"], capsys)
+    assert code == 0, err
+    assert load_checkpoint(out)["step"] == 6
+    assert load_checkpoint(out / "ckpt.prev")["step"] == 4
+
+
+def test_diverged_run_exits_1(tmp_path, tiny_flags, capsys):
+    # lr 1e6 with no clipping: the loss explodes within a few steps
+    code, _, err = run(["train", *tiny_flags, "--lr", "1e6", "--min-lr", "0",
+                        "--grad-clip", "0", "--steps", "30", "--warmup", "0"], capsys)
+    assert code == 1, err
+    assert "training stopped:" in err and "at step" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# generate
+
+
+def test_generate_with_and_without_cache(tmp_path, tiny_flags, capsys):
+    out = tmp_path / "run"
+    assert run(["train", *tiny_flags, "--out", out, "--steps", "20",
+                "--residual", "mhc"], capsys)[0] == 0
+    args = ["generate", "--checkpoint", out, "--prompt", "def f1(x):\n", "--temperature", "0",
+            "--max-new-tokens", "16"]
+    code, cached, err = run(args, capsys)
+    assert code == 0, err
+    assert "KV cache on" in err
+    code, uncached, err = run([*args, "--no-cache"], capsys)
+    assert code == 0, err
+    assert "KV cache off" in err
+    assert cached == uncached  # greedy decoding: the cache changes the speed, not the text
+    assert cached.startswith("def f1(x):\n") and len(cached.encode()) >= 12
+
+    code, _, err = run(["generate", "--checkpoint", out, "--prompt", "x" * 40], capsys)
+    assert_one_line_error(code, err, "longer than the model allows", "max_seq_len 32")
+    code, _, err = run(["generate", "--checkpoint", out, "--prompt", "x" * 20,
+                        "--max-new-tokens", "20"], capsys)
+    assert_one_line_error(code, err, "exceed the model's max_seq_len 32", "--no-cache")
+    code, _, err = run(["generate", "--checkpoint", out, "--prompt", ""], capsys)
+    assert_one_line_error(code, err, "--prompt must not be empty")
+
+
+# ---------------------------------------------------------------------------------------------
+# cost, help, python -m
+
+
+def test_cost_is_delegated(capsys):
+    from torch_mhc.tools.cost.model import cli_main
+
+    code, out, _ = run(["cost", "--preset", "paper-27b", "--json"], capsys)
+    assert code == 0
+    assert cli_main(["--preset", "paper-27b", "--json"]) == 0
+    assert out == capsys.readouterr().out
+
+
+def test_help_lists_subcommands(capsys):
+    code, out, _ = run(["--help"], capsys)
+    assert code == 0
+    for name in ("train", "compare", "generate", "cost"):
+        assert name in out
+
+
+def test_python_dash_m(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "torch_mhc", "train", "--residual", "dense"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    line = proc.stderr.strip()
+    assert "\n" not in line
+    assert line.startswith("mhc train: error: ModelConfig.residual must be one of ('residual', "
+                           "'hc', 'mhc'")
+    assert line.endswith(", got 'dense'")

@@ -1,0 +1,360 @@
+"""Tests of the `mhc` command's answers to unusual input: one line and exit status 2 before
+any work starts, paths with ~, a config file merged with flags, and what a rerun of compare
+leaves in its folder."""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+
+import pytest
+import torch
+
+from torch_mhc.lm.config import build_config
+from torch_mhc.lm.model import ModelConfig
+from torch_mhc.lm.train import ConfigError, TrainConfig, load_checkpoint
+from torch_mhc.tools.cli import main
+
+SEED_MAX = 2**32 - 1
+
+
+def run(argv, capsys):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code, err, *needles):
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture
+def compare_flags(tmp_path, corpus):
+    """A two-step tiny comparison on the test corpus."""
+    return ["--preset", "tiny", "--data", corpus, "--cache-dir", tmp_path / "cache",
+            "--val-fraction", "0.1", "--quiet", "--no-progress", "--no-tensorboard",
+            "--device", "cpu", "--dtype", "fp32", "--steps", "2", "--warmup", "0",
+            "--eval-every", "0", "--gain-every", "0", "--eval-batches", "1"]
+
+
+# ---------------------------------------------------------------------------------------------
+# compare: kinds that cannot use the stream count, seeds
+
+
+@pytest.mark.parametrize("kinds, streams, needle", [
+    ("residual,kromhc", 3, "kind kromhc cannot run with streams = 3"),
+    ("mhc,mhc-lite", 6, "kind mhc-lite cannot run with streams = 6"),
+])
+def test_compare_refuses_a_kind_that_cannot_use_the_streams(tmp_path, capsys, kinds, streams,
+                                                           needle):
+    out = tmp_path / "cmp"
+    code, stdout, err = run(["compare", "--out", out, "--preset", "tiny", "--kinds", kinds,
+                             "--streams", streams], capsys)
+    assert_one_line_error(code, err, "mhc compare: error:", needle, f"got n = {streams}")
+    assert stdout == ""
+    assert not out.exists()  # refused before any run started
+
+
+def test_seed_must_fit_numpy(tmp_path, tiny_flags, capsys):
+    code, _, err = run(["train", *tiny_flags, "--seed", SEED_MAX + 1], capsys)
+    assert_one_line_error(code, err, f"seed must be an integer in [0, {SEED_MAX}], "
+                          f"got {SEED_MAX + 1}")
+    code, _, err = run(["train", *tiny_flags, "--seed", -1], capsys)
+    assert_one_line_error(code, err, "seed must be an integer in [0,", "got -1")
+    # the largest seed trains
+    out = tmp_path / "run"
+    code, _, err = run(["train", *tiny_flags, "--seed", SEED_MAX, "--steps", "1",
+                        "--out", out], capsys)
+    assert code == 0, err
+    assert load_checkpoint(out)["train_config"]["seed"] == SEED_MAX
+
+
+def test_compare_checks_the_last_seed(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    code, _, err = run(["compare", "--out", out, "--preset", "tiny", "--seed", SEED_MAX - 1,
+                        "--seeds", "3"], capsys)
+    assert_one_line_error(code, err, f"seed + seeds - 1 must be <= {SEED_MAX}",
+                          f"got seed {SEED_MAX - 1} and seeds 3")
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# model floats must be finite
+
+
+@pytest.mark.parametrize("name", ["mlp_ratio", "init_std", "norm_eps", "rope_base"])
+@pytest.mark.parametrize("value", [math.inf, math.nan])
+def test_model_floats_must_be_finite(name, value):
+    with pytest.raises(ValueError, match=f"ModelConfig.{name} must be a number > 0 and "
+                                         f"finite, got {value}"):
+        ModelConfig(**{name: value})
+
+
+@pytest.mark.parametrize("flag", ["--mlp-ratio", "--init-std", "--norm-eps", "--rope-base"])
+def test_infinite_model_flag_is_one_line(flag, tiny_flags, capsys):
+    code, _, err = run(["train", *tiny_flags, flag, "inf"], capsys)
+    assert_one_line_error(code, err, "must be a number > 0 and finite, got inf")
+
+
+# ---------------------------------------------------------------------------------------------
+# paths with ~
+
+
+def test_user_paths_are_expanded_once(tmp_path, tiny_flags, capsys, monkeypatch):
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    cfg = TrainConfig(out_dir="~/r", cache_dir="~/c", data="~/d.txt", resume="~/r/ckpt")
+    assert (cfg.out_dir, cfg.cache_dir, cfg.data, cfg.resume) == (
+        str(home / "r"), str(home / "c"), str(home / "d.txt"), str(home / "r" / "ckpt"))
+    assert cfg.updated({"steps": 5}).out_dir == str(home / "r")
+
+    code, _, err = run(["train", *tiny_flags, "--steps", "1", "--out", "~/r"], capsys)
+    assert code == 0, err
+    assert load_checkpoint(home / "r")["step"] == 1
+    assert list(cwd.iterdir()) == []  # no literal ./~ folder
+
+
+def test_user_path_checked_where_it_is_written(tmp_path, tiny_flags, capsys, monkeypatch):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "taken").write_text("a file")
+    monkeypatch.setenv("HOME", str(home))
+    code, _, err = run(["train", *tiny_flags, "--out", "~/taken"], capsys)
+    assert_one_line_error(code, err, f"out_dir {home / 'taken'} cannot be a folder")
+
+
+# ---------------------------------------------------------------------------------------------
+# config file merged with the flags before validation
+
+
+def test_file_and_flags_are_validated_together(tmp_path, tiny_flags, capsys):
+    toml = tmp_path / "run.toml"
+    toml.write_text("n_heads = 3\n")
+    cfg = build_config(TrainConfig(), toml, {"dim": 48})
+    assert (cfg.model.dim, cfg.model.n_heads) == (48, 3)
+    # alone, the file does not fit the default width: the merged config is refused
+    with pytest.raises(ConfigError, match=r"dim \(128\) must be divisible by n_heads \(3\)"):
+        build_config(TrainConfig(), toml, {})
+    # through the command line: the file's n_heads with the flag's width trains
+    toml.write_text("[model]\nn_heads = 3\n")
+    flags = [f for f in tiny_flags]
+    i = flags.index("--n-heads")
+    del flags[i:i + 2]
+    out = tmp_path / "run"
+    code, _, err = run(["train", *flags, "--config", toml, "--dim", "48", "--steps", "1",
+                        "--out", out], capsys)
+    assert code == 0, err
+    saved = load_checkpoint(out)["train_config"]["model"]
+    assert (saved["dim"], saved["n_heads"]) == (48, 3)
+
+
+def test_file_errors_name_the_file(tmp_path, tiny_flags, capsys):
+    toml = tmp_path / "bad.toml"
+    toml.write_text('dim = "wide"\n')
+    code, _, err = run(["train", *tiny_flags, "--config", toml], capsys)
+    assert_one_line_error(code, err, f"config file {toml}:",
+                          "ModelConfig.dim must be an integer >= 1, got 'wide'")
+    toml.write_text("compile = 1\n")
+    code, _, err = run(["train", *tiny_flags, "--config", toml], capsys)
+    assert_one_line_error(code, err, f"config file {toml}:", "compile must be true or false",
+                          "got 1")
+    toml.write_text("steps = 3\n[model]\nsinkhorn_iter = 5\n")
+    code, _, err = run(["train", *tiny_flags, "--config", toml], capsys)
+    assert_one_line_error(code, err, f"config file {toml}:",
+                          "unknown model config key 'sinkhorn_iter'; did you mean "
+                          "'sinkhorn_iters'?")
+    toml.write_text("warmpu = 3\n")
+    code, _, err = run(["train", *tiny_flags, "--config", toml], capsys)
+    assert_one_line_error(code, err, "unknown config key 'warmpu'; did you mean 'warmup'?")
+    assert "known:" not in err  # one suggestion, not the list of every key
+
+
+# ---------------------------------------------------------------------------------------------
+# generate, bench
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_generate_temperature_must_be_finite(tmp_path, capsys, value):
+    code, _, err = run(["generate", "--checkpoint", tmp_path, "--temperature", value], capsys)
+    assert_one_line_error(code, err, "mhc generate: error: --temperature must be a finite "
+                          f"number >= 0, got {float(value)}")
+
+
+def test_bench_checks_json_path_before_running(tmp_path, capsys):
+    code, out, err = run(["bench", "--quick", "--json", tmp_path], capsys)
+    assert_one_line_error(code, err, "mhc bench: error:", f"--json {tmp_path} is a folder")
+    assert out == ""  # no benchmark ran
+    missing = tmp_path / "missing" / "r.json"
+    code, out, err = run(["bench", "--quick", "--json", missing], capsys)
+    assert_one_line_error(code, err, f"its folder {tmp_path / 'missing'} does not exist")
+    assert out == ""
+    (tmp_path / "file").write_text("x")
+    code, _, err = run(["bench", "--quick", "--json", tmp_path / "file" / "r.json"], capsys)
+    assert_one_line_error(code, err, "does not exist (or is a file)")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_bench_without_cuda_is_one_line(capsys):
+    code, out, err = run(["bench", "--quick", "--device", "cuda"], capsys)
+    assert_one_line_error(code, err, "mhc bench: error: --device cuda asked for, but CUDA is "
+                          "not available here")
+    assert out == ""
+    code, out, err = run(["bench", "--gpu"], capsys)
+    assert_one_line_error(code, err, "mhc bench: error: the GPU check needs a CUDA device",
+                          "--dry-run")
+    assert out == ""
+    from torch_mhc.tools.bench import gpu_check
+
+    assert gpu_check.main([]) == 2
+    assert_one_line_error(2, capsys.readouterr().err, "gpu_check: error: the GPU check needs")
+
+
+def test_bench_unknown_device_is_one_line(capsys):
+    code, _, err = run(["bench", "--quick", "--device", "tpu"], capsys)
+    assert_one_line_error(code, err, "--device must be cpu, cuda or cuda:N, got 'tpu'")
+
+
+# ---------------------------------------------------------------------------------------------
+# compare: a run stopped at its first step, reruns into the same folder, ranks
+
+
+def test_compare_reports_a_run_stopped_at_the_first_step(tmp_path, compare_flags, capsys):
+    out = tmp_path / "cmp"
+    code, _, err = run(["compare", "--out", out, *compare_flags, "--kinds", "residual,mhc",
+                        "--init-std", "1e30"], capsys)
+    assert code == 0, err
+    text = (out / "report.json").read_text()
+
+    def refuse(name):
+        raise AssertionError(f"report.json holds {name}, which is not JSON")
+
+    report = json.loads(text, parse_constant=refuse)
+    for v in report["variants"]:
+        assert v["diverged"].startswith("training stopped:"), v["diverged"]
+        assert "at step 1" in v["diverged"]
+        assert v["val_loss"] is None and v["val_bpb"] is None
+    assert "mhc (stopped)" in (out / "report.md").read_text()
+
+
+def test_compare_rerun_removes_what_it_no_longer_writes(tmp_path, compare_flags, capsys):
+    out = tmp_path / "cmp"
+    code, _, err = run(["compare", "--out", out, *compare_flags, "--kinds", "residual,mhc",
+                        "--seeds", "2"], capsys)
+    assert code == 0, err
+    assert {p.name for p in (out / "mhc").iterdir()} == {"seed0", "seed1"}
+    assert (out / "health.png").exists() and (out / "composite_gain.png").exists()
+    (out / "notes.txt").write_text("mine")
+    (out / "mine").mkdir()
+
+    code, _, err = run(["compare", "--out", out, *compare_flags, "--kinds", "residual"],
+                       capsys)
+    assert code == 0, err
+    names = {p.name for p in out.iterdir()}
+    # residual has no H_res: no gain or health figures; mhc was not trained this time
+    assert names == {"report.json", "report.md", "loss_curves.png", "grad_norm.png",
+                     "residual", "notes.txt", "mine"}
+    assert not any(p.name.startswith("seed") for p in (out / "residual").iterdir())
+    assert (out / "residual" / "metrics.jsonl").exists()
+    assert load_checkpoint(out / "residual")["step"] == 2
+
+    code, _, err = run(["compare", "--out", out, *compare_flags, "--kinds", "residual",
+                        "--seeds", "2"], capsys)
+    assert code == 0, err
+    assert {p.name for p in (out / "residual").iterdir()} - {".lock"} == {"seed0", "seed1"}
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_compare_writes_and_prints_on_rank_0_only(tmp_path, compare_flags, capsys,
+                                                  monkeypatch):
+    out = tmp_path / "cmp"
+    flags = [f for f in compare_flags if f != "--quiet"]
+    monkeypatch.setenv("RANK", "1")
+    code, stdout, err = run(["compare", "--out", out, *flags, "--kinds", "residual"], capsys)
+    assert code == 0, err
+    # (train's own log lines are rank 0's once torchrun's process group runs)
+    assert "| residual |" not in stdout and "report:" not in stdout
+    assert not (out / "report.json").exists() and not (out / "loss_curves.png").exists()
+    # a config error: every rank has it, rank 0 says it
+    code, _, err = run(["train", "--steps", "0"], capsys)
+    assert (code, err) == (2, "")
+    monkeypatch.setenv("RANK", "0")
+    code, _, err = run(["train", "--steps", "0"], capsys)
+    assert_one_line_error(code, err, "steps must be an integer >= 1, got 0")
+    code, stdout, err = run(["compare", "--out", out, *flags, "--kinds", "residual"], capsys)
+    assert code == 0, err
+    assert "| residual |" in stdout
+    assert (out / "report.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# help texts and messages
+
+
+def test_compare_help_shows_the_preset_defaults(capsys):
+    code, out, _ = run(["compare", "--help"], capsys)
+    assert code == 0
+    text = " ".join(out.split())
+    assert "--steps N optimizer steps (default: from --preset)" in text
+    assert "--seq-len N tokens (bytes) per sequence (default: from --preset)" in text
+    assert "(default: 1000)" not in text  # TrainConfig's steps, which no preset uses
+    # fields no preset sets keep TrainConfig's default
+    assert "--grad-clip X max gradient norm (0: no clipping) (default: 1.0)" in text
+    for flag in ("--data DATA", "--cache-dir DIR"):
+        after = text.rsplit(flag, 1)[1].split(" --", 1)[0]  # the help, not the usage
+        assert after.count("(default:") == 1, after
+
+
+def test_generate_help_states_defaults(capsys):
+    code, out, _ = run(["generate", "--help"], capsys)
+    assert code == 0
+    text = " ".join(out.split())
+    assert "(default: 200)" in text
+    assert "--top-k K sample from the K most likely tokens only (default: all of them)" in text
+    assert "--seed SEED seed of the sampling (default: 0)" in text
+
+
+def test_unknown_flag_points_at_the_subcommand_help(capsys):
+    code, _, err = run(["train", "--bogus"], capsys)
+    assert_one_line_error(code, err, "mhc train: error: unrecognized arguments: --bogus",
+                          "(see mhc train --help)")
+
+
+def test_warmup_not_shorter_than_steps_warns_once(tmp_path, tiny_flags, capsys):
+    code, _, err = run(["train", *tiny_flags, "--steps", "2", "--warmup", "5"], capsys)
+    assert code == 0, err
+    warnings = [line for line in err.splitlines() if "warning" in line]
+    assert warnings == ["mhc train: warning: warmup (5) >= steps (2): the learning rate rises "
+                        "for the whole run and never reaches lr 0.001"]
+
+
+@pytest.mark.parametrize("existing, keep_previous, needle", [
+    (False, True, "this run has no checkpoint yet (free space, then run again)"),
+    (True, True, "this run's previous checkpoint there is intact"),
+    (True, False, "the earlier run's checkpoint there is left as it was"),
+])
+def test_disk_full_message_says_what_is_kept(tmp_path, monkeypatch, existing, keep_previous,
+                                             needle):
+    from torch_mhc.lm.train import DiskFullError
+    from torch_mhc.lm.train import checkpoint as ckpt
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt.par, "save_checkpoint", full)
+    if existing:
+        (tmp_path / "ckpt").mkdir()
+    with pytest.raises(DiskFullError) as info:
+        ckpt.save_checkpoint(tmp_path, torch.nn.Linear(2, 2), None, {},
+                             keep_previous=keep_previous)
+    assert needle in str(info.value)
+    assert str(tmp_path / "ckpt") in str(info.value)

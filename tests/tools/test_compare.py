@@ -1,0 +1,271 @@
+"""Tests of `mhc compare` (tiny preset): the files it writes and what they hold."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import zlib
+
+import pytest
+
+from torch_mhc.lm.train import ConfigError, load_checkpoint
+from torch_mhc.tools.cli import main
+from torch_mhc.tools.compare.run import PRESETS, compare, preset_config
+
+FIGURES = ("loss_curves.png", "grad_norm.png", "composite_gain.png", "gain_over_training.png",
+           "health.png")
+
+
+def read_png_size(data: bytes) -> tuple[int, int]:
+    """Width and height of a PNG, after checking its signature and the IHDR chunk's CRC."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    length, kind = struct.unpack(">I4s", data[8:16])
+    assert kind == b"IHDR" and length == 13
+    body = data[16:16 + length]
+    (crc,) = struct.unpack(">I", data[16 + length:20 + length])
+    assert zlib.crc32(kind + body) == crc
+    assert data[-12:] == b"\x00\x00\x00\x00IEND\xaeB`\x82"
+    return struct.unpack(">II", body[:8])
+
+
+@pytest.fixture(scope="module")
+def tiny_report(tmp_path_factory, corpus_writer):
+    root = tmp_path_factory.mktemp("compare")
+    corpus = corpus_writer(root / "corpus.txt")
+    out = root / "out" / "nested"  # created if missing
+    argv = ["compare", "--out", str(out), "--preset", "tiny", "--data", str(corpus),
+            "--cache-dir", str(root / "cache"), "--val-fraction", "0.1", "--quiet",
+            "--no-progress", "--no-tensorboard", "--device", "cpu", "--dtype", "fp32"]
+    assert main(argv) == 0
+    return out, json.loads((out / "report.json").read_text())
+
+
+def test_compare_writes_all_files(tiny_report):
+    out, _ = tiny_report
+    for name in ("report.json", "report.md", *FIGURES):
+        assert (out / name).is_file(), name
+    for name in FIGURES:
+        width, height = read_png_size((out / name).read_bytes())
+        assert width > 200 and height > 200
+    for kind in ("residual", "hc", "mhc"):
+        state = load_checkpoint(out / kind)
+        assert state["model_config"]["residual"] == kind
+        assert state["step"] == PRESETS["tiny"]["steps"]
+        assert (out / kind / "metrics.jsonl").is_file()
+    assert not list(out.glob(".*.tmp"))  # no temp file left behind
+
+
+def test_report_json_contents(tiny_report):
+    _, report = tiny_report
+    assert report["preset"] == "tiny, modified"  # the data and a few flags were changed
+    variants = {v["kind"]: v for v in report["variants"]}
+    assert list(variants) == ["residual", "hc", "mhc"]
+    steps = PRESETS["tiny"]["steps"]
+    for kind, v in variants.items():
+        for key in ("val_loss", "val_bpb", "tokens_per_s", "peak_mem_bytes", "step_time_ratio",
+                    "max_composite_gain_fwd", "max_composite_gain_bwd", "params",
+                    "connection_params"):
+            assert key in v, (kind, key)
+        assert v["steps_completed"] == steps and v["diverged"] is None
+        assert v["val_bpb"] == pytest.approx(v["val_loss"] / math.log(2), rel=1e-12)
+        assert 0 < v["val_loss"] < v["loss_history"][0]  # it learned something
+        assert len(v["loss_history"]) == len(v["grad_norm_history"]) == steps
+        assert v["tokens_per_s"] > 0 and v["peak_mem_bytes"] >= 0
+    res, hc, mhc = variants["residual"], variants["hc"], variants["mhc"]
+    # same seed, same first batch, and every connection starts as the residual network
+    assert hc["loss_history"][0] == pytest.approx(res["loss_history"][0], abs=1e-5)
+    assert mhc["loss_history"][0] == pytest.approx(res["loss_history"][0], abs=1e-5)
+    assert res["step_time_ratio"] == 1.0
+    assert hc["step_time_ratio"] == pytest.approx(
+        hc["step_time_median_s"] / res["step_time_median_s"])
+    # parameter budgets: the connections' parameters on top of the shared blocks
+    assert res["connection_params"] == 0
+    for v in (hc, mhc):
+        assert v["params"] - res["params"] == v["connection_params"] > 0
+    n, c, layers = 4, PRESETS["tiny"]["dim"], 2 * PRESETS["tiny"]["n_layers"]
+    assert mhc["connection_params"] == layers * (n * c * (n * n + 2 * n) + 3 + n + n + n * n)
+    assert hc["connection_params"] == layers * (n + n + n * n + c * (2 + n) + 2)
+    # gains: none for the residual; mHC's rows sum to 1, so its forward gain is 1
+    assert res["max_composite_gain_fwd"] is None and res["final_gains"] is None
+    assert mhc["max_composite_gain_fwd"] == pytest.approx(1.0, abs=1e-5)
+    assert hc["max_composite_gain_fwd"] >= 1.0 - 1e-6
+    assert len(hc["final_gains"]["composite_fwd"]) == layers
+    assert [g["step"] for g in mhc["gain_history"]] == [0, 10, 20]
+    assert report["config"]["steps"] == steps and report["config"]["model"]["dim"] == c
+    assert report["wall_time_s"] > 0
+
+
+def test_report_md_contents(tiny_report):
+    out, report = tiny_report
+    md = (out / "report.md").read_text()
+    for v in report["variants"]:
+        row = next(line for line in md.splitlines() if line.startswith(f"| {v['kind']} |"))
+        assert f"{v['val_bpb']:.4f}" in row
+        assert f"{v['params']:,}" in row
+    assert "## Parameter budgets" in md and "## Configuration" in md
+    assert "| model.dim | 32 |" in md
+    for name in FIGURES:
+        assert f"({name})" in md
+
+
+def test_compare_refuses_a_file_as_out(tmp_path, capsys):
+    target = tmp_path / "report"
+    target.write_text("keep me")
+    assert main(["compare", "--out", str(target), "--preset", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (f"mhc compare: error: --out {target} exists and is a file, expected "
+                           "a folder (or nothing)")
+    assert target.read_text() == "keep me"
+
+
+def test_compare_validates_before_training(tmp_path):
+    with pytest.raises(ConfigError, match="seq_len 64 is longer than the model allows"):
+        compare(tmp_path / "x", preset="tiny", seq_len=64)
+    with pytest.raises(ConfigError, match="unknown preset 'huge'"):
+        preset_config("huge")
+    assert not (tmp_path / "x").exists()
+
+
+def test_presets_are_valid():
+    for name in PRESETS:
+        preset_config(name).validate()
+    stress = preset_config("stress")
+    assert 2 * stress.model.n_layers >= 48
+    assert stress.lr > preset_config("default").lr
+
+
+def test_single_seed_report_says_it_cannot_test(tiny_report):
+    out, report = tiny_report
+    assert report["seeds"] == 1
+    variants = {v["kind"]: v for v in report["variants"]}
+    d = variants["mhc"]["vs_residual"]["val_loss"]
+    want = variants["mhc"]["val_loss"] - variants["residual"]["val_loss"]
+    assert d["mean"] == pytest.approx(want)
+    assert d["ci_low"] is None and d["significant"] is None
+    md = (out / "report.md").read_text()
+    assert "- mhc: " in md and "one seed gives no interval" in md
+    # health: a row for each kind with an H_res, none for the residual
+    assert "| mhc | 1.000 | 1.000 |" in md and variants["residual"]["health"] is None
+    assert variants["mhc"]["health"]["max_abs_log_colsum"] >= 0.0
+    assert variants["hc"]["health"]["max_logit_range"] is None  # HC takes no exp
+
+
+@pytest.fixture(scope="module")
+def seeds_report(tmp_path_factory):
+    root = tmp_path_factory.mktemp("seeds")
+    corpus = root / "corpus.txt"
+    corpus.write_text("".join(f"def g{i % 13}(y):\n    return y + {i % 9}\n" for i in range(400)))
+    out = root / "out"
+    report = compare(out, preset="tiny", kinds=("residual", "mhc-lite", "kromhc"), seeds=2,
+                     steps=6, eval_every=3, gain_every=3, data=str(corpus),
+                     cache_dir=str(root / "cache"), val_fraction=0.1, quiet=True,
+                     progress=False, tensorboard=False, device="cpu", dtype="fp32")
+    return out, report
+
+
+def test_seeds_are_paired_and_summarised(seeds_report):
+    out, report = seeds_report
+    assert report["seeds"] == 2 and report["config"]["seed"] == "0 to 1"
+    variants = {v["kind"]: v for v in report["variants"]}
+    for kind, v in variants.items():
+        assert [r["seed"] for r in v["seed_runs"]] == [0, 1] == v["seeds"]
+        for seed in (0, 1):
+            assert (out / kind / f"seed{seed}" / "metrics.jsonl").is_file()
+        losses = [r["val_loss"] for r in v["seed_runs"]]
+        assert v["val_loss"] == v["val_loss_mean"] == pytest.approx(sum(losses) / 2)
+        assert v["val_loss_sd"] == pytest.approx(abs(losses[0] - losses[1]) / math.sqrt(2))
+    res = variants["residual"]["seed_runs"]
+    assert res[0]["loss_history"][0] != res[1]["loss_history"][0]  # another seed, another run
+    for kind in ("mhc-lite", "kromhc"):
+        runs = variants[kind]["seed_runs"]
+        for seed in (0, 1):  # same seed: same blocks, same batch, same start as the residual
+            assert runs[seed]["loss_history"][0] == pytest.approx(
+                res[seed]["loss_history"][0], abs=1e-5)
+        diffs = [runs[s]["val_loss"] - res[s]["val_loss"] for s in (0, 1)]
+        d = variants[kind]["vs_residual"]["val_loss"]
+        mean, sd = sum(diffs) / 2, abs(diffs[0] - diffs[1]) / math.sqrt(2)
+        half = 12.706204736174707 * sd / math.sqrt(2)  # t(0.975, 1 degree of freedom)
+        assert d["mean"] == pytest.approx(mean) and d["sd"] == pytest.approx(sd)
+        assert d["ci_low"] == pytest.approx(mean - half) and d["ci_high"] == pytest.approx(
+            mean + half)
+        assert d["significant"] == (not d["ci_low"] <= 0 <= d["ci_high"])
+
+
+def test_seeds_report_md(seeds_report):
+    out, report = seeds_report
+    md = (out / "report.md").read_text()
+    assert md.startswith("# mhc compare: residual vs mhc-lite vs kromhc (preset tiny, modified, "
+                         "2 seeds)")
+    assert "## Seeds and significance" in md and "Student's t with 1 degrees of freedom" in md
+    v = {v["kind"]: v for v in report["variants"]}["kromhc"]
+    row = next(line for line in md.splitlines() if line.startswith("| kromhc | 2 |"))
+    assert f"{v['val_loss_mean']:.4f} ± {v['val_loss_sd']:.4f}" in row
+    assert "paired seeds (interval" in md
+    width, height = read_png_size((out / "loss_curves.png").read_bytes())
+    assert width > 200 and height > 200
+
+
+def test_compare_rejects_bad_kinds_seeds_and_a_missing_text_file(tmp_path, capsys):
+    with pytest.raises(ConfigError, match="kinds must be distinct names from residual, hc, mhc, "
+                       "mhc-lite, kromhc, mhc-static-res; got residual, lite"):
+        compare(tmp_path / "a", preset="tiny", kinds=("residual", "lite"))
+    with pytest.raises(ConfigError, match="got mhc, mhc"):
+        compare(tmp_path / "a", preset="tiny", kinds=("mhc", "mhc"))
+    with pytest.raises(ConfigError, match="seeds must be an integer >= 1, got 0"):
+        compare(tmp_path / "a", preset="tiny", seeds=0)
+    with pytest.raises(ConfigError, match="shakespeare preset trains on a text file given "
+                       "with --data"):
+        compare(tmp_path / "a", preset="shakespeare")
+    assert main(["compare", "--out", str(tmp_path / "b"), "--preset", "tiny", "--kinds",
+                 "residual,mhc-lite,nope"]) == 2
+    assert "got residual, mhc-lite, nope" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_shakespeare_preset_is_nanogpts_cpu_recipe():
+    from torch_mhc.tools.compare.run import preset_label
+
+    cfg = preset_config("shakespeare")
+    assert preset_label("shakespeare", cfg.updated({"data": "input.txt"})) == "shakespeare"
+    assert preset_label("shakespeare", cfg.updated({"steps": 10})) == "shakespeare, modified"
+    assert preset_label("tiny", preset_config("tiny").updated({"data": "x"})) == "tiny, modified"
+    m = cfg.model
+    assert (m.n_layers, m.n_heads, m.dim, m.max_seq_len) == (4, 4, 128, 64)
+    assert (cfg.seq_len, cfg.batch_size, cfg.steps) == (64, 12, 2000)
+    assert (cfg.lr, cfg.min_lr, cfg.beta2, cfg.val_fraction) == (1e-3, 1e-4, 0.99, 0.1)
+
+
+def test_interval_near_zero_is_not_printed_as_zero():
+    from torch_mhc.tools.compare.seeds import seeds_table, significance_lines
+
+    d = {"mean": -0.0176, "sd": 0.007, "n": 3, "ci_low": -0.0352, "ci_high": 2.1e-05,
+         "significant": False}
+    v = {"kind": "hc", "seeds": [0, 1, 2], "val_loss_mean": 1.7574, "val_loss_sd": 0.0086,
+         "val_bpb_mean": 2.5354, "val_bpb_sd": 0.0125, "vs_residual": {"val_loss": d,
+                                                                       "val_bpb": None}}
+    assert "| -0.0176 [-0.0352, +2.1e-05] | n/a | no |" in seeds_table([v])
+    assert significance_lines([v]) == [
+        "- hc: 0.0176 nats lower than the residual, not significant over 3 paired seeds "
+        "(interval -0.0352 to +2.1e-05 includes 0)."]
+
+
+def test_loss_plot_zooms_on_the_second_half():
+    from matplotlib.figure import Figure
+
+    from torch_mhc.tools.compare import plots
+
+    # A run whose loss falls linearly from 10 to 1 over 100 steps, validated every 25 steps.
+    losses = [10 - 9 * i / 99 for i in range(100)]
+    run = {"loss_history": losses,
+           "val_history": [{"step": s, "val_loss": 10 - 9 * (s - 1) / 99 + 0.5}
+                           for s in (25, 50, 75, 100)]}
+    ax = Figure().add_subplot()
+    plots._loss_lines(ax, "mhc", run)
+    plots._zoom_to_second_half(ax)
+    assert ax.get_xlim() == (50, 100)
+    # y spans the solid and dashed lines from step 50 on (running means from 5.55 down to
+    # about 1.05, validation 6.05 at step 50), padded by 5% of the range: never the first
+    # half's 10.
+    low, high = ax.get_ylim()
+    assert 0.5 < low < 1.0 and 5.5 < high < 6.5
