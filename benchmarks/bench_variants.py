@@ -28,7 +28,7 @@ from torch_mhc.tools.bench.timing import CLOCKS, time_interleaved
 def _model(kind: str, args) -> LM:
     torch.manual_seed(0)
     return LM(ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=args.heads,
-                          max_seq_len=args.seq, residual=kind, streams=args.streams))
+                          max_seq_len=args.seq, connection=kind, streams=args.streams))
 
 
 def bench_steps(args) -> dict:

@@ -2,7 +2,7 @@
 
 - `corpus`: a small, very regular text corpus (~14 KB) a tiny model learns in a few dozen steps
   (`corpus_writer(path)` writes it elsewhere);
-- `tiny_config(residual="mhc", **overrides)`: a TrainConfig of a 2-block, width-32 LM on it,
+- `tiny_config(connection="mhc", **overrides)`: a TrainConfig of a 2-block, width-32 LM on it,
   fp32 on the CPU, quiet, a few steps (seconds); `tiny_config_under(root, ...)` the same for
   module-wide fixtures;
 - `tiny_flags`: the same as `mhc train` flags (without --data / --cache-dir);
@@ -46,7 +46,7 @@ def tiny_flags(tmp_path, corpus) -> list[str]:
     return [*TINY_FLAGS, "--data", str(corpus), "--cache-dir", str(tmp_path / "cache")]
 
 
-def make_tiny_config(root: Path, residual: str = "mhc", **overrides):
+def make_tiny_config(root: Path, connection: str = "mhc", **overrides):
     """The tiny run's TrainConfig, its corpus and token cache under root."""
     from torch_mhc.lm.config import TrainConfig
     from torch_mhc.lm.model import ModelConfig
@@ -55,7 +55,7 @@ def make_tiny_config(root: Path, residual: str = "mhc", **overrides):
     if not corpus.exists():
         write_corpus(corpus)
     cfg = TrainConfig(
-        model=ModelConfig(dim=32, n_layers=2, n_heads=2, max_seq_len=32, residual=residual),
+        model=ModelConfig(dim=32, n_layers=2, n_heads=2, max_seq_len=32, connection=connection),
         data=str(corpus), cache_dir=str(root / "cache"), val_fraction=0.1,
         batch_size=4, seq_len=32, steps=8, lr=3e-3, min_lr=3e-4, warmup=2,
         eval_every=0, eval_batches=2, gain_every=0, gain_batch_size=2, log_every=2,
@@ -66,15 +66,15 @@ def make_tiny_config(root: Path, residual: str = "mhc", **overrides):
 
 @pytest.fixture
 def tiny_config(tmp_path, corpus):
-    def make(residual: str = "mhc", **overrides):
-        return make_tiny_config(tmp_path, residual, **overrides)
+    def make(connection: str = "mhc", **overrides):
+        return make_tiny_config(tmp_path, connection, **overrides)
 
     return make
 
 
 @pytest.fixture(scope="session")
 def tiny_config_under():
-    """tiny_config_under(root, residual, **overrides), for fixtures wider than a test."""
+    """tiny_config_under(root, connection, **overrides), for fixtures wider than a test."""
     return make_tiny_config
 
 

@@ -29,7 +29,7 @@ def test_core_and_config_run_without_numpy_tqdm_matplotlib(run_python):
 
         for kind in ("residual", "hc", "mhc"):
             torch.manual_seed(0)
-            lm = LM(ModelConfig(dim=32, n_layers=1, n_heads=2, max_seq_len=16, residual=kind))
+            lm = LM(ModelConfig(dim=32, n_layers=1, n_heads=2, max_seq_len=16, connection=kind))
             x = torch.randint(0, 256, (2, 8))
             with diagnostics.collect_gains():
                 _, loss = lm(x, x)

@@ -210,9 +210,9 @@ def test_cpu_ops_agree_with_reference(kind):
 def test_lm_with_variant_starts_as_residual_lm(kind):
     cfg = dict(dim=32, n_layers=2, n_heads=2, max_seq_len=16)
     torch.manual_seed(0)
-    res = LM(ModelConfig(residual="residual", **cfg))
+    res = LM(ModelConfig(connection="residual", **cfg))
     torch.manual_seed(0)
-    var = LM(ModelConfig(residual=kind, **cfg))
+    var = LM(ModelConfig(connection=kind, **cfg))
     idx = torch.randint(0, 256, (2, 16))
     _, loss_r = res(idx, idx)
     _, loss_v = var(idx, idx)
@@ -251,14 +251,14 @@ def test_bad_streams_errors():
         make_connection("kromhc", 8, 3, 0, nn.Identity())
     with pytest.raises(ValueError, match="kromhc.*got n = 6 \\(nearest: 4 or 8"):
         KromHC(8, 6, 0, nn.Identity())
-    with pytest.raises(ValueError, match=r"ModelConfig.residual must be one of .*got 'lite'"):
-        ModelConfig(residual="lite")
+    with pytest.raises(ValueError, match=r"ModelConfig.connection must be one of .*got 'lite'"):
+        ModelConfig(connection="lite")
     # checked with the config, before any model is built
     with pytest.raises(ValueError, match=r"ModelConfig.streams: kromhc .* got n = 5"):
-        ModelConfig(residual="kromhc", streams=5)
+        ModelConfig(connection="kromhc", streams=5)
     with pytest.raises(ValueError, match=r"ModelConfig.streams: mhc-lite .* got n = 7"):
-        ModelConfig(residual="mhc-lite", streams=7)
-    ModelConfig(residual="mhc", streams=7)  # any n for the others
+        ModelConfig(connection="mhc-lite", streams=7)
+    ModelConfig(connection="mhc", streams=7)  # any n for the others
 
 
 @pytest.mark.parametrize("kind", VARIANT_KINDS)
@@ -267,7 +267,7 @@ def test_lm_recompute_gives_the_same_gradients(kind):
     grads = []
     for recompute in (False, True):
         torch.manual_seed(0)
-        lm = LM(ModelConfig(residual=kind, dim=32, n_layers=2, n_heads=2, max_seq_len=16,
+        lm = LM(ModelConfig(connection=kind, dim=32, n_layers=2, n_heads=2, max_seq_len=16,
                             recompute=recompute))
         perturb(lm, scale=0.05)
         _, loss = lm(idx, idx)

@@ -31,9 +31,9 @@ PP_BATCH, PP_MICRO = 8, 4  # pipeline: global batch [8, 16] in 4 micro-batches o
 LR = 1e-2
 
 
-def make_config(residual: str = "mhc") -> ModelConfig:
+def make_config(connection: str = "mhc") -> ModelConfig:
     # 4 blocks: DualPipeV on 2 ranks runs 4 stages of 1 block each.
-    return ModelConfig(dim=32, n_layers=4, n_heads=2, max_seq_len=SEQ, residual=residual,
+    return ModelConfig(dim=32, n_layers=4, n_heads=2, max_seq_len=SEQ, connection=connection,
                        streams=4)
 
 
@@ -56,9 +56,9 @@ def make_batch(step: int, batch: int = BATCH) -> tuple[torch.Tensor, torch.Tenso
 # --- single-process references ---------------------------------------------------------------
 
 
-def reference_losses(residual: str = "mhc", steps: int = STEPS) -> list[float]:
+def reference_losses(connection: str = "mhc", steps: int = STEPS) -> list[float]:
     """Losses of `steps` AdamW steps of the plain LM on the full global batches."""
-    model = make_model(make_config(residual))
+    model = make_model(make_config(connection))
     opt = make_optimizer(model)
     losses = []
     for step in range(steps):
@@ -71,7 +71,7 @@ def reference_losses(residual: str = "mhc", steps: int = STEPS) -> list[float]:
     return losses
 
 
-def reference_pipeline(residual: str = "mhc", steps: int = STEPS):
+def reference_pipeline(connection: str = "mhc", steps: int = STEPS):
     """What a pipeline step computes, in one process: the PP_BATCH batch in PP_MICRO
     micro-batches, each loss divided by PP_MICRO (gradient accumulation).
 
@@ -79,7 +79,7 @@ def reference_pipeline(residual: str = "mhc", steps: int = STEPS):
     tied head reported under both names), and the plain forward loss of the first batch after
     the last step (what Pipeline.eval_loss must give).
     """
-    model = make_model(make_config(residual))
+    model = make_model(make_config(connection))
     opt = make_optimizer(model)
     losses, first_grads = [], None
     for step in range(steps):

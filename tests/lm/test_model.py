@@ -15,15 +15,15 @@ from torch_mhc.lm.model import LM, KVCache, ModelConfig
 KINDS = ("residual", "hc", "mhc")
 
 
-def tiny_config(residual: str = "mhc", **overrides) -> ModelConfig:
-    kw = dict(dim=32, n_layers=2, n_heads=4, max_seq_len=32, residual=residual, streams=4)
+def tiny_config(connection: str = "mhc", **overrides) -> ModelConfig:
+    kw = dict(dim=32, n_layers=2, n_heads=4, max_seq_len=32, connection=connection, streams=4)
     kw.update(overrides)
     return ModelConfig(**kw)
 
 
-def tiny_model(residual: str = "mhc", seed: int = 0, **overrides) -> LM:
+def tiny_model(connection: str = "mhc", seed: int = 0, **overrides) -> LM:
     torch.manual_seed(seed)
-    return LM(tiny_config(residual, **overrides)).eval()
+    return LM(tiny_config(connection, **overrides)).eval()
 
 
 def perturb_connections(model: LM, seed: int = 1) -> None:
@@ -229,7 +229,7 @@ def test_gpt2_init_scales_residual_projections():
         ({"dim": 12, "n_heads": 4}, "even head_dim"),
         ({"n_layers": 0}, "n_layers must be an integer >= 1"),
         ({"vocab_size": -3}, "vocab_size must be an integer >= 1"),
-        ({"residual": "dense"}, "residual must be one of"),
+        ({"connection": "dense"}, "connection must be one of"),
         ({"streams": 0}, "streams must be an integer >= 1"),
         ({"sinkhorn_iters": 0}, "sinkhorn_iters must be an integer >= 1"),
         ({"init_std": 0.0}, "init_std must be a number > 0"),

@@ -259,7 +259,7 @@ def test_spike_guard_unit():
 
 def test_config_validation_messages(tmp_path, tiny_config):
     cases = [
-        ({"residual": "dense"}, "residual must be one of"),
+        ({"connection": "dense"}, "connection must be one of"),
         ({"seq_len": 64}, "seq_len 64 is longer than the model allows: max_seq_len is 32"),
         ({"steps": 0}, "steps must be an integer >= 1, got 0"),
         ({"lr": -1.0}, "lr must be a number > 0.0"),

@@ -803,7 +803,7 @@ def test_lm_trains_under_cpu_bf16_autocast():
     losses = {}
     for kind in ("residual", "hc", "mhc"):
         torch.manual_seed(0)
-        model = LM(ModelConfig(dim=32, n_layers=2, max_seq_len=16, residual=kind))
+        model = LM(ModelConfig(dim=32, n_layers=2, max_seq_len=16, connection=kind))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _, loss = model(idx, idx)
         loss.backward()

@@ -53,7 +53,7 @@ def test_lm_saves_fewer_bytes_and_same_gradients():
     for name, kind, rc in [("residual", "residual", False), ("mhc", "mhc", False),
                            ("mhc+recompute", "mhc", True)]:
         torch.manual_seed(0)
-        model = LM(ModelConfig(dim=64, n_layers=4, max_seq_len=64, residual=kind,
+        model = LM(ModelConfig(dim=64, n_layers=4, max_seq_len=64, connection=kind,
                                recompute=rc))
         nbytes, loss = saved_bytes(lambda m=model: m(tokens, tokens)[1],
                                    exclude=list(model.parameters()))

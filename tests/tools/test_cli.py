@@ -35,11 +35,11 @@ def assert_one_line_error(code, err, *needles):
 
 def test_train_writes_checkpoint_and_metrics(tmp_path, tiny_flags, capsys):
     out = tmp_path / "run"
-    code, _, err = run(["train", *tiny_flags, "--residual", "hc", "--out", out],
+    code, _, err = run(["train", *tiny_flags, "--connection", "hc", "--out", out],
                        capsys)
     assert code == 0, err
     state = load_checkpoint(out)
-    assert state["step"] == 4 and state["model_config"]["residual"] == "hc"
+    assert state["step"] == 4 and state["model_config"]["connection"] == "hc"
     assert state["model_config"]["dim"] == 32
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert any('"kind": "eval"' in line for line in lines)
@@ -58,7 +58,7 @@ def test_toml_config_and_precedence(tmp_path, tiny_flags, capsys):
     saved = load_checkpoint(out)["train_config"]
     assert saved["steps"] == 5  # flag over file (and over TINY's --steps 4, given earlier)
     assert saved["lr"] == 0.002 and saved["schedule"] == "step"  # file over defaults
-    assert saved["model"]["residual"] == "mhc" and saved["model"]["streams"] == 2
+    assert saved["model"]["connection"] == "mhc" and saved["model"]["streams"] == 2
     assert saved["model"]["dim"] == 32  # flag; the file does not set it
 
 
@@ -116,9 +116,32 @@ def test_corpus_shorter_than_one_batch(tmp_path, tiny_flags, capsys):
     assert_one_line_error(code, err, "corpus shorter than one batch", "33")
 
 
-def test_unknown_residual_kind(tmp_path, tiny_flags, capsys):
-    code, _, err = run(["train", *tiny_flags, "--residual", "dense"], capsys)
-    assert_one_line_error(code, err, "residual must be one of", "'dense'")
+def test_unknown_connection_kind(tmp_path, tiny_flags, capsys):
+    code, _, err = run(["train", *tiny_flags, "--connection", "dense"], capsys)
+    assert_one_line_error(code, err, "connection must be one of", "'dense'")
+
+
+@pytest.mark.parametrize("where", ["flag", "top", "model"])
+def test_former_name_of_the_connection_field(tmp_path, tiny_flags, capsys, where):
+    """`residual` (the kind's former name) in a flag or a config file: one line naming
+    `connection`, nothing trained."""
+    if where == "flag":
+        argv = ["train", *tiny_flags, "--residual", "hc", "--out", str(tmp_path / "r")]
+    else:
+        toml = tmp_path / "c.toml"
+        toml.write_text('residual = "hc"\n' if where == "top" else '[model]\nresidual = "hc"\n')
+        argv = ["train", *tiny_flags, "--config", str(toml), "--out", str(tmp_path / "r")]
+    code, _, err = run(argv, capsys)
+    assert_one_line_error(code, err, "residual", "connection")
+    assert not (tmp_path / "r").exists()
+
+
+def test_checkpoint_config_with_the_former_key_loads():
+    from torch_mhc.lm.model import ModelConfig
+
+    cfg = ModelConfig(connection="hc", dim=32, n_layers=1, n_heads=2, max_seq_len=16)
+    old = {("residual" if k == "connection" else k): v for k, v in cfg.to_dict().items()}
+    assert ModelConfig.from_dict(old) == cfg
 
 
 def test_sequence_longer_than_model(tmp_path, tiny_flags, capsys):
@@ -208,7 +231,7 @@ def test_diverged_run_exits_1(tmp_path, tiny_flags, capsys):
 def test_generate_with_and_without_cache(tmp_path, tiny_flags, capsys):
     out = tmp_path / "run"
     assert run(["train", *tiny_flags, "--out", out, "--steps", "20",
-                "--residual", "mhc"], capsys)[0] == 0
+                "--connection", "mhc"], capsys)[0] == 0
     args = ["generate", "--checkpoint", out, "--prompt", "def f1(x):\n", "--temperature", "0",
             "--max-new-tokens", "16"]
     code, cached, err = run(args, capsys)
@@ -250,11 +273,11 @@ def test_help_lists_subcommands(capsys):
 
 
 def test_python_dash_m(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "torch_mhc", "train", "--residual", "dense"],
+    proc = subprocess.run([sys.executable, "-m", "torch_mhc", "train", "--connection", "dense"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     line = proc.stderr.strip()
     assert "\n" not in line
-    assert line.startswith("mhc train: error: ModelConfig.residual must be one of ('residual', "
+    assert line.startswith("mhc train: error: ModelConfig.connection must be one of ('residual', "
                            "'hc', 'mhc'")
     assert line.endswith(", got 'dense'")

@@ -50,7 +50,7 @@ def test_compare_writes_all_files(tiny_report):
         assert width > 200 and height > 200
     for kind in ("residual", "hc", "mhc"):
         state = load_checkpoint(out / kind)
-        assert state["model_config"]["residual"] == kind
+        assert state["model_config"]["connection"] == kind
         assert state["step"] == PRESETS["tiny"]["steps"]
         assert (out / kind / "metrics.jsonl").is_file()
     assert not list(out.glob(".*.tmp"))  # no temp file left behind

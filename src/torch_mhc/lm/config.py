@@ -1,7 +1,7 @@
 """Configuration of a run: `TrainConfig` (validated, with the device and dtype it resolves to)
 and its layers for the `mhc` commands: defaults, presets, a TOML file, flags.
 
-    cfg = TrainConfig(model=ModelConfig(residual="mhc", dim=128), steps=500, out_dir="runs/a")
+    cfg = TrainConfig(model=ModelConfig(connection="mhc", dim=128), steps=500, out_dir="runs/a")
     cfg.validate()                 # ConfigError naming the field, what was expected, what came
 
 Precedence, lowest first: TrainConfig's defaults (or a compare preset), then the TOML file
@@ -276,12 +276,20 @@ class TrainConfig:
         return replace(self, model=model, **train_kw)
 
 
+# Former names of config fields: a file or flag using one gets an error naming the new one.
+RENAMED = {"residual": "connection"}
+
+
 def _split_keys(overrides: dict) -> tuple[dict, dict]:
     """(TrainConfig fields, ModelConfig fields) of a dict whose model fields are at the top
     level or in a "model" dict; ConfigError for an unknown or twice-given key."""
     train_names = {f.name for f in fields(TrainConfig)} - {"model"}
     model_names = {f.name for f in fields(ModelConfig)}
     train_kw, model_kw = {}, {}
+    model = overrides.get("model")
+    for key in (*overrides, *(model if isinstance(model, dict) else {})):
+        if key in RENAMED:
+            raise ConfigError(f"config key {key!r} is now {RENAMED[key]!r}")
     for key, value in overrides.items():
         if key == "model":
             if not isinstance(value, dict):
@@ -442,7 +450,7 @@ HELP = {
     "n_heads": "attention heads",
     "max_seq_len": "longest sequence the model accepts",
     "mlp_ratio": "MLP width / dim",
-    "residual": "connection kind: residual | hc | mhc | mhc-lite | kromhc | mhc-static-res",
+    "connection": "connection kind: residual | hc | mhc | mhc-lite | kromhc | mhc-static-res",
     "streams": "residual streams n for every kind but residual (mhc-lite: n <= 5; kromhc: "
                "a power of two)",
     "sinkhorn_iters": "Sinkhorn-Knopp iterations of mHC",
@@ -530,6 +538,17 @@ def _field_specs(exclude: set[str]):
             yield f.name, str(f.type), default
 
 
+class _Renamed(argparse.Action):
+    """A former flag: using it is a usage error that names the new flag."""
+
+    def __init__(self, *args, new: str, **kwargs):
+        self.new = new
+        super().__init__(*args, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is now {self.new}")
+
+
 def add_config_flags(parser: argparse.ArgumentParser, exclude: set[str] = frozenset(),
                      preset_keys: set[str] = frozenset()) -> None:
     """One flag per config field; unset flags leave no attribute (argparse.SUPPRESS), so only
@@ -538,6 +557,9 @@ def add_config_flags(parser: argparse.ArgumentParser, exclude: set[str] = frozen
     model_group = parser.add_argument_group("model")
     train_group = parser.add_argument_group("training")
     model_names = {f.name for f in fields(ModelConfig)}
+    for old, new in RENAMED.items():
+        parser.add_argument("--" + old, action=_Renamed, new="--" + new, nargs="?",
+                            help=argparse.SUPPRESS)
     for name, type_str, default in _field_specs(set(exclude)):
         group = model_group if name in model_names else train_group
         flag = "--" + name.replace("_", "-")

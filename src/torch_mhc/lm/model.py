@@ -60,7 +60,7 @@ class ModelConfig:
     n_heads: int = 4
     max_seq_len: int = 256
     mlp_ratio: float = 4.0
-    residual: str = "mhc"  # one of CONNECTION_KINDS: "residual" | "hc" | "mhc" | variants
+    connection: str = "mhc"  # one of CONNECTION_KINDS: "residual" | "hc" | "mhc" | variants
     streams: int = 4  # ignored for "residual", which has one stream
     sinkhorn_iters: int = 20
     norm_eps: float = 1e-6
@@ -88,13 +88,13 @@ class ModelConfig:
                     or not math.isfinite(value) or not value > 0):
                 raise ValueError(
                     f"ModelConfig.{name} must be a number > 0 and finite, got {value!r}")
-        if self.residual not in CONNECTION_KINDS:
+        if self.connection not in CONNECTION_KINDS:
             raise ValueError(
-                f"ModelConfig.residual must be one of {CONNECTION_KINDS}, got {self.residual!r}"
+                f"ModelConfig.connection must be one of {CONNECTION_KINDS}, got {self.connection!r}"
             )
-        if self.residual != "residual":
+        if self.connection != "residual":
             try:
-                check_streams(self.residual, self.streams)
+                check_streams(self.connection, self.streams)
             except ValueError as e:
                 raise ValueError(f"ModelConfig.streams: {e}") from None
         if self.dim % self.n_heads != 0:
@@ -132,7 +132,7 @@ class ModelConfig:
     @property
     def n_streams(self) -> int:
         """Streams actually used: 1 for the plain residual, `streams` otherwise."""
-        return 1 if self.residual == "residual" else self.streams
+        return 1 if self.connection == "residual" else self.streams
 
     def to_dict(self) -> dict:
         """Plain dict of the fields, for checkpoints."""
@@ -142,6 +142,8 @@ class ModelConfig:
     def from_dict(cls, d: dict) -> ModelConfig:
         """Inverse of to_dict; unknown keys are an error (a checkpoint from another version)."""
         known = {f.name for f in fields(cls)}
+        if "residual" in d and "connection" not in d:  # the kind's key in older checkpoints
+            d = {("connection" if k == "residual" else k): v for k, v in d.items()}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(
@@ -319,15 +321,15 @@ class MLPBranch(nn.Module):
 
 def _connection_kwargs(cfg: ModelConfig) -> dict:
     """The keyword arguments each connection class accepts (see connections.py)."""
-    if cfg.residual == "hc":
+    if cfg.connection == "hc":
         return {"norm_eps": cfg.norm_eps, "check_finite": cfg.check_finite}
-    if cfg.residual == "mhc":
+    if cfg.connection == "mhc":
         return {
             "sinkhorn_iters": cfg.sinkhorn_iters,
             "norm_eps": cfg.norm_eps,
             "check_finite": cfg.check_finite,
         }
-    if cfg.residual != "residual":  # mhc-lite, kromhc, mhc-static-res (connections.successors)
+    if cfg.connection != "residual":  # mhc-lite, kromhc, mhc-static-res (connections.successors)
         return {"norm_eps": cfg.norm_eps, "check_finite": cfg.check_finite}
     return {}
 
@@ -343,10 +345,10 @@ class Block(nn.Module):
         super().__init__()
         n, kw = cfg.n_streams, _connection_kwargs(cfg)
         self.attn = make_connection(
-            cfg.residual, cfg.dim, n, 2 * block_index, AttentionBranch(cfg, block_index), **kw
+            cfg.connection, cfg.dim, n, 2 * block_index, AttentionBranch(cfg, block_index), **kw
         )
         self.mlp = make_connection(
-            cfg.residual, cfg.dim, n, 2 * block_index + 1, MLPBranch(cfg), **kw
+            cfg.connection, cfg.dim, n, 2 * block_index + 1, MLPBranch(cfg), **kw
         )
 
     def forward(self, x, cos, sin, kv_cache=None, start_pos=0):

@@ -112,7 +112,7 @@ def _warn_warmup(cfg, prog: str) -> None:
 # mhc compare
 # ---------------------------------------------------------------------------------------------
 
-_COMPARE_EXCLUDED = {"out_dir", "resume", "overwrite", "residual"}
+_COMPARE_EXCLUDED = {"out_dir", "resume", "overwrite", "connection"}
 
 
 def _add_compare(subparsers) -> None:
@@ -260,7 +260,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     print(decode(out[0]))
     print(f"[{args.max_new_tokens} tokens in {elapsed:.2f} s, "
           f"{args.max_new_tokens / elapsed:,.0f} tokens/s, "
-          f"KV cache {'on' if args.use_cache else 'off'}, {cfg.residual}]", file=sys.stderr)
+          f"KV cache {'on' if args.use_cache else 'off'}, {cfg.connection}]", file=sys.stderr)
     return 0
 
 

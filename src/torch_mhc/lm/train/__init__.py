@@ -1,6 +1,6 @@
 """The training loop, for one process or many (torchrun): needs the `train` extra (numpy, tqdm).
 
-    cfg = TrainConfig(model=ModelConfig(residual="mhc", dim=128), steps=500, out_dir="runs/a")
+    cfg = TrainConfig(model=ModelConfig(connection="mhc", dim=128), steps=500, out_dir="runs/a")
     result = train(cfg)            # TrainResult: losses, val loss / bits per byte, speed, gains
 
 The parts, each its own module:

@@ -129,7 +129,7 @@ class Printer:
 
 def progress_bar(cfg: TrainConfig, start_step: int) -> tqdm:
     """The step bar: shown on rank 0 on a terminal when cfg.progress (disable=None)."""
-    return tqdm(total=cfg.steps, initial=start_step, desc=cfg.model.residual, unit="step",
+    return tqdm(total=cfg.steps, initial=start_step, desc=cfg.model.connection, unit="step",
                 disable=None if (cfg.progress and is_rank0()) else True,
                 dynamic_ncols=True, leave=False)
 

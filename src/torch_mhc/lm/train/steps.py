@@ -237,7 +237,7 @@ def measure_gains(model: LM, x: torch.Tensor, device: torch.device,
                   amp_dtype: torch.dtype | None) -> GainReport | None:
     """Amax gains and connection health (a diagnostics.HealthReport) of every connection on
     the batch x [b, T]; None for the residual."""
-    if model.cfg.residual == "residual":
+    if model.cfg.connection == "residual":
         return None
     was_training = model.training
     model.eval()

@@ -1,6 +1,6 @@
 """The run: `train(cfg)` builds a Trainer and runs it, top to bottom.
 
-    result = train(TrainConfig(model=ModelConfig(residual="mhc"), steps=500, out_dir="runs/a"))
+    result = train(TrainConfig(model=ModelConfig(connection="mhc"), steps=500, out_dir="runs/a"))
 
 What one run does, in order (`Trainer.run`):
 1. validate the configuration (before anything is written), start the process group under
@@ -325,7 +325,7 @@ class Trainer:
             f", parallel {cfg.parallel} on {info.world_size} processes"
             + (f" ({cfg.pp_schedule}, {cfg.micro_batches} micro-batches)" if self.pipe else ""))
         self.printer(
-            f"training {cfg.model.residual} (n={cfg.model.n_streams}): {r.params:,} parameters "
+            f"training {cfg.model.connection} (n={cfg.model.n_streams}): {r.params:,} parameters "
             f"({r.connection_params:,} in connections), {cfg.steps} steps of "
             f"{cfg.batch_size}x{cfg.seq_len} tokens, {r.amp_dtype} on {self.device}{layout}; "
             f"data: {self.corpus.source_description}"
@@ -334,7 +334,7 @@ class Trainer:
         if self.metrics.dropped:
             self.printer(f"metrics.jsonl: dropped {self.metrics.dropped} line(s) written after "
                          f"step {start} or torn by the run that stopped")
-        if self.pipe is not None and cfg.model.residual != "residual":
+        if self.pipe is not None and cfg.model.connection != "residual":
             self.printer("gains are not measured under parallel = 'pp' (no stage sees every "
                          "block)")
 

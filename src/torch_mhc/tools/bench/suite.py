@@ -118,7 +118,7 @@ def summarize(times: dict[str, list[float]], baseline: str) -> dict[str, dict]:
 def lm_config(kind: str, dim: int, layers: int, streams: int, seq: int, **fields) -> ModelConfig:
     """The benchmark LM: heads of width 64 (one head below dim 64), max_seq_len = seq."""
     return ModelConfig(dim=dim, n_layers=layers, n_heads=max(1, dim // 64), max_seq_len=seq,
-                       residual=kind, streams=streams, **fields)
+                       connection=kind, streams=streams, **fields)
 
 
 class LucidrainsMHCLM(nn.Module):
@@ -133,7 +133,7 @@ class LucidrainsMHCLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         hc = _import_hyper_connections()
-        base = LM(dataclasses.replace(cfg, residual="residual"))
+        base = LM(dataclasses.replace(cfg, connection="residual"))
         self.cfg = cfg
         self.tok_emb, self.norm_f, self.lm_head = base.tok_emb, base.norm_f, base.lm_head
         self.expand, self.reduce = hc.mc_get_expand_reduce_stream_functions(cfg.streams)

@@ -160,7 +160,7 @@ def compare(out_dir: str | os.PathLike, preset: str = "default", *,
     models = {}
     for kind in kinds:  # every kind checked before any training
         try:
-            models[kind] = replace(base.model, residual=kind)
+            models[kind] = replace(base.model, connection=kind)
         except ValueError as e:
             raise ConfigError(f"kind {kind} cannot run with streams = {base.model.streams}: "
                               f"{e}") from None
@@ -303,7 +303,7 @@ def _report(base: TrainConfig, preset: str, results: dict[str, list[TrainResult]
         if seeds > 1:
             _average_over_seeds(variants[-1], runs, base.seed)
     config = base.to_dict()
-    config["model"]["residual"] = "varies: " + ", ".join(results)
+    config["model"]["connection"] = "varies: " + ", ".join(results)
     config["seed"] = f"{base.seed} to {base.seed + seeds - 1}" if seeds > 1 else base.seed
     return {
         "preset": preset,
