@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from torch_mhc.lm.model import ModelConfig
+from torch_mhc.lm.model import BYTE_VOCAB, ModelConfig
 from torch_mhc.lm.parallel import layout as _layout
 
 __all__ = [
@@ -63,7 +63,6 @@ class ConfigError(ValueError):
 
 
 SCHEDULES = ("cosine", "step")
-BYTE_VOCAB = 256  # the corpora are bytes (torch_mhc.lm.data.VOCAB_SIZE)
 DTYPES = ("auto", "fp32", "bf16")
 SEED_MAX = 2**32 - 1  # numpy's seeds (the data order) are 32-bit
 PATH_FIELDS = ("data", "cache_dir", "out_dir")  # resume too, when it is a path

@@ -86,7 +86,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from torch_mhc.lm.config import BYTE_VOCAB
+from torch_mhc.lm.model import BYTE_VOCAB
 from torch_mhc.runtime.files import atomic_write, temp_file
 
 __all__ = [
@@ -102,7 +102,7 @@ __all__ = [
     "val_batches",
 ]
 
-VOCAB_SIZE = BYTE_VOCAB  # bytes: one definition, in torch_mhc.lm.config
+VOCAB_SIZE = BYTE_VOCAB  # bytes
 SEPARATOR = b"\n\n"  # between documents (files, dataset rows)
 
 _FORMAT_VERSION = 1  # bump when the cache layout or the document rules change

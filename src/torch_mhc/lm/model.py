@@ -42,7 +42,9 @@ from torch_mhc.connections.base import (
 from torch_mhc.connections.successors import check_streams
 from torch_mhc.runtime.recompute import optimal_interval, recompute_streams
 
-__all__ = ["ModelConfig", "KVCache", "LM"]
+__all__ = ["BYTE_VOCAB", "ModelConfig", "KVCache", "LM"]
+
+BYTE_VOCAB = 256  # the reference LM reads raw bytes (lm.data): no tokenizer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -54,7 +56,7 @@ __all__ = ["ModelConfig", "KVCache", "LM"]
 class ModelConfig:
     """Sizes and choices of the reference LM; validated on construction."""
 
-    vocab_size: int = 256  # byte-level
+    vocab_size: int = BYTE_VOCAB
     dim: int = 128
     n_layers: int = 4  # transformer blocks; 2 * n_layers connections
     n_heads: int = 4

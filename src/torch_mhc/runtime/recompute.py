@@ -25,11 +25,10 @@ Residual connections have nothing to recompute and run unchanged.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 
 import torch
-
-from torch_mhc.tools.cost.model import optimal_recompute_interval
 
 __all__ = ["recompute_streams", "optimal_interval", "RecomputeStats"]
 
@@ -37,9 +36,20 @@ ACTIVE: _Controller | None = None  # read by every connection's forward
 
 
 def optimal_interval(streams: int, layers: int) -> int:
-    """L_r* = sqrt(n L / (n + 2)) rounded halves up, at least 1 (paper section 4.3); see
-    torch_mhc.tools.cost.model.optimal_recompute_interval, its one definition."""
-    return optimal_recompute_interval(streams, layers)
+    """L_r* = sqrt(n L / (n + 2)) (paper section 4.3) rounded to the nearest integer, halves
+    up (floor(x + 0.5), not Python's round, which takes halves to even), at least 1. The one
+    definition of L_r*: `mhc cost` uses it too.
+
+    `layers` is L in the paper's sense: the number of connections the interval is chosen
+    for (a whole model has 2 per transformer block; the cost model passes one pipeline
+    stage's). Exact in integers: floor(sqrt(q) + 1/2) = floor((floor(sqrt(4q)) + 1) / 2) and
+    floor(sqrt(4q)) = isqrt(floor(4 n L / (n + 2))), so a half-way case (n = 6, L = 27:
+    sqrt(20.25) = 4.5 -> 5) never depends on float rounding.
+    """
+    for name, value in (("streams", streams), ("layers", layers)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return max(1, (math.isqrt(4 * streams * layers // (streams + 2)) + 1) // 2)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Analytic cost model of the residual connection, Hyper-Connections (HC) and mHC.
 
-Everything here is arithmetic on the shapes of DESIGN.md; nothing runs a model and nothing
-imports torch, so `mhc cost` answers instantly. Notation: n = streams, C = hidden,
+Everything here is arithmetic on the shapes of DESIGN.md; nothing runs a model, so `mhc cost`
+answers instantly. Notation: n = streams, C = hidden,
 L = layers (transformer blocks), T = tokens per sequence, m = n^2 + 2n (the number of map
 coefficients per token: n for H_pre, n for H_post, n^2 for H_res). Every transformer block
 has two sublayers (attention, MLP), each wrapped by one connection, so a model has 2L
@@ -127,6 +127,8 @@ import json
 import math
 import sys
 from dataclasses import asdict, dataclass, fields
+
+from torch_mhc.runtime.recompute import optimal_interval as optimal_recompute_interval
 
 __all__ = [
     "DTYPE_BITS",
@@ -444,22 +446,6 @@ def block_params(cfg: CostConfig) -> dict:
 # --------------------------------------------------------------------------------------------
 # Activations, pipeline, KV cache
 # --------------------------------------------------------------------------------------------
-
-
-def optimal_recompute_interval(streams: int, layers: int) -> int:
-    """L_r* = sqrt(n L / (n + 2)) rounded to the nearest integer, halves up (floor(x + 0.5),
-    not Python's round, which takes halves to even), at least 1. The one definition of L_r*:
-    torch_mhc.runtime.recompute.optimal_interval is this function.
-
-    `layers` is L in the paper's sense: the number of connections the interval is chosen
-    for (a whole model has 2 per transformer block; estimate() passes one pipeline stage's).
-    Exact in integers: floor(sqrt(q) + 1/2) = floor((floor(sqrt(4q)) + 1) / 2) and
-    floor(sqrt(4q)) = isqrt(floor(4 n L / (n + 2))), so a half-way case (n = 6, L = 27:
-    sqrt(20.25) = 4.5 -> 5) never depends on float rounding.
-    """
-    _check_int("streams", streams)
-    _check_int("layers", layers)
-    return max(1, (math.isqrt(4 * streams * layers // (streams + 2)) + 1) // 2)
 
 
 def recompute_activation_elements(streams: int, hidden: int, layers: int, interval: int) -> int:
