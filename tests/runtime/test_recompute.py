@@ -76,7 +76,7 @@ def test_optimal_interval_and_errors():
     # Python's round would give 4 (halves to even).
     assert (6 * 27 / 8) ** 0.5 == 4.5 and round(4.5) == 4
     assert optimal_interval(6, 27) == 5
-    with pytest.raises(ValueError, match="layers must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="layers must be >= 1, got 0"):
         optimal_interval(4, 0)
     with pytest.raises(ValueError, match="int >= 1, got 0"):
         with recompute_streams(0):

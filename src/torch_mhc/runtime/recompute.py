@@ -47,8 +47,10 @@ def optimal_interval(streams: int, layers: int) -> int:
     sqrt(20.25) = 4.5 -> 5) never depends on float rounding.
     """
     for name, value in (("streams", streams), ("layers", layers)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not isinstance(value, int) or isinstance(value, bool):
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
     return max(1, (math.isqrt(4 * streams * layers // (streams + 2)) + 1) // 2)
 
 
