@@ -2,7 +2,7 @@
 
     import torch_mhc.hf
     model = transformers.AutoModelForCausalLM.from_pretrained("path/or/name")
-    torch_mhc.integrations.hf.convert(model, kind="mhc", streams=4)      # same logits as before
+    torch_mhc.hf.convert(model, kind="mhc", streams=4)      # same logits as before
     ...                                                     # fine-tune (transformers.Trainer)
     torch_mhc.hf.save_pretrained(model, "out/")             # safetensors + config.json
     model = torch_mhc.hf.from_pretrained("out/")            # the same converted model

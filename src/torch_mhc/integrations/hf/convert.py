@@ -1,7 +1,7 @@
 """convert(): put HC / mHC (any connection kind) into a transformers causal LM, in place.
 
     model = AutoModelForCausalLM.from_pretrained("...")
-    torch_mhc.integrations.hf.convert(model, kind="mhc", streams=4)
+    torch_mhc.hf.convert(model, kind="mhc", streams=4)
 
 Every decoder layer's attention and MLP sublayers become the branches of two connections
 (layer_index 2 i and 2 i + 1 for decoder layer i, as in torch_mhc.lm.model), the first layer
@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from torch import nn
 
 from torch_mhc import __version__
-from torch_mhc.connections.base import _Connection, make_connection
+from torch_mhc.connections import Connection, make_connection
 from torch_mhc.integrations.hf.layers import (
     ConversionError,
     converted_class,
@@ -157,7 +157,7 @@ def connection_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]
     """(name, parameter) of every connection in the model (maps, gates, static biases)."""
     seen = set()
     for mod_name, module in model.named_modules():
-        if isinstance(module, _Connection):
+        if isinstance(module, Connection):
             for name, p in module.named_parameters(recurse=False):
                 if id(p) not in seen:
                     seen.add(id(p))
@@ -172,7 +172,7 @@ def train_only_connections(model: nn.Module) -> list[nn.Parameter]:
     if not keep:
         raise ValueError(
             f"{type(model).__name__} has no connection parameters: convert it first "
-            "(torch_mhc.integrations.hf.convert) with a kind that has parameters (not 'residual')"
+            "(torch_mhc.hf.convert) with a kind that has parameters (not 'residual')"
         )
     trainable = []
     for p in model.parameters():
