@@ -23,8 +23,8 @@ from contextlib import contextmanager
 import torch
 
 from torch_mhc.ops.cpu import native as cpu_native
-from torch_mhc.tools.bench.suite import build_model, random_tokens, summarize, train_step
-from torch_mhc.tools.bench.timing import CLOCKS, time_interleaved
+from torch_mhc.tools.bench.timing import CLOCKS, summarize, time_interleaved
+from torch_mhc.tools.bench.workloads import build_model, random_tokens, train_step
 
 
 @contextmanager

@@ -18,11 +18,11 @@ import platform
 
 import torch
 
-from torch_mhc.connections.base import CONNECTION_KINDS
+from torch_mhc.connections import CONNECTION_KINDS
 from torch_mhc.lm.model import LM, ModelConfig
 from torch_mhc.runtime.diagnostics import collect_gains, collect_health
-from torch_mhc.tools.bench.suite import random_tokens, summarize, train_step
-from torch_mhc.tools.bench.timing import CLOCKS, time_interleaved
+from torch_mhc.tools.bench.timing import CLOCKS, summarize, time_interleaved
+from torch_mhc.tools.bench.workloads import random_tokens, train_step
 
 
 def _model(kind: str, args) -> LM:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from torch_mhc.tools.bench import suite as bench
+from torch_mhc.tools.bench import workloads
 from torch_mhc.tools.bench.suite import bench_main, saved_bytes, summarize, time_interleaved
 
 
@@ -201,7 +202,7 @@ def test_bad_arguments_exit_2_with_a_message(argv, needle, capsys):
 
 
 def test_hyper_connections_skipped_when_missing(monkeypatch, capsys):
-    monkeypatch.setattr(bench, "_hyper_connections_version", lambda: None)
+    monkeypatch.setattr(workloads, "hyper_connections_version", lambda: None)
     assert bench_main(["--quick", "--only", "hyper_connections"]) == 0
     out = capsys.readouterr().out
     report, end = json.JSONDecoder().raw_decode(out)

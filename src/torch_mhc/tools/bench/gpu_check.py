@@ -43,6 +43,8 @@ import torch
 
 from torch_mhc import ops as _ops
 from torch_mhc.runtime.files import atomic_write
+from torch_mhc.tools.bench import decode
+from torch_mhc.tools.bench.workloads import build_model, random_tokens, train_step
 
 SECTIONS = ("correctness", "kernels", "sinkhorn", "step", "decode", "inductor")
 # Relative max error allowed (|a - e| <= tol * max|e|), as tests/ops/test_triton.py.
@@ -283,8 +285,6 @@ STEP_VARIANTS = {"residual": ("residual", {}), "hc": ("hc", {}), "mhc": ("mhc", 
 
 
 def bench_step(cfg: dict, dtype: torch.dtype) -> dict:
-    from torch_mhc.tools.bench.suite import build_model, random_tokens, train_step
-
     device, sc = cfg["device"], cfg["step"]
     idx = random_tokens(sc["batch"], sc["seq"] + 1, device=device)
     entries = {}
@@ -312,10 +312,8 @@ def bench_step(cfg: dict, dtype: torch.dtype) -> dict:
 
 
 def bench_decode(cfg: dict, dtype: torch.dtype) -> dict:
-    from torch_mhc.tools.bench import suite as bench
-
     dc = cfg["decode"]
-    return bench.bench_decode(dim=dc["dim"], layers=dc["layers"], batches=dc["batches"],
+    return decode.bench_decode(dim=dc["dim"], layers=dc["layers"], batches=dc["batches"],
                               prompt=dc["prompt"], new_tokens=dc["new_tokens"],
                               dtype=str(dtype).replace("torch.", ""), device=cfg["device"],
                               repeats=2, warmup=1)

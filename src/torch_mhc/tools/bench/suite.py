@@ -40,27 +40,32 @@ benchmark on stdout; progress goes to stderr.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
-import importlib.metadata
 import json
 import os
 import platform
-import statistics
 import sys
-from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from torch_mhc import ops as _ops
 from torch_mhc.functional.sinkhorn import sinkhorn, sinkhorn_unrolled
-from torch_mhc.lm.model import LM, ModelConfig, rope_angles
 from torch_mhc.runtime.files import atomic_write
 from torch_mhc.runtime.recompute import optimal_interval
-from torch_mhc.tools.bench.timing import CLOCKS, time_interleaved
+from torch_mhc.tools.bench import workloads
+from torch_mhc.tools.bench.decode import bench_decode
+from torch_mhc.tools.bench.timing import CLOCKS, summarize, time_interleaved
+from torch_mhc.tools.bench.workloads import (
+    DTYPES,
+    LucidrainsMHCLM,
+    build_model,
+    lm_config,
+    log,
+    random_tokens,
+    saved_bytes,
+    train_step,
+)
 
 __all__ = [
     "BENCHMARKS",
@@ -80,195 +85,11 @@ __all__ = [
 ]
 
 BENCHMARKS = ("step", "hyper_connections", "saved", "sinkhorn", "decode")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Model variants: our three connections, and lucidrains' mHC around the same blocks.
-VARIANTS = ("residual", "hc", "mhc", "lucidrains_mhc")
-
-
-def summarize(times: dict[str, list[float]], baseline: str) -> dict[str, dict]:
-    """Per entry: median, min, max ms, the runs, and the ratio to the baseline.
-
-    ratio = median / the baseline's median (exactly 1.0 for the baseline); ratio_min and
-    ratio_max are the extremes of the per-round ratios (run r over the baseline's run r).
-    """
-    if baseline not in times:
-        raise ValueError(f"baseline {baseline!r} is not among the timed entries {list(times)}")
-    base = times[baseline]
-    base_median = statistics.median(base)
-    out = {}
-    for name, ts in times.items():
-        per_round = [t / b for t, b in zip(ts, base, strict=True)]
-        out[name] = {
-            "median_ms": statistics.median(ts),
-            "min_ms": min(ts),
-            "max_ms": max(ts),
-            "ratio": statistics.median(ts) / base_median,
-            "ratio_min": min(per_round),
-            "ratio_max": max(per_round),
-            "runs_ms": [round(t, 3) for t in ts],
-        }
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Models and a training step
-# ---------------------------------------------------------------------------------------------
-
-
-def lm_config(kind: str, dim: int, layers: int, streams: int, seq: int, **fields) -> ModelConfig:
-    """The benchmark LM: heads of width 64 (one head below dim 64), max_seq_len = seq."""
-    return ModelConfig(dim=dim, n_layers=layers, n_heads=max(1, dim // 64), max_seq_len=seq,
-                       connection=kind, streams=streams, **fields)
-
-
-class LucidrainsMHCLM(nn.Module):
-    """The reference LM's blocks wrapped by lucidrains' `hyper_connections.mHC` instead.
-
-    Built from an LM with plain residual connections, whose embedding, branches (pre-norm
-    attention and MLP), final norm and head it reuses; each branch is wrapped by
-    `hyper_connections.mHC(n, dim=C, branch=..., layer_index=...)`. That package keeps the
-    streams folded into the batch, [B * n, T, C], expands by repetition and reduces by sum.
-    """
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        hc = _import_hyper_connections()
-        base = LM(dataclasses.replace(cfg, connection="residual"))
-        self.cfg = cfg
-        self.tok_emb, self.norm_f, self.lm_head = base.tok_emb, base.norm_f, base.lm_head
-        self.expand, self.reduce = hc.mc_get_expand_reduce_stream_functions(cfg.streams)
-        n = cfg.streams
-        self.attn = nn.ModuleList(
-            hc.mHC(n, dim=cfg.dim, branch=b.attn.branch, layer_index=2 * i)
-            for i, b in enumerate(base.blocks)
-        )
-        self.mlp = nn.ModuleList(
-            hc.mHC(n, dim=cfg.dim, branch=b.mlp.branch, layer_index=2 * i + 1)
-            for i, b in enumerate(base.blocks)
-        )
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        B, T = idx.shape
-        cos, sin = rope_angles(0, T, self.cfg.head_dim, self.cfg.rope_base, idx.device)
-        x = self.expand(self.tok_emb(idx))  # [B * n, T, C]
-        for attn, mlp in zip(self.attn, self.mlp, strict=True):
-            x = mlp(attn(x, cos, sin))  # [B * n, T, C]
-        logits = self.lm_head(self.norm_f(self.reduce(x)))  # [B, T, V]
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.float().reshape(B * T, -1), targets.reshape(B * T))
-        return logits, loss
-
-
-def _import_hyper_connections():
-    """lucidrains' package, or ImportError with the install hint."""
-    try:
-        import hyper_connections
-    except ImportError as err:
-        raise ImportError(
-            "the hyper_connections benchmark needs lucidrains' hyper-connections package "
-            f"(pip install 'torch-mhc[bench]'): {err}"
-        ) from err
-    return hyper_connections
-
-
-def _hyper_connections_version() -> str | None:
-    try:
-        return importlib.metadata.version("hyper-connections")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def build_model(
-    variant: str,
-    dim: int,
-    layers: int,
-    streams: int = 4,
-    seq: int = 256,
-    *,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-    seed: int = 0,
-    **fields,
-) -> nn.Module:
-    """One of VARIANTS, initialised from `seed`; `fields` go to ModelConfig (e.g. recompute)."""
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown model variant {variant!r}; expected one of {VARIANTS}")
-    torch.manual_seed(seed)
-    if variant == "lucidrains_mhc":
-        model = LucidrainsMHCLM(lm_config("mhc", dim, layers, streams, seq))
-    else:
-        model = LM(lm_config(variant, dim, layers, streams, seq, **fields))
-    return model.to(device=device, dtype=dtype)
-
-
-def random_tokens(batch: int, length: int, vocab: int = 256, device="cpu", seed: int = 1):
-    """Token ids [batch, length] from a fixed seed (the same for every variant)."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (batch, length), generator=g).to(device)
-
-
-def train_step(
-    model: nn.Module, idx: torch.Tensor, impl: str | None = None, optimizer: bool = False
-) -> Callable[[], None]:
-    """A closure running one training step on idx [B, T + 1] (inputs idx[:, :-1], targets
-    idx[:, 1:]): forward, cross-entropy, backward, then AdamW's step if `optimizer`.
-
-    impl: the op implementation "auto" resolves to during the step (None: leave it alone).
-    Gradients are dropped after each step, so every run does the same work.
-    """
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5) if optimizer else None
-
-    def step():
-        if impl is not None:
-            _ops.set_default_impl(impl)
-        try:
-            _, loss = model(idx[:, :-1], idx[:, 1:])
-            loss.backward()
-        finally:
-            if impl is not None:
-                _ops.set_default_impl(None)
-        if opt is not None:
-            opt.step()
-        for p in model.parameters():
-            p.grad = None
-
-    return step
-
-
-# ---------------------------------------------------------------------------------------------
-# Bytes saved for backward
-# ---------------------------------------------------------------------------------------------
-
-
-def saved_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] = ()):
-    """Bytes of the distinct storages autograd saves for backward while fn() runs.
-
-    Storages of `exclude` (e.g. the parameters, alive anyway) are not counted; neither is
-    anything kept outside autograd's saved tensors (see RecomputeStats.kept). Returns
-    (bytes, fn's result); keep the result alive until the count is used.
-    """
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in skip:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return sum(storages.values()), out
 
 
 # ---------------------------------------------------------------------------------------------
 # The benchmarks
 # ---------------------------------------------------------------------------------------------
-
-
-def _log(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
 def default_step_repeats(dim: int) -> int:
@@ -310,7 +131,7 @@ def bench_training_steps(
             model = build_model(kind, dim, layers, streams, seq, dtype=dt, device=device)
             steps[v] = train_step(model, idx, impl=None if v == "residual" else ops_impl,
                                   optimizer=optimizer)
-        _log(f"training step d={dim}: {', '.join(variants)}; {warmup} + {r} rounds")
+        log(f"training step d={dim}: {', '.join(variants)}; {warmup} + {r} rounds")
         times = time_interleaved(steps, r, warmup, clock, device)
         results.append({"dim": dim, "repeats": r, "entries": summarize(times, "residual")})
         del steps
@@ -380,7 +201,7 @@ def bench_saved(
 
     by_seq = {}
     for seq in seqs:
-        _log(f"saved bytes d={dim} T={seq}: {', '.join(variants)}")
+        log(f"saved bytes d={dim} T={seq}: {', '.join(variants)}")
         by_seq[seq] = {name: per_token(kind, seq, f) for name, (kind, f) in variants.items()}
     longest = max(seqs)
     main = by_seq[longest]
@@ -468,7 +289,7 @@ def bench_sinkhorn(
                                     (grad - want_grad).abs().max().item()),
             }
         steps = {name: (lambda fn=fn: fwd_bwd(fn)) for name, fn in fns.items()}
-        _log(f"sinkhorn [{tokens}, {n}, {n}]: {', '.join(fns)}; {warmup} + {repeats} rounds")
+        log(f"sinkhorn [{tokens}, {n}, {n}]: {', '.join(fns)}; {warmup} + {repeats} rounds")
         times = time_interleaved(steps, repeats, warmup, clock, device)
         for name, stats in summarize(times, "unrolled").items():
             entries[name].update(stats)
@@ -480,90 +301,6 @@ def bench_sinkhorn(
         "config": {"tokens": tokens, "sizes": list(sizes), "iters": iters, "dtype": "float32",
                    "device": device, "repeats": repeats, "warmup": warmup, "clock": clock,
                    "timed": "forward + backward (random upstream gradient)"},
-        "results": results,
-    }
-
-
-def bench_decode(
-    *,
-    dim: int = 512,
-    layers: int = 8,
-    streams: int = 4,
-    batches: tuple[int, ...] = (1, 8),
-    prompt: int = 128,
-    new_tokens: int = 128,
-    variants: tuple[str, ...] = ("residual", "hc", "mhc"),
-    dtype: str = "float32",
-    device: str = "cpu",
-    impl: str = "auto",
-    repeats: int = 3,
-    warmup: int = 1,
-    clock: str = "wall",
-) -> dict:
-    """KV-cached greedy generation (LM.generate, temperature 0) per variant and batch size.
-
-    Timed side by side: the whole generate call (prefill of the prompt, then new_tokens - 1
-    one-token steps) and the prefill alone. tokens_per_s = batch * new_tokens / generate time;
-    decode_tokens_per_s = batch * (new_tokens - 1) / (generate - prefill), from the medians.
-    """
-    if "residual" not in variants:
-        variants = ("residual", *variants)
-    dt = DTYPES[dtype]
-    seq = prompt + new_tokens
-    models = {v: build_model(v, dim, layers, streams, seq, dtype=dt, device=device).eval()
-              for v in variants}
-    results = []
-    for batch in batches:
-        idx = random_tokens(batch, prompt, device=device)  # [B, T0]
-
-        def generate(model, idx=idx):
-            _ops.set_default_impl(impl)
-            try:
-                return model.generate(idx, new_tokens, temperature=0.0)
-            finally:
-                _ops.set_default_impl(None)
-
-        def prefill(model, idx=idx, batch=batch):
-            _ops.set_default_impl(impl)
-            try:
-                with torch.no_grad():
-                    return model(idx, kv_cache=model.new_kv_cache(batch, prompt))
-            finally:
-                _ops.set_default_impl(None)
-
-        steps = {}
-        for v, m in models.items():
-            steps[v] = lambda m=m: generate(m)
-            steps[f"{v}/prefill"] = lambda m=m: prefill(m)
-        _log(f"decode B={batch}: {prompt} + {new_tokens} tokens, {', '.join(variants)}; "
-             f"{warmup} + {repeats} rounds")
-        times = time_interleaved(steps, repeats, warmup, clock, device)
-        gen = summarize({v: times[v] for v in variants}, "residual")
-        pre = {v: statistics.median(times[f"{v}/prefill"]) for v in variants}
-        entries = {}
-        for v in variants:
-            g_ms = gen[v]["median_ms"]
-            decode_ms = g_ms - pre[v]
-            entries[v] = {
-                **gen[v],
-                "prefill_median_ms": pre[v],
-                "tokens_per_s": batch * new_tokens / g_ms * 1e3,
-                "decode_tokens_per_s": batch * (new_tokens - 1) / decode_ms * 1e3
-                if decode_ms > 0 else None,
-            }
-        for v in variants:
-            e, base = entries[v], entries["residual"]
-            e["tokens_per_s_ratio"] = e["tokens_per_s"] / base["tokens_per_s"]
-            e["decode_tokens_per_s_ratio"] = (
-                e["decode_tokens_per_s"] / base["decode_tokens_per_s"]
-                if e["decode_tokens_per_s"] and base["decode_tokens_per_s"] else None
-            )
-        results.append({"batch": batch, "entries": entries})
-    return {
-        "config": {"dim": dim, "layers": layers, "streams": streams, "prompt": prompt,
-                   "new_tokens": new_tokens, "dtype": dtype, "device": device,
-                   "impl": _ops.resolve_impl_name(impl, device, dt), "repeats": repeats,
-                   "warmup": warmup, "clock": clock, "sampling": "greedy, KV cache"},
         "results": results,
     }
 
@@ -898,10 +635,10 @@ def run_benchmarks(args: argparse.Namespace) -> dict:
     out: dict[str, dict] = {}
     timing = {"warmup": args.warmup, "clock": args.clock, "device": args.device}
     want_step, want_hc = "step" in only, "hyper_connections" in only
-    if want_hc and _hyper_connections_version() is None:
+    if want_hc and workloads.hyper_connections_version() is None:
         msg = ("lucidrains' hyper-connections package is not installed "
                "(pip install 'torch-mhc[bench]')")
-        _log(f"hyper_connections skipped: {msg}")
+        log(f"hyper_connections skipped: {msg}")
         out["hyper_connections"] = {"skipped": msg}
         want_hc = False
     if want_step or want_hc:
@@ -920,7 +657,7 @@ def run_benchmarks(args: argparse.Namespace) -> dict:
         if want_hc:
             out["hyper_connections"] = _select(steps, ["residual", "mhc", "lucidrains_mhc"])
             out["hyper_connections"]["config"]["hyper_connections_version"] = (
-                _hyper_connections_version()
+                workloads.hyper_connections_version()
             )
             out["hyper_connections"]["config"]["wrapper"] = (
                 f"hyper_connections.mHC(num_residual_streams={args.streams}, dim=d, "
@@ -976,7 +713,7 @@ def bench_main(argv: list[str] | None = None) -> int:
     report["meta"]["load_average_end"] = _load_average()
     if args.json:
         _write_json_atomic(args.json, report)
-        _log(f"wrote {args.json}")
+        log(f"wrote {args.json}")
     else:
         print(json.dumps(report, indent=2))
     print(markdown(report))

@@ -10,12 +10,13 @@ run with the same thread count). Used by `mhc bench` (tools.bench.suite), the op
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["CLOCKS", "time_interleaved"]
+__all__ = ["CLOCKS", "summarize", "time_interleaved"]
 
 CLOCKS = ("wall", "process")
 
@@ -56,3 +57,28 @@ def time_interleaved(
             _sync(device)
             times[name].append((now() - t0) * 1e3)
     return times
+
+
+def summarize(times: dict[str, list[float]], baseline: str) -> dict[str, dict]:
+    """Per entry: median, min, max ms, the runs, and the ratio to the baseline.
+
+    ratio = median / the baseline's median (exactly 1.0 for the baseline); ratio_min and
+    ratio_max are the extremes of the per-round ratios (run r over the baseline's run r).
+    """
+    if baseline not in times:
+        raise ValueError(f"baseline {baseline!r} is not among the timed entries {list(times)}")
+    base = times[baseline]
+    base_median = statistics.median(base)
+    out = {}
+    for name, ts in times.items():
+        per_round = [t / b for t, b in zip(ts, base, strict=True)]
+        out[name] = {
+            "median_ms": statistics.median(ts),
+            "min_ms": min(ts),
+            "max_ms": max(ts),
+            "ratio": statistics.median(ts) / base_median,
+            "ratio_min": min(per_round),
+            "ratio_max": max(per_round),
+            "runs_ms": [round(t, 3) for t in ts],
+        }
+    return out
