@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
 
 from torch_mhc.ops.cpu import native as cpu_native
-from torch_mhc.tools.bench.timing import time_interleaved
+from torch_mhc.tools.bench.timing import medians, time_interleaved
 
 
 def kernels(tokens: int, n: int, c: int, dtype: torch.dtype) -> dict:
@@ -82,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         steps = {k: (lambda fn=fn: (junk.fill_(1.0), fn())) for k, fn in steps.items()}
         steps[evict] = lambda: junk.fill_(1.0)
     times = time_interleaved(steps, args.repeats, 2, "process", "cpu")
-    median = {k: statistics.median(v) for k, v in times.items()}
+    median = medians(times)
     offset = median[evict] if args.evict else 0.0
     result = {
         "config": vars(args),

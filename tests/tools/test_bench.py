@@ -15,6 +15,7 @@ import torch
 from torch_mhc.tools.bench import suite as bench
 from torch_mhc.tools.bench import workloads
 from torch_mhc.tools.bench.suite import bench_main, saved_bytes, summarize, time_interleaved
+from torch_mhc.tools.bench.timing import medians, time_ms
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +43,13 @@ def test_time_interleaved_runs_round_robin_after_warmup():
         time_interleaved(steps, 1, clock="cpu")
     with pytest.raises(ValueError, match="repeats must be an integer >= 1, got 0"):
         time_interleaved(steps, 0)
+
+
+def test_time_ms_warms_up_once_then_takes_the_median():
+    calls = []
+    ms = time_ms(lambda: calls.append(1), repeats=4, device="cpu")
+    assert len(calls) == 5 and ms >= 0
+    assert medians({"a": [3.0, 1.0, 2.0], "b": [5.0]}) == {"a": 2.0, "b": 5.0}
 
 
 def test_summarize_medians_and_per_round_ratios():

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 
 from torch_mhc import ops as _ops
-from torch_mhc.tools.bench.timing import summarize, time_interleaved
+from torch_mhc.tools.bench.timing import medians, summarize, time_interleaved
 from torch_mhc.tools.bench.workloads import DTYPES, build_model, log, random_tokens
 
 __all__ = ["bench_decode"]
@@ -65,10 +63,11 @@ def bench_decode(
             steps[v] = lambda m=m: generate(m)
             steps[f"{v}/prefill"] = lambda m=m: prefill(m)
         log(f"decode B={batch}: {prompt} + {new_tokens} tokens, {', '.join(variants)}; "
-             f"{warmup} + {repeats} rounds")
+            f"{warmup} + {repeats} rounds")
         times = time_interleaved(steps, repeats, warmup, clock, device)
         gen = summarize({v: times[v] for v in variants}, "residual")
-        pre = {v: statistics.median(times[f"{v}/prefill"]) for v in variants}
+        median = medians(times)
+        pre = {v: median[f"{v}/prefill"] for v in variants}
         entries = {}
         for v in variants:
             g_ms = gen[v]["median_ms"]

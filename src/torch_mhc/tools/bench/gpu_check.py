@@ -34,7 +34,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -44,6 +43,7 @@ import torch
 from torch_mhc import ops as _ops
 from torch_mhc.runtime.files import atomic_write
 from torch_mhc.tools.bench import decode
+from torch_mhc.tools.bench.timing import time_ms
 from torch_mhc.tools.bench.workloads import build_model, random_tokens, train_step
 
 SECTIONS = ("correctness", "kernels", "sinkhorn", "step", "decode", "inductor")
@@ -75,36 +75,6 @@ def write_report(report: dict, out_dir: str) -> None:
     atomic_write(os.path.join(out_dir, "gpu_check.json"),
                  (json.dumps(report, indent=1) + "\n").encode())
     atomic_write(os.path.join(out_dir, "gpu_check.md"), markdown(report).encode())
-
-
-# ---------------------------------------------------------------------------------------------
-# Timing
-# ---------------------------------------------------------------------------------------------
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def time_ms(fn, repeats: int, device: str) -> float:
-    """Median milliseconds of fn() over `repeats` runs after one warm-up run."""
-    fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
 from torch_mhc.ops import get_impl
-from torch_mhc.tools.bench.timing import CLOCKS, time_interleaved
+from torch_mhc.tools.bench.timing import CLOCKS, medians, time_interleaved
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -86,7 +85,7 @@ def measure(
         "config": {"tokens": tokens, "streams": streams, "dim": dim, "dtype": dtype,
                    "device": device, "threads": torch.get_num_threads(), "repeats": repeats,
                    "clock": clock},
-        "median_ms": {name: statistics.median(ts) for name, ts in times.items()},
+        "median_ms": medians(times),
         "min_ms": {name: min(ts) for name, ts in times.items()},
     }
 

@@ -1,11 +1,16 @@
-"""Side-by-side timing for benchmarks: the one timing loop of the package.
+"""Timing for the benchmarks: every timing loop of the tools is here.
 
-Runs alternate between the entries (round r times every entry once), so a shared machine's
-load changes all of them alike, and each entry's list of times lines up with the others'.
-`clock="process"` measures this process's CPU time instead of wall time: steadier when other
-processes compete for the cores (it counts every thread of the process, so compare entries
-run with the same thread count). Used by `mhc bench` (tools.bench.suite), the ops benchmark
-(torch_mhc.tools.bench.ops) and the scripts in benchmarks/. Torch alone; nothing at import.
+time_interleaved: runs alternate between the entries (round r times every entry once), so a
+shared machine's load changes all of them alike, and each entry's list of times lines up with
+the others'. `clock="process"` measures this process's CPU time instead of wall time: steadier
+when other processes compete for the cores (it counts every thread of the process, so compare
+entries run with the same thread count). summarize and medians turn its lists into figures.
+
+time_ms: one function alone, timed with CUDA events on a GPU (the GPU check's kernels take
+microseconds, below what a host clock around a synchronisation resolves).
+
+Used by `mhc bench` (the suite, the ops benchmark, the GPU check) and the scripts in
+benchmarks/. Torch alone; nothing at import.
 """
 
 from __future__ import annotations
@@ -16,12 +21,13 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["CLOCKS", "summarize", "time_interleaved"]
+__all__ = ["CLOCKS", "medians", "summarize", "synchronize", "time_interleaved", "time_ms"]
 
 CLOCKS = ("wall", "process")
 
 
-def _sync(device: torch.device | str) -> None:
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the device's queued work (a no-op off CUDA)."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
 
@@ -51,10 +57,10 @@ def time_interleaved(
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats):
         for name, step in steps.items():
-            _sync(device)
+            synchronize(device)
             t0 = now()
             step()
-            _sync(device)
+            synchronize(device)
             times[name].append((now() - t0) * 1e3)
     return times
 
@@ -82,3 +88,30 @@ def summarize(times: dict[str, list[float]], baseline: str) -> dict[str, dict]:
             "runs_ms": [round(t, 3) for t in ts],
         }
     return out
+
+
+def medians(times: dict[str, list[float]]) -> dict[str, float]:
+    """The median of each entry's runs."""
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def time_ms(fn: Callable[[], object], repeats: int, device: torch.device | str) -> float:
+    """Median milliseconds of fn() over `repeats` runs after one warm-up run; on CUDA each run
+    is timed between two events recorded on the stream, elsewhere with the wall clock."""
+    fn()
+    synchronize(device)
+    cuda = torch.device(device).type == "cuda"
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
