@@ -1,17 +1,20 @@
 """torch-mhc: Manifold-Constrained Hyper-Connections (mHC), HC and the plain residual."""
 
-from torch_mhc.connections.base import (
+from torch_mhc.connections import (
     CONNECTION_KINDS,
+    Connection,
     HyperConnection,
+    KromHC,
     ManifoldHyperConnection,
+    MHCLite,
+    MHCStaticRes,
     Residual,
+    StreamHead,
     expand_streams,
     make_connection,
     param_groups,
     reduce_streams,
 )
-from torch_mhc.connections.stream_head import StreamHead
-from torch_mhc.connections.successors import KromHC, MHCLite, MHCStaticRes
 from torch_mhc.functional.sinkhorn import sinkhorn, sinkhorn_unrolled
 from torch_mhc.runtime import diagnostics
 from torch_mhc.runtime.diagnostics import collect_gains, collect_health
@@ -20,6 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CONNECTION_KINDS",
+    "Connection",
     "HyperConnection",
     "KromHC",
     "MHCLite",

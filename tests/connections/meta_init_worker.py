@@ -32,11 +32,11 @@ class DetLinear(nn.Linear):
         i = torch.arange(out_f * in_f, dtype=torch.float64).reshape(out_f, in_f)
         full_w = (torch.sin(1.7 * i + 0.3) / math.sqrt(in_f)).float()
         full_b = 0.1 * torch.cos(torch.arange(out_f, dtype=torch.float64)).float()
-        from torch_mhc.connections.base import _assign  # the same shard-aware copy
+        from torch_mhc.connections.base import assign_parameter  # the same shard-aware copy
 
-        _assign(self.weight, full_w)
+        assign_parameter(self.weight, full_w)
         if self.bias is not None:
-            _assign(self.bias, full_b)
+            assign_parameter(self.bias, full_b)
 
 
 class Stack(nn.Module):

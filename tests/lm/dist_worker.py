@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from torch_mhc.connections.base import param_groups
+from torch_mhc.connections import param_groups
 from torch_mhc.lm.model import LM, ModelConfig
 
 SEED = 1234

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torch_mhc.connections.base import _assign, _count
+from torch_mhc.connections.base import assign_parameter, check_count
 
 __all__ = ["StreamHead"]
 
@@ -39,8 +39,8 @@ class StreamHead(nn.Module):
     def __init__(self, dim: int, streams: int, gate_init: float = 0.01,
                  norm_eps: float = 1e-6, eps: float = 0.0):
         super().__init__()
-        dim = _count(dim, "StreamHead", "dim", 1)
-        streams = _count(streams, "StreamHead", "streams", 1)
+        dim = check_count(dim, "StreamHead", "dim", 1)
+        streams = check_count(streams, "StreamHead", "streams", 1)
         if not math.isfinite(gate_init):
             raise ValueError(f"StreamHead expects a finite gate_init, got {gate_init!r}")
         self.dim, self.streams, self.norm_eps, self.eps = dim, streams, norm_eps, eps
@@ -54,9 +54,9 @@ class StreamHead(nn.Module):
         """phi = 0, alpha = gate_init and b with sigmoid(b) = the mean's weight: the head starts
         as the mean of the streams (also after a build on the meta device and to_empty)."""
         w = _mean_weight(self.streams)
-        _assign(self.phi, torch.zeros(self.phi.shape))
-        _assign(self.alpha, torch.full((1,), self.gate_init))
-        _assign(self.b, torch.full((self.streams,), math.log(w / (1 - w))))
+        assign_parameter(self.phi, torch.zeros(self.phi.shape))
+        assign_parameter(self.alpha, torch.full((1,), self.gate_init))
+        assign_parameter(self.b, torch.full((self.streams,), math.log(w / (1 - w))))
 
     def parameters_as_phi_alpha_b(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(phi [n*C, n], alpha [1], b [n]); subclasses holding another layout derive them."""

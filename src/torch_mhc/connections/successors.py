@@ -53,13 +53,13 @@ import torch
 from torch import nn
 
 from torch_mhc import ops as _ops
-from torch_mhc.connections.base import _assign, _Connection, _count, _pre_bias
+from torch_mhc.connections.base import Connection, assign_parameter, check_count, pre_bias
 from torch_mhc.functional.maps import read_write_maps
 
 __all__ = [
     "VARIANT_KINDS",
     "KromHC",
-    "check_streams",
+    "MhcResVariant",
     "MHCLite",
     "MHCStaticRes",
     "kromhc_res",
@@ -117,8 +117,9 @@ def kromhc_res(z: torch.Tensor, same: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-class _MhcReadWrite(_Connection):
-    """mHC's dynamic read/write maps plus `res_count` logits for H_res (subclasses map them).
+class MhcResVariant(Connection):
+    """mHC with another H_res: mHC's dynamic read/write maps plus `res_count` logits that each
+    subclass maps to its own H_res (one base, so the successors differ in H_res only).
 
     Parameters: phi [n*C, 2n + R], alpha [3] ([2] when R = 0), b_pre [n], b_post [n] and,
     when R > 0, b_res [R].
@@ -129,9 +130,9 @@ class _MhcReadWrite(_Connection):
                  impl: str = "auto"):
         super().__init__(dim, streams, branch, check_finite, impl)
         n = self.streams
-        self._check_streams(n)
+        self.check_streams(n)
         r = self.res_count(n)
-        layer_index = _count(layer_index, type(self).__name__, "layer_index", 0)
+        layer_index = check_count(layer_index, type(self).__name__, "layer_index", 0)
         self.layer_index, self.norm_eps, self.gate_init = layer_index, norm_eps, float(gate_init)
         self.phi = nn.Parameter(torch.empty(n * self.dim, 2 * n + r))
         self.alpha = nn.Parameter(torch.empty(3 if r else 2))
@@ -146,7 +147,8 @@ class _MhcReadWrite(_Connection):
         """R, the number of res logits per token."""
         raise NotImplementedError
 
-    def _check_streams(self, n: int) -> None:
+    @classmethod
+    def check_streams(cls, n: int) -> None:
         """Raise a ValueError if this kind cannot use n streams."""
 
     def _init_buffers(self) -> None:
@@ -162,12 +164,12 @@ class _MhcReadWrite(_Connection):
         DTensor shards take their part, as in connections.py)."""
         n = self.streams
         self._fill_buffers()
-        _assign(self.phi, torch.zeros(self.phi.shape))
-        _assign(self.alpha, torch.full(self.alpha.shape, self.gate_init))
-        _assign(self.b_pre, _pre_bias(n, self.layer_index))
-        _assign(self.b_post, torch.zeros(n))  # 2 sigmoid(0) = 1
+        assign_parameter(self.phi, torch.zeros(self.phi.shape))
+        assign_parameter(self.alpha, torch.full(self.alpha.shape, self.gate_init))
+        assign_parameter(self.b_pre, pre_bias(n, self.layer_index))
+        assign_parameter(self.b_post, torch.zeros(n))  # 2 sigmoid(0) = 1
         if hasattr(self, "b_res"):
-            _assign(self.b_res, self._res_bias())
+            assign_parameter(self.b_res, self._res_bias())
 
     def _fill_buffers(self) -> None:
         pass
@@ -213,24 +215,7 @@ class _MhcReadWrite(_Connection):
         return f"{super().extra_repr()}, layer_index={self.layer_index}"
 
 
-def check_streams(kind: str, n: int) -> None:
-    """Raise a ValueError if connection kind `kind` cannot use n streams (a no-op for the
-    kinds that take any n)."""
-    if kind == "mhc-lite" and n > MHC_LITE_MAX_STREAMS:
-        raise ValueError(
-            f"mhc-lite mixes all n! permutation matrices and supports n <= "
-            f"{MHC_LITE_MAX_STREAMS} streams ({math.factorial(MHC_LITE_MAX_STREAMS)} "
-            f"logits per token); got n = {n} ({math.factorial(n):,} permutations)"
-        )
-    if kind == "kromhc" and n & (n - 1):
-        lo = 1 << (n.bit_length() - 1)
-        raise ValueError(
-            f"kromhc builds H_res as a Kronecker product of 2 x 2 factors and needs n a "
-            f"power of two (1, 2, 4, 8, ...); got n = {n} (nearest: {lo} or {2 * lo})"
-        )
-
-
-class MHCLite(_MhcReadWrite):
+class MHCLite(MhcResVariant):
     """mHC-lite (arXiv 2601.05732): H_res = sum_k softmax(z)_k P_k over all n! permutations."""
 
     kind = "mhc-lite"
@@ -238,14 +223,20 @@ class MHCLite(_MhcReadWrite):
     def res_count(self, n: int) -> int:
         return math.factorial(n)
 
-    def _check_streams(self, n: int) -> None:
-        check_streams(self.kind, n)
+    @classmethod
+    def check_streams(cls, n: int) -> None:
+        if n > MHC_LITE_MAX_STREAMS:
+            raise ValueError(
+                f"mhc-lite mixes all n! permutation matrices and supports n <= "
+                f"{MHC_LITE_MAX_STREAMS} streams ({math.factorial(MHC_LITE_MAX_STREAMS)} "
+                f"logits per token); got n = {n} ({math.factorial(n):,} permutations)"
+            )
 
     def _init_buffers(self) -> None:
         self.register_buffer("perms", permutation_matrices(self.streams), persistent=False)
 
     def _fill_buffers(self) -> None:
-        _assign(self.perms, permutation_matrices(self.streams))
+        assign_parameter(self.perms, permutation_matrices(self.streams))
 
     def _res_bias(self) -> torch.Tensor:
         # identity first: logit log(n! + 1) above the rest, so a_I = 1/2 + 1/(2 n!) and every
@@ -261,7 +252,7 @@ class MHCLite(_MhcReadWrite):
         return mhc_lite_res(z, self.perms)
 
 
-class KromHC(_MhcReadWrite):
+class KromHC(MhcResVariant):
     """KromHC (arXiv 2601.21579): H_res = kron(A_1, ..., A_m), A_k = a_k I + (1 - a_k) S."""
 
     kind = "kromhc"
@@ -269,14 +260,20 @@ class KromHC(_MhcReadWrite):
     def res_count(self, n: int) -> int:
         return n.bit_length() - 1
 
-    def _check_streams(self, n: int) -> None:
-        check_streams(self.kind, n)
+    @classmethod
+    def check_streams(cls, n: int) -> None:
+        if n & (n - 1):
+            lo = 1 << (n.bit_length() - 1)
+            raise ValueError(
+                f"kromhc builds H_res as a Kronecker product of 2 x 2 factors and needs n a "
+                f"power of two (1, 2, 4, 8, ...); got n = {n} (nearest: {lo} or {2 * lo})"
+            )
 
     def _init_buffers(self) -> None:
         self.register_buffer("same", _kron_pattern(self.streams), persistent=False)
 
     def _fill_buffers(self) -> None:
-        _assign(self.same, _kron_pattern(self.streams))
+        assign_parameter(self.same, _kron_pattern(self.streams))
 
     def _res_bias(self) -> torch.Tensor:
         return torch.full((self.res_count(self.streams),), math.log(3.0))  # a_k = 3/4
@@ -290,7 +287,7 @@ class KromHC(_MhcReadWrite):
         return None
 
 
-class MHCStaticRes(_MhcReadWrite):
+class MHCStaticRes(MhcResVariant):
     """mHC with H_res fixed to the identity: only H_pre and H_post are learned."""
 
     kind = "mhc-static-res"
@@ -302,7 +299,7 @@ class MHCStaticRes(_MhcReadWrite):
         self.register_buffer("h_res", torch.eye(self.streams), persistent=False)
 
     def _fill_buffers(self) -> None:
-        _assign(self.h_res, torch.eye(self.streams))
+        assign_parameter(self.h_res, torch.eye(self.streams))
 
     def res_map(self, z: torch.Tensor) -> torch.Tensor:
         n = self.streams
@@ -313,7 +310,7 @@ _CLASSES = {cls.kind: cls for cls in (MHCLite, KromHC, MHCStaticRes)}
 
 
 def make_variant(kind: str, dim: int, streams: int, layer_index: int, branch: Callable,
-                 **kwargs) -> _MhcReadWrite:
+                 **kwargs) -> MhcResVariant:
     """Build one of VARIANT_KINDS (kwargs: gate_init, norm_eps, check_finite, impl)."""
     if kind not in _CLASSES:
         raise ValueError(f"unknown variant {kind!r}; expected one of {VARIANT_KINDS}")

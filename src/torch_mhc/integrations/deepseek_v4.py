@@ -55,7 +55,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from torch_mhc.connections.base import ManifoldHyperConnection
+from torch_mhc.connections import ManifoldHyperConnection
 from torch_mhc.connections.stream_head import StreamHead
 
 __all__ = [

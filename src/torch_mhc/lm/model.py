@@ -33,13 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torch_mhc.connections.base import (
+from torch_mhc.connections import (
     CONNECTION_KINDS,
+    check_streams,
     expand_streams,
     make_connection,
     reduce_streams,
 )
-from torch_mhc.connections.successors import check_streams
 from torch_mhc.runtime.recompute import optimal_interval, recompute_streams
 
 __all__ = ["BYTE_VOCAB", "ModelConfig", "KVCache", "LM"]

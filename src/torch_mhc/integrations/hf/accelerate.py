@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torch_mhc.connections.base import ManifoldHyperConnection, _Connection
+from torch_mhc.connections import Connection, ManifoldHyperConnection
 from torch_mhc.connections.stream_head import StreamHead
 from torch_mhc.integrations.deepseek_v4 import _column_order
 from torch_mhc.integrations.hf.convert import with_no_split
@@ -50,7 +50,7 @@ class DeepseekV4Connection(ManifoldHyperConnection):
         n = int(hf_module.hc_mult)
         # ManifoldHyperConnection.__init__ would create phi, alpha, b_*: only the shared
         # checks and the branch are wanted, and the parameters are the module's own.
-        _Connection.__init__(self, hf_module.fn.shape[1] // n, n, branch, impl=impl)
+        Connection.__init__(self, hf_module.fn.shape[1] // n, n, branch, impl=impl)
         self.layer_index, self.sinkhorn_iters = layer_index, int(hf_module.hc_sinkhorn_iters)
         self.norm_eps = float(hf_module.input_norm.eps)
         self.pre_eps = self.sinkhorn_eps = float(hf_module.hc_eps)

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from torch_mhc.connections.base import expand_streams, reduce_streams
+from torch_mhc.connections import expand_streams, reduce_streams
 
 __all__ = ["LayerSpec", "find_decoder_layers", "converted_class", "ConversionError"]
 

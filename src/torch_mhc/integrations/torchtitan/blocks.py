@@ -22,7 +22,7 @@ import torch
 from torchtitan.models.llama3.model import Llama3TransformerBlock
 from torchtitan.models.qwen3.model import Qwen3TransformerBlock
 
-from torch_mhc.connections.base import expand_streams, reduce_streams
+from torch_mhc.connections import expand_streams, reduce_streams
 from torch_mhc.integrations.torchtitan.connection import TITAN_CONNECTIONS
 
 

@@ -18,7 +18,7 @@ import torch
 from torchtitan.protocols.module import Module
 from torchtitan.protocols.sharding import ShardingConfig
 
-from torch_mhc.connections.base import HyperConnection, ManifoldHyperConnection
+from torch_mhc.connections import HyperConnection, ManifoldHyperConnection
 
 
 def _branch_given_at_call(*_args, **_kwargs):

@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from torch_mhc.connections.base import expand_streams, reduce_streams
+from torch_mhc.connections import expand_streams, reduce_streams
 from torch_mhc.lm.model import LM, ModelConfig, recompute_context, rope_angles
 from torch_mhc.lm.parallel.env import DistInfo, broadcast_module
 from torch_mhc.lm.parallel.layout import SCHEDULES, stage_block_ranges, stage_to_rank, stages_for

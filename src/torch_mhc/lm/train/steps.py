@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from torch_mhc.connections.base import param_groups
+from torch_mhc.connections import param_groups
 from torch_mhc.lm import data as _data
 from torch_mhc.lm import parallel as par
 from torch_mhc.lm.config import TrainConfig

@@ -1,0 +1,124 @@
+"""Building connections by kind, the stream expansion and reduction around a stack of them,
+and the optimizer's parameter groups."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from torch_mhc.connections.base import Connection, check_count
+from torch_mhc.connections.hc import HyperConnection
+from torch_mhc.connections.mhc import ManifoldHyperConnection
+from torch_mhc.connections.residual import Residual
+from torch_mhc.connections.successors import (
+    VARIANT_KINDS,
+    KromHC,
+    MHCLite,
+    MHCStaticRes,
+    make_variant,
+)
+
+__all__ = [
+    "CONNECTION_KINDS",
+    "check_streams",
+    "expand_streams",
+    "make_connection",
+    "param_groups",
+    "reduce_streams",
+]
+
+# the core kinds, then mHC's successors (torch_mhc.connections.successors)
+CONNECTION_KINDS = ("residual", "hc", "mhc", *VARIANT_KINDS)
+
+_SUCCESSORS = {cls.kind: cls for cls in (MHCLite, KromHC, MHCStaticRes)}
+
+
+def expand_streams(h: torch.Tensor, n: int) -> torch.Tensor:
+    """[..., C] -> [..., n, C]: every stream starts as a copy of h (a broadcast view)."""
+    n = check_count(n, "expand_streams", "n", 1)
+    if not isinstance(h, torch.Tensor):
+        raise TypeError(f"expand_streams expects a tensor [..., C], got {type(h).__name__}")
+    if h.dim() < 1:
+        raise ValueError("expand_streams expects a tensor [..., C], got a scalar")
+    return h.unsqueeze(-2).expand(*h.shape[:-1], n, h.shape[-1])
+
+
+def reduce_streams(x: torch.Tensor) -> torch.Tensor:
+    """[..., n, C] -> [..., C]: the mean of the streams.
+
+    The HC paper sums the streams; the mean differs by the factor n, which the final norm of
+    a Pre-Norm network removes, and it makes an initialised network equal to the residual one.
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"reduce_streams expects a floating-point streams tensor, got {got}")
+    if x.dim() < 2:
+        raise ValueError(
+            f"reduce_streams expects a streams tensor [..., n, C], got {tuple(x.shape)}"
+        )
+    return x.mean(dim=-2)
+
+
+def make_connection(
+    kind: str, dim: int, streams: int, layer_index: int, branch: Callable, **kwargs
+) -> nn.Module:
+    """Build a connection from a string: one of CONNECTION_KINDS.
+
+    `streams` is ignored for "residual" (always one stream); kwargs go to the class.
+    """
+    if kind == "residual":
+        if kwargs:
+            raise TypeError(
+                f"make_connection: the residual takes no connection options, got "
+                f"{sorted(kwargs)}"
+            )
+        return Residual(dim, branch, layer_index=layer_index)
+    if kind == "hc":
+        return HyperConnection(dim, streams, layer_index, branch, **kwargs)
+    if kind == "mhc":
+        return ManifoldHyperConnection(dim, streams, layer_index, branch, **kwargs)
+    if kind in VARIANT_KINDS:
+        return make_variant(kind, dim, streams, layer_index, branch, **kwargs)
+    raise ValueError(f"unknown connection kind {kind!r}; expected one of {CONNECTION_KINDS}")
+
+
+def check_streams(kind: str, n: int) -> None:
+    """Raise a ValueError if connection kind `kind` cannot use n streams (a no-op for the
+    kinds that take any n)."""
+    if kind in _SUCCESSORS:
+        _SUCCESSORS[kind].check_streams(n)
+
+
+def param_groups(
+    model: nn.Module, weight_decay: float = 0.1, extra_no_decay: Iterable[str] = ()
+) -> list[dict]:
+    """AdamW parameter groups: connection static maps and gates without weight decay.
+
+    Also exempt (the usual practice for transformers): every parameter with fewer than two
+    dimensions (biases, norm weights) and names listed in extra_no_decay.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"param_groups expects an nn.Module (the model; wrap a list of modules in "
+            f"nn.ModuleList), got {type(model).__name__}"
+        )
+    no_decay_ids = set()
+    for module in model.modules():
+        if isinstance(module, Connection):
+            for name in module.no_weight_decay():
+                no_decay_ids.add(id(getattr(module, name)))
+    extra = set(extra_no_decay)
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if id(p) in no_decay_ids or p.dim() < 2 or name in extra:
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]

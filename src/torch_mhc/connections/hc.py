@@ -1,0 +1,98 @@
+"""Hyper-Connections (HC): static and dynamic maps, initialised as the residual network
+(HC paper Eq. 14; the shared initialisation is described in connections.base)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from torch_mhc import ops as _ops
+from torch_mhc.connections.base import Connection, assign_parameter, check_count
+
+__all__ = ["HyperConnection"]
+
+
+class HyperConnection(Connection):
+    """Hyper-Connections (Zhu et al., arXiv 2409.19606), static or dynamic.
+
+    Parameters in this library's convention (see functional.maps.hc_maps): static_pre = A_m,
+    static_post = B, static_res = A_r^T; w = [W_beta | W_m | W_r] of shape [C, 2 + n].
+    """
+
+    kind = "hc"
+
+    def __init__(
+        self,
+        dim: int,
+        streams: int,
+        layer_index: int,
+        branch: Callable,
+        dynamic: bool = True,
+        norm_eps: float = 1e-6,
+        check_finite: bool = False,
+        impl: str = "auto",
+    ):
+        super().__init__(dim, streams, branch, check_finite, impl)
+        n = self.streams
+        layer_index = check_count(layer_index, "HyperConnection", "layer_index", 0)
+        self.layer_index, self.dynamic, self.norm_eps = layer_index, dynamic, norm_eps
+        self.static_pre = nn.Parameter(torch.empty(n))
+        self.static_post = nn.Parameter(torch.empty(n))
+        self.static_res = nn.Parameter(torch.empty(n, n))
+        # The scales are one-element vectors, not scalars: FSDP2 shards no 0-dim parameter.
+        if dynamic:
+            self.w = nn.Parameter(torch.empty(self.dim, 2 + n))
+            self.s_alpha = nn.Parameter(torch.empty(1))
+            self.s_beta = nn.Parameter(torch.empty(1))
+        else:
+            self.register_parameter("w", None)
+            self.register_buffer("s_alpha", torch.empty(1))
+            self.register_buffer("s_beta", torch.empty(1))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """HC paper Eq. 14: static_pre = e_{k mod n} (layer k reads stream k mod n),
+        static_post = 1, static_res = I, W = 0, s_alpha = s_beta = 0.01 (0 when static)."""
+        n, k = self.streams, self.layer_index % self.streams
+        assign_parameter(self.static_pre, torch.eye(n)[k])
+        assign_parameter(self.static_post, torch.ones(n))
+        assign_parameter(self.static_res, torch.eye(n))
+        scale = 0.01 if self.dynamic else 0.0
+        if self.w is not None:
+            assign_parameter(self.w, torch.zeros(self.dim, 2 + n))
+        assign_parameter(self.s_alpha, torch.full((1,), scale))
+        assign_parameter(self.s_beta, torch.full((1,), scale))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Checkpoints written before the scales became [1] hold them as 0-dim tensors.
+        for name in ("s_alpha", "s_beta"):
+            value = state_dict.get(prefix + name)
+            if isinstance(value, torch.Tensor) and value.dim() == 0:
+                state_dict[prefix + name] = value.reshape(1)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def maps(self, x: torch.Tensor, with_pre: bool = False):
+        """H_pre, H_post, H_res; with_pre=True appends the branch input sum_j H_pre[j] x[j]
+        (one fused op where the implementation has one)."""
+        ops = _ops.get_impl(self.impl, x.device, x.dtype)
+        return (ops.hc_maps_pre if with_pre else ops.hc_maps)(*self._map_args(x))
+
+    def _map_args(self, x: torch.Tensor) -> tuple:
+        return (
+            x, self.w, self.s_alpha.view(()), self.s_beta.view(()),
+            self.static_pre, self.static_post, self.static_res, self.norm_eps,
+        )
+
+    def _maps_and_input(self, ops, x: torch.Tensor):
+        if ops.links:  # x_link None: no single node was made, the merge runs unlinked
+            return ops.hc_maps_pre(*self._map_args(x), link=True)
+        return (*ops.hc_maps_pre(*self._map_args(x)), None)
+
+    def no_weight_decay(self) -> set[str]:
+        names = {"static_pre", "static_post", "static_res"}
+        return names | ({"s_alpha", "s_beta"} if self.dynamic else set())
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, layer_index={self.layer_index}, dynamic={self.dynamic}"

@@ -1,0 +1,27 @@
+"""The plain residual x + F(x), as a connection on a single stream (n = 1)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from torch_mhc.connections.base import Connection, check_count
+
+__all__ = ["Residual"]
+
+
+class Residual(Connection):
+    """The plain residual x + F(x) on a single stream: x [..., 1, C]."""
+
+    kind = "residual"
+
+    def __init__(self, dim: int, branch: Callable, layer_index: int = 0):
+        super().__init__(dim, 1, branch)
+        self.layer_index = check_count(layer_index, "Residual", "layer_index", 0)
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        self._check_input(x)
+        f = self.branch(x.squeeze(-2), *args, **kwargs)
+        self._check_branch_output(f)
+        return x + f.unsqueeze(-2)
