@@ -124,7 +124,7 @@ def main() -> None:
           f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens")
 
     plain, converted = copy.deepcopy(base), copy.deepcopy(base)
-    torch_mhc.integrations.hf.convert(converted, kind=args.kind, streams=args.streams)
+    torch_mhc.hf.convert(converted, kind=args.kind, streams=args.streams)
     x, _ = next(val_batches(val_tokens, 4, args.seq_len, max_batches=1))
     with torch.no_grad():
         ref, out = plain.eval()(x).logits, converted.eval()(x).logits
