@@ -48,7 +48,7 @@ def test_train_writes_checkpoint_and_metrics(tmp_path, tiny_flags, capsys):
 def test_toml_config_and_precedence(tmp_path, tiny_flags, capsys):
     toml = tmp_path / "run.toml"
     toml.write_text(
-        'steps = 3\nlr = 0.002\nschedule = "step"\n\n[model]\nresidual = "mhc"\nstreams = 2\n'
+        'steps = 3\nlr = 0.002\nschedule = "step"\n\n[model]\nconnection = "mhc"\nstreams = 2\n'
     )
     out = tmp_path / "run"
     # the file sets steps = 3 and lr; the flag --steps 5 wins over the file

@@ -261,8 +261,8 @@ def test_loss_plot_zooms_on_the_second_half():
            "val_history": [{"step": s, "val_loss": 10 - 9 * (s - 1) / 99 + 0.5}
                            for s in (25, 50, 75, 100)]}
     ax = Figure().add_subplot()
-    plots._loss_lines(ax, "mhc", run)
-    plots._zoom_to_second_half(ax)
+    plots.loss_lines(ax, "mhc", run)
+    plots.zoom_to_second_half(ax)
     assert ax.get_xlim() == (50, 100)
     # y spans the solid and dashed lines from step 50 on (running means from 5.55 down to
     # about 1.05, validation 6.05 at step 50), padded by 5% of the range: never the first

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from torch_mhc.tools.cost import model as cost
+from torch_mhc.tools.cost.format import format_table
 from torch_mhc.tools.cost.model import CostConfig
 
 GIB = 2**30
@@ -274,7 +275,7 @@ def test_cli_table_and_preset(capsys):
     assert "30 blocks (60 connections), C=2560, n=4" in out
     assert "|        mHC |      33,304 |       12,824 |" in out
     assert "4 stages, 3 boundaries" in out
-    assert out == cost.format_table(cost.estimate(CostConfig(**cost.PAPER_27B,
+    assert out == format_table(cost.estimate(CostConfig(**cost.PAPER_27B,
                                                              pipeline_stages=4))) + "\n"
 
 

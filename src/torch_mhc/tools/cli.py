@@ -154,9 +154,12 @@ def _preset_keys() -> set[str]:
     try:
         from torch_mhc.tools.compare.run import PRESETS
     except ImportError:
-        from torch_mhc.lm.config import _field_specs
+        from dataclasses import fields
 
-        return {name for name, _, _ in _field_specs(set())}
+        from torch_mhc.lm.config import TrainConfig
+        from torch_mhc.lm.model import ModelConfig
+
+        return {f.name for cls in (ModelConfig, TrainConfig) for f in fields(cls)} - {"model"}
     return {key for values in PRESETS.values() for key in values}
 
 
@@ -165,7 +168,8 @@ def _run_compare(args: argparse.Namespace) -> int:
 
     _require_extra("compare")
     from torch_mhc.lm.config import ConfigError
-    from torch_mhc.tools.compare.run import compare, preset_config, summary_table
+    from torch_mhc.tools.compare.report import summary_table
+    from torch_mhc.tools.compare.run import compare, preset_config
 
     base = preset_config(args.preset)
     if args.config is not None:

@@ -65,27 +65,7 @@ def bench_decode(
         log(f"decode B={batch}: {prompt} + {new_tokens} tokens, {', '.join(variants)}; "
             f"{warmup} + {repeats} rounds")
         times = time_interleaved(steps, repeats, warmup, clock, device)
-        gen = summarize({v: times[v] for v in variants}, "residual")
-        median = medians(times)
-        pre = {v: median[f"{v}/prefill"] for v in variants}
-        entries = {}
-        for v in variants:
-            g_ms = gen[v]["median_ms"]
-            decode_ms = g_ms - pre[v]
-            entries[v] = {
-                **gen[v],
-                "prefill_median_ms": pre[v],
-                "tokens_per_s": batch * new_tokens / g_ms * 1e3,
-                "decode_tokens_per_s": batch * (new_tokens - 1) / decode_ms * 1e3
-                if decode_ms > 0 else None,
-            }
-        for v in variants:
-            e, base = entries[v], entries["residual"]
-            e["tokens_per_s_ratio"] = e["tokens_per_s"] / base["tokens_per_s"]
-            e["decode_tokens_per_s_ratio"] = (
-                e["decode_tokens_per_s"] / base["decode_tokens_per_s"]
-                if e["decode_tokens_per_s"] and base["decode_tokens_per_s"] else None
-            )
+        entries = _entries(times, variants, batch, new_tokens)
         results.append({"batch": batch, "entries": entries})
     return {
         "config": {"dim": dim, "layers": layers, "streams": streams, "prompt": prompt,
@@ -94,3 +74,31 @@ def bench_decode(
                    "warmup": warmup, "clock": clock, "sampling": "greedy, KV cache"},
         "results": results,
     }
+
+
+def _entries(times: dict[str, list[float]], variants: tuple[str, ...], batch: int,
+             new_tokens: int) -> dict[str, dict]:
+    """Per variant: the generate timings against the residual's, the prefill's median, and
+    tokens/s of the whole call and of the decode steps alone, with their ratios."""
+    gen = summarize({v: times[v] for v in variants}, "residual")
+    median = medians(times)
+    pre = {v: median[f"{v}/prefill"] for v in variants}
+    entries = {}
+    for v in variants:
+        g_ms = gen[v]["median_ms"]
+        decode_ms = g_ms - pre[v]
+        entries[v] = {
+            **gen[v],
+            "prefill_median_ms": pre[v],
+            "tokens_per_s": batch * new_tokens / g_ms * 1e3,
+            "decode_tokens_per_s": batch * (new_tokens - 1) / decode_ms * 1e3
+            if decode_ms > 0 else None,
+        }
+    for v in variants:
+        e, base = entries[v], entries["residual"]
+        e["tokens_per_s_ratio"] = e["tokens_per_s"] / base["tokens_per_s"]
+        e["decode_tokens_per_s_ratio"] = (
+            e["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+            if e["decode_tokens_per_s"] and base["decode_tokens_per_s"] else None
+        )
+    return entries

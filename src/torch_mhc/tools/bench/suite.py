@@ -50,11 +50,13 @@ from pathlib import Path
 import torch
 
 from torch_mhc import ops as _ops
-from torch_mhc.functional.sinkhorn import sinkhorn, sinkhorn_unrolled
 from torch_mhc.runtime.files import atomic_write
-from torch_mhc.runtime.recompute import optimal_interval
 from torch_mhc.tools.bench import workloads
 from torch_mhc.tools.bench.decode import bench_decode
+from torch_mhc.tools.bench.report import markdown
+from torch_mhc.tools.bench.saved import bench_saved
+from torch_mhc.tools.bench.sinkhorn import bench_sinkhorn
+from torch_mhc.tools.bench.step import bench_training_steps, select_variants
 from torch_mhc.tools.bench.timing import CLOCKS, summarize, time_interleaved
 from torch_mhc.tools.bench.workloads import (
     DTYPES,
@@ -67,6 +69,7 @@ from torch_mhc.tools.bench.workloads import (
     train_step,
 )
 
+# The benchmarks' functions are re-exported: the suite is the one import for all of them.
 __all__ = [
     "BENCHMARKS",
     "LucidrainsMHCLM",
@@ -78,6 +81,7 @@ __all__ = [
     "build_model",
     "markdown",
     "random_tokens",
+    "run_benchmarks",
     "saved_bytes",
     "summarize",
     "time_interleaved",
@@ -85,362 +89,6 @@ __all__ = [
 ]
 
 BENCHMARKS = ("step", "hyper_connections", "saved", "sinkhorn", "decode")
-
-
-# ---------------------------------------------------------------------------------------------
-# The benchmarks
-# ---------------------------------------------------------------------------------------------
-
-
-def default_step_repeats(dim: int) -> int:
-    """Rounds of the step benchmarks: 5, or 3 above d = 512 (a d = 1024 step takes seconds)."""
-    return 5 if dim <= 512 else 3
-
-
-def bench_training_steps(
-    sizes: list[int],
-    variants: list[str],
-    *,
-    layers: int = 8,
-    streams: int = 4,
-    batch: int = 8,
-    seq: int = 256,
-    dtype: str = "float32",
-    device: str = "cpu",
-    impl: str = "auto",
-    optimizer: bool = False,
-    repeats: int | None = None,
-    warmup: int = 1,
-    clock: str = "wall",
-) -> dict:
-    """Training-step time of each variant at each width, interleaved, ratios to the residual.
-
-    repeats None: default_step_repeats(dim). Returns {"config": ..., "results": [per width]}.
-    """
-    if "residual" not in variants:
-        variants = ["residual", *variants]
-    dt = DTYPES[dtype]
-    results = []
-    for dim in sizes:
-        r = repeats or default_step_repeats(dim)
-        idx = random_tokens(batch, seq + 1, device=device)  # [B, T + 1]
-        steps = {}
-        for v in variants:
-            # mhc_inductor: mHC on the inductor ops (the reference under torch.compile).
-            kind, ops_impl = ("mhc", "inductor") if v == "mhc_inductor" else (v, impl)
-            model = build_model(kind, dim, layers, streams, seq, dtype=dt, device=device)
-            steps[v] = train_step(model, idx, impl=None if v == "residual" else ops_impl,
-                                  optimizer=optimizer)
-        log(f"training step d={dim}: {', '.join(variants)}; {warmup} + {r} rounds")
-        times = time_interleaved(steps, r, warmup, clock, device)
-        results.append({"dim": dim, "repeats": r, "entries": summarize(times, "residual")})
-        del steps
-    return {
-        "config": {
-            "layers": layers, "streams": streams, "batch": batch, "seq": seq, "dtype": dtype,
-            "device": device, "impl": _ops.resolve_impl_name(impl, device, dt),
-            "optimizer": "AdamW included" if optimizer else "excluded",
-            "warmup": warmup, "clock": clock,
-            "timed": "forward + cross-entropy + backward" + (" + AdamW step" if optimizer else ""),
-        },
-        "results": results,
-    }
-
-
-def _select(steps_result: dict, variants: list[str]) -> dict:
-    """The same measurement restricted to some variants (ratios are per entry, unchanged)."""
-    out = {"config": dict(steps_result["config"]), "results": []}
-    for res in steps_result["results"]:
-        entries = {v: e for v, e in res["entries"].items() if v in variants}
-        out["results"].append({**res, "entries": entries})
-    return out
-
-
-def bench_saved(
-    *,
-    dim: int = 512,
-    layers: int = 8,
-    streams: int = 4,
-    batch: int = 2,
-    seqs: tuple[int, ...] = (32, 64),
-    dtype: str = "float32",
-    device: str = "cpu",
-    impl: str = "auto",
-) -> dict:
-    """Bytes saved for backward per token per connection, per variant; ratios to residual.
-
-    Everything the LM saves (blocks included; parameters excluded) plus, with recomputation,
-    what the recompute groups keep outside autograd (RecomputeStats.kept), divided by the
-    tokens and the 2L connections. Measured at every seq in `seqs` to show the figure is per
-    token; the figures reported are those at the longest. The mHC+recompute row uses the
-    optimal interval L_r = round(sqrt(n * 2L / (n + 2))); `by_interval` sweeps others.
-    """
-    dt = DTYPES[dtype]
-    n_conn = 2 * layers
-    opt = optimal_interval(streams, n_conn)
-    variants = {  # name -> (kind, ModelConfig fields)
-        "residual": ("residual", {}),
-        "hc": ("hc", {}),
-        "mhc": ("mhc", {}),
-        "hc+recompute": ("hc", {"recompute": True}),
-        "mhc+recompute": ("mhc", {"recompute": True}),
-    }
-
-    def per_token(kind: str, seq: int, fields: dict) -> float:
-        model = build_model(kind, dim, layers, streams, seq, dtype=dt, device=device, **fields)
-        idx = random_tokens(batch, seq, device=device)  # [B, T]
-        _ops.set_default_impl(impl)
-        try:
-            nbytes, loss = saved_bytes(lambda: model(idx, idx)[1], exclude=model.parameters())
-        finally:
-            _ops.set_default_impl(None)
-        if fields.get("recompute"):
-            nbytes += model.recompute_stats.kept
-        del loss
-        return nbytes / (batch * seq) / n_conn
-
-    by_seq = {}
-    for seq in seqs:
-        log(f"saved bytes d={dim} T={seq}: {', '.join(variants)}")
-        by_seq[seq] = {name: per_token(kind, seq, f) for name, (kind, f) in variants.items()}
-    longest = max(seqs)
-    main = by_seq[longest]
-    esize = torch.empty((), dtype=dt).element_size()
-    entries = {
-        name: {
-            "bytes_per_token_per_connection": b,
-            "ratio": b / main["residual"],
-            "extra_over_residual_in_C": (b - main["residual"]) / (dim * esize),
-            "by_seq": {str(s): by_seq[s][name] for s in seqs},
-        }
-        for name, b in main.items()
-    }
-    # Bytes scale per token when every length gives the same per-token figure.
-    spread = max(
-        max(by_seq[s][name] for s in seqs) / min(by_seq[s][name] for s in seqs) - 1.0
-        for name in main
-    )
-    intervals = sorted({1, 2, opt, 4, 8, n_conn} & set(range(1, n_conn + 1)))
-    by_interval = {
-        str(k): per_token("mhc", longest, {"recompute": True, "recompute_interval": k})
-        for k in intervals
-    }
-    return {
-        "config": {
-            "dim": dim, "layers": layers, "connections": n_conn, "streams": streams,
-            "batch": batch, "seqs": list(seqs), "reported_seq": longest, "dtype": dtype,
-            "device": device, "impl": _ops.resolve_impl_name(impl, device, dt),
-            "recompute_interval": opt,
-        },
-        "entries": entries,
-        "per_token_relative_spread_across_seqs": spread,
-        "mhc_recompute_by_interval": {
-            k: {"bytes_per_token_per_connection": b, "ratio": b / main["residual"]}
-            for k, b in by_interval.items()
-        },
-    }
-
-
-def bench_sinkhorn(
-    *,
-    tokens: int = 2048,
-    sizes: tuple[int, ...] = (4, 8),
-    iters: int = 20,
-    repeats: int = 30,
-    warmup: int = 1,
-    clock: str = "wall",
-    device: str = "cpu",
-    seed: int = 0,
-    inductor: bool = False,
-) -> dict:
-    """Sinkhorn forward + backward (random upstream gradient) on [tokens, n, n] fp32 logits.
-
-    Entries: "unrolled" (autograd through sinkhorn_unrolled's loop: the baseline),
-    "sinkhorn" (functional.sinkhorn: saves the logits, recomputes the iterates in backward),
-    and "ops.cpu" (the cpu implementation's token-last Sinkhorn). saved_bytes counts every
-    storage saved for backward, the input logits included when a function saves them.
-    max_abs_diff: largest difference from the baseline, output and input gradient.
-    """
-    fns = {"unrolled": sinkhorn_unrolled, "sinkhorn": sinkhorn}
-    cpu_sinkhorn = _ops.get_impl("cpu").sinkhorn
-    if cpu_sinkhorn is not sinkhorn:
-        fns["ops.cpu"] = cpu_sinkhorn
-    if inductor:  # the reference under torch.compile (compiled in the warm-up round)
-        fns["ops.inductor"] = _ops.get_impl("inductor").sinkhorn
-    results = []
-    for n in sizes:
-        g = torch.Generator().manual_seed(seed)
-        logits = torch.randn(tokens, n, n, generator=g).to(device).requires_grad_()  # [T, n, n]
-        upstream = torch.randn(tokens, n, n, generator=g).to(device)  # [T, n, n]
-
-        def fwd_bwd(fn, logits=logits, upstream=upstream):
-            out = fn(logits, iters)
-            return out, torch.autograd.grad(out, logits, upstream)[0]
-
-        want_out, want_grad = fwd_bwd(sinkhorn_unrolled)
-        entries = {}
-        for name, fn in fns.items():
-            out, grad = fwd_bwd(fn)
-            nbytes, _ = saved_bytes(lambda fn=fn, z=logits: fn(z, iters))
-            entries[name] = {
-                "saved_bytes": nbytes,
-                "saved_bytes_per_matrix": nbytes / tokens,
-                "max_abs_diff": max((out - want_out).abs().max().item(),
-                                    (grad - want_grad).abs().max().item()),
-            }
-        steps = {name: (lambda fn=fn: fwd_bwd(fn)) for name, fn in fns.items()}
-        log(f"sinkhorn [{tokens}, {n}, {n}]: {', '.join(fns)}; {warmup} + {repeats} rounds")
-        times = time_interleaved(steps, repeats, warmup, clock, device)
-        for name, stats in summarize(times, "unrolled").items():
-            entries[name].update(stats)
-            entries[name]["saved_ratio"] = (
-                entries[name]["saved_bytes"] / entries["unrolled"]["saved_bytes"]
-            )
-        results.append({"shape": [tokens, n, n], "entries": entries})
-    return {
-        "config": {"tokens": tokens, "sizes": list(sizes), "iters": iters, "dtype": "float32",
-                   "device": device, "repeats": repeats, "warmup": warmup, "clock": clock,
-                   "timed": "forward + backward (random upstream gradient)"},
-        "results": results,
-    }
-
-
-# ---------------------------------------------------------------------------------------------
-# Markdown
-# ---------------------------------------------------------------------------------------------
-
-
-def _md_steps(result: dict, title: str) -> list[str]:
-    cfg = result["config"]
-    lines = [
-        f"### {title}",
-        "",
-        f"{cfg['layers']} blocks, batch {cfg['batch']} x {cfg['seq']} tokens, {cfg['dtype']}, "
-        f"n = {cfg['streams']}, ops `{cfg['impl']}`; timed: {cfg['timed']}; "
-        f"{cfg['clock']} clock, median of the rounds, min-max as the spread.",
-        "",
-        "| d | variant | median ms | min-max ms | x residual | per-round ratio range | rounds |",
-        "|---:|---|---:|---:|---:|---:|---:|",
-    ]
-    for res in result["results"]:
-        for v, e in res["entries"].items():
-            lines.append(
-                f"| {res['dim']} | {v} | {e['median_ms']:.0f} | {e['min_ms']:.0f}-"
-                f"{e['max_ms']:.0f} | {e['ratio']:.3f} | {e['ratio_min']:.3f}-"
-                f"{e['ratio_max']:.3f} | {res['repeats']} |"
-            )
-    return lines
-
-
-def _md_saved(result: dict) -> list[str]:
-    cfg = result["config"]
-    lines = [
-        "### saved: bytes saved for backward per token per connection",
-        "",
-        f"LM at d = {cfg['dim']}, {cfg['layers']} blocks ({cfg['connections']} connections), "
-        f"n = {cfg['streams']}, {cfg['dtype']}, batch {cfg['batch']} x {cfg['reported_seq']} "
-        f"tokens; recomputation interval L_r = {cfg['recompute_interval']} (optimal). "
-        f"Per-token figures at T = {', '.join(map(str, cfg['seqs']))} differ by at most "
-        f"{100 * result['per_token_relative_spread_across_seqs']:.2g}%. Counted: what is held "
-        "from forward to backward; not counted: the replay of one recompute group in backward, "
-        "which briefly holds up to L_r connections' intermediates (the optimal L_r balances "
-        "the two).",
-        "",
-        "| variant | bytes / token / connection | x residual | extra over residual, in C "
-        "elements |",
-        "|---|---:|---:|---:|",
-    ]
-    for v, e in result["entries"].items():
-        lines.append(f"| {v} | {e['bytes_per_token_per_connection']:.0f} | {e['ratio']:.3f} | "
-                     f"{e['extra_over_residual_in_C']:.2f} |")
-    lines += ["", "| mHC + recompute, L_r | bytes / token / connection | x residual |",
-              "|---:|---:|---:|"]
-    for k, e in result["mhc_recompute_by_interval"].items():
-        star = " (optimal)" if int(k) == cfg["recompute_interval"] else ""
-        lines.append(f"| {k}{star} | {e['bytes_per_token_per_connection']:.0f} | "
-                     f"{e['ratio']:.3f} |")
-    return lines
-
-
-def _md_sinkhorn(result: dict) -> list[str]:
-    cfg = result["config"]
-    lines = [
-        "### sinkhorn: forward + backward",
-        "",
-        f"{cfg['iters']} iterations, fp32, random upstream gradient; {cfg['clock']} clock, "
-        f"median of {cfg['repeats']} rounds, min-max as the spread; saved = bytes saved for "
-        "backward (the input logits included where a function saves them).",
-        "",
-        "| shape | implementation | median ms | min-max ms | x unrolled | saved bytes | "
-        "saved x unrolled | max abs diff |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for res in result["results"]:
-        shape = "x".join(map(str, res["shape"]))
-        for name, e in res["entries"].items():
-            lines.append(
-                f"| {shape} | {name} | {e['median_ms']:.2f} | {e['min_ms']:.2f}-"
-                f"{e['max_ms']:.2f} | {e['ratio']:.3f} | {e['saved_bytes']} | "
-                f"{e['saved_ratio']:.3f} | {e['max_abs_diff']:.1e} |"
-            )
-    return lines
-
-
-def _md_decode(result: dict) -> list[str]:
-    cfg = result["config"]
-    lines = [
-        "### decode: KV-cached greedy generation",
-        "",
-        f"d = {cfg['dim']}, {cfg['layers']} blocks, n = {cfg['streams']}, {cfg['dtype']}, "
-        f"ops `{cfg['impl']}`, {cfg['prompt']} prompt + {cfg['new_tokens']} new tokens; "
-        f"{cfg['clock']} clock, median of {cfg['repeats']} rounds. Decode tokens/s leaves out "
-        "the prefill (median generate - median prefill).",
-        "",
-        "| batch | variant | generate ms | prefill ms | tokens/s | x residual | decode tokens/s "
-        "| x residual |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
-    ]
-
-    def fmt(x, spec):
-        return "n/a" if x is None else format(x, spec)
-
-    for res in result["results"]:
-        for v, e in res["entries"].items():
-            lines.append(
-                f"| {res['batch']} | {v} | {e['median_ms']:.0f} | {e['prefill_median_ms']:.0f} "
-                f"| {e['tokens_per_s']:.1f} | {e['tokens_per_s_ratio']:.3f} | "
-                f"{fmt(e['decode_tokens_per_s'], '.1f')} | "
-                f"{fmt(e['decode_tokens_per_s_ratio'], '.3f')} |"
-            )
-    return lines
-
-
-def markdown(report: dict) -> str:
-    """One markdown table per benchmark in a bench_main report."""
-    meta, b = report["meta"], report["benchmarks"]
-    lines = [
-        f"torch {meta['torch']}, {meta['threads']} thread(s), {meta['clock']} clock, "
-        f"{meta['date']}; load average {meta['load_average_start']} at the start, "
-        f"{meta['load_average_end']} at the end.",
-    ]
-    if "step" in b:
-        lines += ["", *_md_steps(b["step"], "step: training step, residual vs HC vs mHC")]
-    if "hyper_connections" in b:
-        hc = b["hyper_connections"]
-        title = "hyper_connections: lucidrains' mHC around the same blocks"
-        if "skipped" in hc:
-            lines += ["", f"### {title}", "", f"Skipped: {hc['skipped']}"]
-        else:
-            lines += ["", *_md_steps(hc, f"{title} (hyper-connections "
-                                         f"{hc['config']['hyper_connections_version']})")]
-    if "saved" in b:
-        lines += ["", *_md_saved(b["saved"])]
-    if "sinkhorn" in b:
-        lines += ["", *_md_sinkhorn(b["sinkhorn"])]
-    if "decode" in b:
-        lines += ["", *_md_decode(b["decode"])]
-    return "\n".join(lines)
-
 
 # ---------------------------------------------------------------------------------------------
 # Command line
@@ -653,9 +301,9 @@ def run_benchmarks(args: argparse.Namespace) -> dict:
             repeats=args.repeats, **timing,
         )
         if want_step:
-            out["step"] = _select(steps, ["residual", "hc", "mhc", "mhc_inductor"])
+            out["step"] = select_variants(steps, ["residual", "hc", "mhc", "mhc_inductor"])
         if want_hc:
-            out["hyper_connections"] = _select(steps, ["residual", "mhc", "lucidrains_mhc"])
+            out["hyper_connections"] = select_variants(steps, ["residual", "mhc", "lucidrains_mhc"])
             out["hyper_connections"]["config"]["hyper_connections_version"] = (
                 workloads.hyper_connections_version()
             )

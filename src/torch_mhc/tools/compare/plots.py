@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import LogFormatter, MaxNLocator
 
 __all__ = ["COLORS", "composite_gain_png", "gain_over_training_png", "grad_norm_png",
-           "health_png", "loss_curves_png"]
+           "health_png", "loss_curves_png", "loss_lines", "zoom_to_second_half"]
 
 COLORS = {"residual": "#4d4d4d", "hc": "#d62728", "mhc": "#1f77b4", "mhc-lite": "#2ca02c",
           "kromhc": "#9467bd", "mhc-static-res": "#ff7f0e"}
@@ -63,19 +63,19 @@ def loss_curves_png(runs: dict[str, dict]) -> bytes:
     seeds = max(len(run.get("seed_runs") or [run]) for run in runs.values()) if runs else 1
     for ax in (whole, tail):
         for kind, run in runs.items():
-            _loss_lines(ax, kind, run)
+            loss_lines(ax, kind, run)
         ax.set_xlabel("step")
         ax.set_ylabel("cross-entropy (nats per byte)")
         ax.grid(alpha=0.3)
     whole.set_title("Loss" + (f" (mean of {seeds} seeds; bands: lowest to highest seed)"
                               if seeds > 1 else ""))
     whole.legend(fontsize=8)
-    _zoom_to_second_half(tail)
+    zoom_to_second_half(tail)
     tail.set_title("Second half of training")
     return _png(fig)
 
 
-def _loss_lines(ax, kind: str, run: dict) -> None:
+def loss_lines(ax, kind: str, run: dict) -> None:
     per_seed = run.get("seed_runs") or [run]
     if len(per_seed) > 1:
         _seed_band(ax, kind, per_seed)
@@ -94,7 +94,7 @@ def _loss_lines(ax, kind: str, run: dict) -> None:
                 linestyle="--", marker="o", markersize=3, label=f"{LABELS.get(kind, kind)} val")
 
 
-def _zoom_to_second_half(ax) -> None:
+def zoom_to_second_half(ax) -> None:
     """Limit ax to the second half of its steps, and y to the solid lines' range there."""
     lines = [line for line in ax.get_lines() if line.get_alpha() is None]  # not the faint ones
     last = max((max(line.get_xdata(), default=0) for line in lines), default=0)

@@ -147,7 +147,6 @@ __all__ = [
     "pipeline_communication",
     "kv_cache_bytes",
     "estimate",
-    "format_table",
     "paper_27b_overhead",
     "cli_main",
 ]
@@ -529,41 +528,16 @@ def kv_cache_bytes(
 
 def estimate(cfg: CostConfig) -> dict:
     """Every figure of the cost model for `cfg` as a JSON-serialisable nested dict."""
-    n, c, conns = cfg.streams, cfg.hidden, cfg.connections
-
-    access = {kind: memory_access(kind, n, c) for kind in KINDS}
-    for a in access.values():
-        a["read_bytes"] = bytes_for(a["read"], cfg.dtype)
-        a["write_bytes"] = bytes_for(a["write"], cfg.dtype)
-        a["total_bytes"] = bytes_for(a["total"], cfg.dtype)
-    residual_total = access["residual"]["total"]
-
-    params = {kind: connection_params(kind, n, c) for kind in KINDS}
-    block_p = block_params(cfg)
-    model_block_params = cfg.layers * block_p["total"]
-
-    flops = {kind: connection_flops(kind, n, c, cfg.sinkhorn_iters) for kind in KINDS}
-    block_f = block_flops(cfg)
-    model_forward = {  # per token, whole model
-        kind: cfg.layers * block_f["total"] + conns * flops[kind]["total"] for kind in KINDS
-    }
-    # Training: 3x forward; mHC with recomputation runs its kernels forward twice (4x).
-    train_residual = 3 * model_forward["residual"]
-    train_mhc_recompute = 3 * cfg.layers * block_f["total"] + 4 * conns * flops["mhc"]["total"]
-    # Per device with tensor parallelism: the block is sharded, the connection replicated.
-    tp = cfg.tensor_parallel
-    per_device = {
-        kind: cfg.layers * block_f["total"] / tp + conns * flops[kind]["total"] for kind in KINDS
-    }
-
-    dp = cfg.data_parallel
-    allreduce = {
+    conns = cfg.connections
+    flops = {kind: connection_flops(kind, cfg.streams, cfg.hidden, cfg.sinkhorn_iters)
+             for kind in KINDS}
+    params = {kind: connection_params(kind, cfg.streams, cfg.hidden) for kind in KINDS}
+    dp, tp = cfg.data_parallel, cfg.tensor_parallel
+    allreduce = {  # ring all-reduce of the connection parameters' gradients, per rank
         kind: bytes_for(conns * params[kind]["total"], cfg.dtype) * 2 * (dp - 1) / dp
         for kind in KINDS
     }
-
     kv = kv_cache_bytes(cfg.layers, cfg.tokens, cfg.kv_dim, cfg.dtype, cfg.batch)
-
     return {
         "config": asdict(cfg) | {
             "connections": conns,
@@ -574,38 +548,9 @@ def estimate(cfg: CostConfig) -> dict:
             "ffn_dim": cfg.ffn_dim,
             "bits_per_element": DTYPE_BITS[cfg.dtype],
         },
-        "memory_access": {
-            "unit": "elements (and bytes) per token, one connection, forward",
-            **access,
-            "model_bytes_per_token": {
-                kind: bytes_for(conns * access[kind]["total"], cfg.dtype) for kind in KINDS
-            },
-            "ratio_to_residual": {
-                kind: access[kind]["total"] / residual_total for kind in KINDS
-            },
-        },
-        "params": {
-            "per_connection": params,
-            "model": {kind: conns * params[kind]["total"] for kind in KINDS},
-            "block": block_p,
-            "model_blocks": model_block_params,
-            "relative_to_blocks": {
-                kind: conns * params[kind]["total"] / model_block_params for kind in KINDS
-            },
-        },
-        "flops": {
-            "unit": "forward FLOPs per token",
-            "per_connection": flops,
-            "block": block_f,
-            "model_forward": model_forward,
-            "overhead_forward": {
-                kind: model_forward[kind] / model_forward["residual"] - 1 for kind in KINDS
-            },
-            "overhead_training_mhc_recompute": train_mhc_recompute / train_residual - 1,
-            "overhead_forward_per_device": {
-                kind: per_device[kind] / per_device["residual"] - 1 for kind in KINDS
-            },
-        },
+        "memory_access": _memory_access_report(cfg),
+        "params": _params_report(cfg, params),
+        "flops": _flops_report(cfg, flops),
         "activations": activation_memory(cfg),
         "pipeline": pipeline_communication(cfg),
         "kv_cache": {
@@ -616,6 +561,71 @@ def estimate(cfg: CostConfig) -> dict:
         "data_parallel": {
             "tokens_per_step": cfg.batch * cfg.tokens * dp,
             "connection_grad_allreduce_bytes_per_rank": allreduce,
+        },
+    }
+
+
+def _memory_access_report(cfg: CostConfig) -> dict:
+    """estimate()'s "memory_access": per kind the elements and bytes of one connection, the
+    whole model's bytes per token and the ratio to the residual connection."""
+    access = {kind: memory_access(kind, cfg.streams, cfg.hidden) for kind in KINDS}
+    for a in access.values():
+        a["read_bytes"] = bytes_for(a["read"], cfg.dtype)
+        a["write_bytes"] = bytes_for(a["write"], cfg.dtype)
+        a["total_bytes"] = bytes_for(a["total"], cfg.dtype)
+    residual_total = access["residual"]["total"]
+    return {
+        "unit": "elements (and bytes) per token, one connection, forward",
+        **access,
+        "model_bytes_per_token": {
+            kind: bytes_for(cfg.connections * access[kind]["total"], cfg.dtype)
+            for kind in KINDS
+        },
+        "ratio_to_residual": {kind: access[kind]["total"] / residual_total for kind in KINDS},
+    }
+
+
+def _params_report(cfg: CostConfig, params: dict) -> dict:
+    """estimate()'s "params": the connections' parameters against the blocks'."""
+    block_p = block_params(cfg)
+    model_block_params = cfg.layers * block_p["total"]
+    conns = cfg.connections
+    return {
+        "per_connection": params,
+        "model": {kind: conns * params[kind]["total"] for kind in KINDS},
+        "block": block_p,
+        "model_blocks": model_block_params,
+        "relative_to_blocks": {
+            kind: conns * params[kind]["total"] / model_block_params for kind in KINDS
+        },
+    }
+
+
+def _flops_report(cfg: CostConfig, flops: dict) -> dict:
+    """estimate()'s "flops": forward FLOPs per token, whole model, and the overheads."""
+    conns, block_f = cfg.connections, block_flops(cfg)
+    model_forward = {  # per token, whole model
+        kind: cfg.layers * block_f["total"] + conns * flops[kind]["total"] for kind in KINDS
+    }
+    # Training: 3x forward; mHC with recomputation runs its kernels forward twice (4x).
+    train_residual = 3 * model_forward["residual"]
+    train_mhc_recompute = 3 * cfg.layers * block_f["total"] + 4 * conns * flops["mhc"]["total"]
+    # Per device with tensor parallelism: the block is sharded, the connection replicated.
+    per_device = {
+        kind: cfg.layers * block_f["total"] / cfg.tensor_parallel + conns * flops[kind]["total"]
+        for kind in KINDS
+    }
+    return {
+        "unit": "forward FLOPs per token",
+        "per_connection": flops,
+        "block": block_f,
+        "model_forward": model_forward,
+        "overhead_forward": {
+            kind: model_forward[kind] / model_forward["residual"] - 1 for kind in KINDS
+        },
+        "overhead_training_mhc_recompute": train_mhc_recompute / train_residual - 1,
+        "overhead_forward_per_device": {
+            kind: per_device[kind] / per_device["residual"] - 1 for kind in KINDS
         },
     }
 
@@ -638,125 +648,6 @@ def paper_27b_overhead(**overrides) -> dict:
         "param_overhead": report["params"]["relative_to_blocks"]["mhc"],
         "paper_reported_training_time_overhead": PAPER_REPORTED_TRAINING_OVERHEAD,
     }
-
-
-# --------------------------------------------------------------------------------------------
-# Text output
-# --------------------------------------------------------------------------------------------
-
-
-def _fmt_int(x) -> str:
-    return f"{x:,.0f}" if float(x).is_integer() else f"{x:,.1f}"
-
-
-def _fmt_bytes(x) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(x) >= size:
-            return f"{x / size:,.2f} {unit}"
-    return f"{_fmt_int(x)} B"
-
-
-def _fmt_pct(x: float) -> str:
-    return f"{100 * x:+.2f}%"
-
-
-def _table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
-
-    def line(cells):
-        return "| " + " | ".join(str(v).rjust(w) for v, w in zip(cells, widths, strict=True)) + " |"
-
-    sep = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
-    return "\n".join([line(headers), sep, *(line(r) for r in rows)])
-
-
-_NAMES = {"residual": "residual", "hc": "HC", "mhc": "mHC"}
-
-
-def format_table(report: dict) -> str:
-    """A markdown rendering of an estimate() report (works on a report loaded from JSON)."""
-    cfg = report["config"]
-    access, params, flops = report["memory_access"], report["params"], report["flops"]
-    act, pipe, kv = report["activations"], report["pipeline"], report["kv_cache"]
-    out = [
-        f"# mHC cost model: {cfg['layers']} blocks ({cfg['connections']} connections), "
-        f"C={cfg['hidden']}, n={cfg['streams']}, T={cfg['tokens']}, batch={cfg['batch']}, "
-        f"{cfg['dtype']}, sinkhorn_iters={cfg['sinkhorn_iters']}",
-        "",
-        "## Memory access per token, one connection, forward (paper Table 2)",
-        "",
-        _table(
-            ["connection", "read (elem)", "write (elem)", "total (bytes)", "x residual",
-             "model bytes/token"],
-            [[_NAMES[k], _fmt_int(access[k]["read"]), _fmt_int(access[k]["write"]),
-              _fmt_int(access[k]["total_bytes"]), f"{access['ratio_to_residual'][k]:.2f}",
-              _fmt_bytes(access["model_bytes_per_token"][k])] for k in KINDS],
-        ),
-        "",
-        "## FLOPs per token (forward) and parameters",
-        "",
-        _table(
-            ["connection", "FLOPs/conn", "model FLOPs", "overhead", "params/conn",
-             "model params", "params vs blocks"],
-            [[_NAMES[k], _fmt_int(flops["per_connection"][k]["total"]),
-              _fmt_int(flops["model_forward"][k]), _fmt_pct(flops["overhead_forward"][k]),
-              _fmt_int(params["per_connection"][k]["total"]), _fmt_int(params["model"][k]),
-              _fmt_pct(params["relative_to_blocks"][k])] for k in KINDS],
-        ),
-        "",
-        f"block forward FLOPs/token: {_fmt_int(flops['block']['total'])} "
-        f"(attention projections {_fmt_int(flops['block']['breakdown']['attention_projections'])},"
-        f" scores {_fmt_int(flops['block']['breakdown']['attention_scores'])}, "
-        f"MLP {_fmt_int(flops['block']['breakdown']['mlp'])})",
-        f"mHC training FLOP overhead with selective recomputation: "
-        f"{_fmt_pct(flops['overhead_training_mhc_recompute'])}",
-    ]
-    if cfg["tensor_parallel"] > 1:
-        out.append(
-            f"mHC forward FLOP overhead per device, tensor_parallel={cfg['tensor_parallel']} "
-            f"(connection replicated): {_fmt_pct(flops['overhead_forward_per_device']['mhc'])}"
-        )
-    stage_act = act["per_stage_bytes_per_token"]
-    mb_act = act["per_stage_bytes_per_micro_batch"]
-    out += [
-        "",
-        f"## Activations kept for backward, one pipeline stage ({act['stage_connections']} "
-        f"connections)",
-        "",
-        _table(
-            ["connection", "bytes/token", "per micro-batch"],
-            [["residual, no recompute", _fmt_int(stage_act["residual"]),
-              _fmt_bytes(mb_act["residual"])],
-             ["mHC, no recompute", _fmt_int(stage_act["mhc"]), _fmt_bytes(mb_act["mhc"])],
-             [f"mHC, recompute L_r={act['recompute_interval']}",
-              _fmt_int(stage_act["mhc_recompute"]), _fmt_bytes(mb_act["mhc_recompute"])]],
-        ),
-        "",
-        f"optimal L_r = {act['recompute_interval_optimal']}; recomputation saves "
-        f"{100 * act['mhc_recompute_saving']:.1f}% of mHC's stored activations",
-        "",
-        "## Communication and KV cache",
-        "",
-        _pipeline_line(cfg, pipe),
-        f"KV cache ({cfg['tokens']} tokens, batch {cfg['batch']}, kv width {cfg['kv_dim']}): "
-        f"{_fmt_bytes(kv['bytes'])} (same for every connection kind)",
-    ]
-    return "\n".join(out)
-
-
-def _pipeline_line(cfg: dict, pipe: dict) -> str:
-    if pipe["boundaries"] == 0:
-        return "pipeline: 1 stage, no stage boundaries, no pipeline traffic"
-    return (
-        f"pipeline: {cfg['pipeline_stages']} stages, {pipe['boundaries']} boundaries, "
-        f"micro-batch of {pipe['micro_batch_size']} sequences: "
-        f"{_fmt_bytes(pipe['forward_bytes_per_boundary_per_micro_batch'])} forward + "
-        f"{_fmt_bytes(pipe['backward_bytes_per_boundary_per_micro_batch'])} backward per "
-        f"boundary and micro-batch (residual "
-        f"{_fmt_bytes(pipe['residual_forward_bytes_per_boundary_per_micro_batch'])} each way); "
-        f"{_fmt_bytes(pipe['bytes_per_step'])} per step (residual "
-        f"{_fmt_bytes(pipe['residual_bytes_per_step'])})"
-    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -822,6 +713,8 @@ def cli_main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
+        from torch_mhc.tools.cost.format import format_table
+
         print(format_table(report))
     return 0
 

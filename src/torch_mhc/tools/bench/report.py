@@ -1,0 +1,138 @@
+"""The markdown of a `mhc bench` report: one table per benchmark (works on a report loaded from
+its JSON)."""
+
+from __future__ import annotations
+
+__all__ = ["markdown"]
+
+
+def _md_steps(result: dict, title: str) -> list[str]:
+    cfg = result["config"]
+    lines = [
+        f"### {title}",
+        "",
+        f"{cfg['layers']} blocks, batch {cfg['batch']} x {cfg['seq']} tokens, {cfg['dtype']}, "
+        f"n = {cfg['streams']}, ops `{cfg['impl']}`; timed: {cfg['timed']}; "
+        f"{cfg['clock']} clock, median of the rounds, min-max as the spread.",
+        "",
+        "| d | variant | median ms | min-max ms | x residual | per-round ratio range | rounds |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for res in result["results"]:
+        for v, e in res["entries"].items():
+            lines.append(
+                f"| {res['dim']} | {v} | {e['median_ms']:.0f} | {e['min_ms']:.0f}-"
+                f"{e['max_ms']:.0f} | {e['ratio']:.3f} | {e['ratio_min']:.3f}-"
+                f"{e['ratio_max']:.3f} | {res['repeats']} |"
+            )
+    return lines
+
+
+def _md_saved(result: dict) -> list[str]:
+    cfg = result["config"]
+    lines = [
+        "### saved: bytes saved for backward per token per connection",
+        "",
+        f"LM at d = {cfg['dim']}, {cfg['layers']} blocks ({cfg['connections']} connections), "
+        f"n = {cfg['streams']}, {cfg['dtype']}, batch {cfg['batch']} x {cfg['reported_seq']} "
+        f"tokens; recomputation interval L_r = {cfg['recompute_interval']} (optimal). "
+        f"Per-token figures at T = {', '.join(map(str, cfg['seqs']))} differ by at most "
+        f"{100 * result['per_token_relative_spread_across_seqs']:.2g}%. Counted: what is held "
+        "from forward to backward; not counted: the replay of one recompute group in backward, "
+        "which briefly holds up to L_r connections' intermediates (the optimal L_r balances "
+        "the two).",
+        "",
+        "| variant | bytes / token / connection | x residual | extra over residual, in C "
+        "elements |",
+        "|---|---:|---:|---:|",
+    ]
+    for v, e in result["entries"].items():
+        lines.append(f"| {v} | {e['bytes_per_token_per_connection']:.0f} | {e['ratio']:.3f} | "
+                     f"{e['extra_over_residual_in_C']:.2f} |")
+    lines += ["", "| mHC + recompute, L_r | bytes / token / connection | x residual |",
+              "|---:|---:|---:|"]
+    for k, e in result["mhc_recompute_by_interval"].items():
+        star = " (optimal)" if int(k) == cfg["recompute_interval"] else ""
+        lines.append(f"| {k}{star} | {e['bytes_per_token_per_connection']:.0f} | "
+                     f"{e['ratio']:.3f} |")
+    return lines
+
+
+def _md_sinkhorn(result: dict) -> list[str]:
+    cfg = result["config"]
+    lines = [
+        "### sinkhorn: forward + backward",
+        "",
+        f"{cfg['iters']} iterations, fp32, random upstream gradient; {cfg['clock']} clock, "
+        f"median of {cfg['repeats']} rounds, min-max as the spread; saved = bytes saved for "
+        "backward (the input logits included where a function saves them).",
+        "",
+        "| shape | implementation | median ms | min-max ms | x unrolled | saved bytes | "
+        "saved x unrolled | max abs diff |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for res in result["results"]:
+        shape = "x".join(map(str, res["shape"]))
+        for name, e in res["entries"].items():
+            lines.append(
+                f"| {shape} | {name} | {e['median_ms']:.2f} | {e['min_ms']:.2f}-"
+                f"{e['max_ms']:.2f} | {e['ratio']:.3f} | {e['saved_bytes']} | "
+                f"{e['saved_ratio']:.3f} | {e['max_abs_diff']:.1e} |"
+            )
+    return lines
+
+
+def _md_decode(result: dict) -> list[str]:
+    cfg = result["config"]
+    lines = [
+        "### decode: KV-cached greedy generation",
+        "",
+        f"d = {cfg['dim']}, {cfg['layers']} blocks, n = {cfg['streams']}, {cfg['dtype']}, "
+        f"ops `{cfg['impl']}`, {cfg['prompt']} prompt + {cfg['new_tokens']} new tokens; "
+        f"{cfg['clock']} clock, median of {cfg['repeats']} rounds. Decode tokens/s leaves out "
+        "the prefill (median generate - median prefill).",
+        "",
+        "| batch | variant | generate ms | prefill ms | tokens/s | x residual | decode tokens/s "
+        "| x residual |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def fmt(x, spec):
+        return "n/a" if x is None else format(x, spec)
+
+    for res in result["results"]:
+        for v, e in res["entries"].items():
+            lines.append(
+                f"| {res['batch']} | {v} | {e['median_ms']:.0f} | {e['prefill_median_ms']:.0f} "
+                f"| {e['tokens_per_s']:.1f} | {e['tokens_per_s_ratio']:.3f} | "
+                f"{fmt(e['decode_tokens_per_s'], '.1f')} | "
+                f"{fmt(e['decode_tokens_per_s_ratio'], '.3f')} |"
+            )
+    return lines
+
+
+def markdown(report: dict) -> str:
+    """One markdown table per benchmark in a bench_main report."""
+    meta, b = report["meta"], report["benchmarks"]
+    lines = [
+        f"torch {meta['torch']}, {meta['threads']} thread(s), {meta['clock']} clock, "
+        f"{meta['date']}; load average {meta['load_average_start']} at the start, "
+        f"{meta['load_average_end']} at the end.",
+    ]
+    if "step" in b:
+        lines += ["", *_md_steps(b["step"], "step: training step, residual vs HC vs mHC")]
+    if "hyper_connections" in b:
+        hc = b["hyper_connections"]
+        title = "hyper_connections: lucidrains' mHC around the same blocks"
+        if "skipped" in hc:
+            lines += ["", f"### {title}", "", f"Skipped: {hc['skipped']}"]
+        else:
+            lines += ["", *_md_steps(hc, f"{title} (hyper-connections "
+                                         f"{hc['config']['hyper_connections_version']})")]
+    if "saved" in b:
+        lines += ["", *_md_saved(b["saved"])]
+    if "sinkhorn" in b:
+        lines += ["", *_md_sinkhorn(b["sinkhorn"])]
+    if "decode" in b:
+        lines += ["", *_md_decode(b["decode"])]
+    return "\n".join(lines)

@@ -1,0 +1,74 @@
+"""The step benchmark: one training step of the reference LM per variant and width, timed side
+by side, as ratios to the residual (also the measurement behind `hyper_connections`)."""
+
+from __future__ import annotations
+
+from torch_mhc import ops as _ops
+from torch_mhc.tools.bench.timing import summarize, time_interleaved
+from torch_mhc.tools.bench.workloads import DTYPES, build_model, log, random_tokens, train_step
+
+__all__ = ["bench_training_steps", "default_step_repeats", "select_variants"]
+
+
+def default_step_repeats(dim: int) -> int:
+    """Rounds of the step benchmarks: 5, or 3 above d = 512 (a d = 1024 step takes seconds)."""
+    return 5 if dim <= 512 else 3
+
+
+def bench_training_steps(
+    sizes: list[int],
+    variants: list[str],
+    *,
+    layers: int = 8,
+    streams: int = 4,
+    batch: int = 8,
+    seq: int = 256,
+    dtype: str = "float32",
+    device: str = "cpu",
+    impl: str = "auto",
+    optimizer: bool = False,
+    repeats: int | None = None,
+    warmup: int = 1,
+    clock: str = "wall",
+) -> dict:
+    """Training-step time of each variant at each width, interleaved, ratios to the residual.
+
+    repeats None: default_step_repeats(dim). Returns {"config": ..., "results": [per width]}.
+    """
+    if "residual" not in variants:
+        variants = ["residual", *variants]
+    dt = DTYPES[dtype]
+    results = []
+    for dim in sizes:
+        r = repeats or default_step_repeats(dim)
+        idx = random_tokens(batch, seq + 1, device=device)  # [B, T + 1]
+        steps = {}
+        for v in variants:
+            # mhc_inductor: mHC on the inductor ops (the reference under torch.compile).
+            kind, ops_impl = ("mhc", "inductor") if v == "mhc_inductor" else (v, impl)
+            model = build_model(kind, dim, layers, streams, seq, dtype=dt, device=device)
+            steps[v] = train_step(model, idx, impl=None if v == "residual" else ops_impl,
+                                  optimizer=optimizer)
+        log(f"training step d={dim}: {', '.join(variants)}; {warmup} + {r} rounds")
+        times = time_interleaved(steps, r, warmup, clock, device)
+        results.append({"dim": dim, "repeats": r, "entries": summarize(times, "residual")})
+        del steps
+    return {
+        "config": {
+            "layers": layers, "streams": streams, "batch": batch, "seq": seq, "dtype": dtype,
+            "device": device, "impl": _ops.resolve_impl_name(impl, device, dt),
+            "optimizer": "AdamW included" if optimizer else "excluded",
+            "warmup": warmup, "clock": clock,
+            "timed": "forward + cross-entropy + backward" + (" + AdamW step" if optimizer else ""),
+        },
+        "results": results,
+    }
+
+
+def select_variants(steps_result: dict, variants: list[str]) -> dict:
+    """The same measurement restricted to some variants (ratios are per entry, unchanged)."""
+    out = {"config": dict(steps_result["config"]), "results": []}
+    for res in steps_result["results"]:
+        entries = {v: e for v, e in res["entries"].items() if v in variants}
+        out["results"].append({**res, "entries": entries})
+    return out
