@@ -45,7 +45,6 @@ belongs to that maps kernel.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable
 
@@ -55,6 +54,12 @@ from torch import nn
 from torch_mhc import ops as _ops
 from torch_mhc.connections.base import Connection, assign_parameter, check_count, pre_bias
 from torch_mhc.functional.maps import read_write_maps
+from torch_mhc.functional.successors import (
+    kromhc_res,
+    kronecker_pattern,
+    mhc_lite_res,
+    permutation_matrices,
+)
 
 __all__ = [
     "VARIANT_KINDS",
@@ -62,59 +67,11 @@ __all__ = [
     "MhcResVariant",
     "MHCLite",
     "MHCStaticRes",
-    "kromhc_res",
     "make_variant",
-    "mhc_lite_res",
-    "permutation_matrices",
-    "read_write_maps",
 ]
 
 VARIANT_KINDS = ("mhc-lite", "kromhc", "mhc-static-res")
 MHC_LITE_MAX_STREAMS = 5
-
-
-# ---------------------------------------------------------------------------------------------
-# The maths (plain torch; autograd differentiates it)
-# ---------------------------------------------------------------------------------------------
-
-
-def permutation_matrices(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """All n! permutation matrices [n!, n, n], identity first: P_k[i, p_k(i)] = 1, so
-    (P_k x)_i = x_{p_k(i)} (itertools.permutations order)."""
-    perms = torch.tensor(list(itertools.permutations(range(n))), dtype=torch.long)  # [n!, n]
-    return torch.nn.functional.one_hot(perms, n).to(dtype)
-
-
-def _kron_pattern(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """same[k, i, j] = 1 where bit k of i equals bit k of j (bit 0 the most significant, as
-    torch.kron(A_1, A_2) indexes): [m, n, n] with m = log2 n."""
-    m = n.bit_length() - 1
-    idx = torch.arange(n)
-    bits = (idx[:, None] >> torch.arange(m - 1, -1, -1)) & 1  # [n, m]
-    return (bits.T[:, :, None] == bits.T[:, None, :]).to(dtype)
-
-
-def mhc_lite_res(z: torch.Tensor, perms: torch.Tensor) -> torch.Tensor:
-    """sum_k softmax(z)_k P_k: z [..., n!], perms [n!, n, n] -> [..., n, n]."""
-    a = torch.softmax(z, dim=-1)
-    return (a @ perms.to(a.dtype).flatten(-2)).unflatten(-1, perms.shape[-2:])
-
-
-def kromhc_res(z: torch.Tensor, same: torch.Tensor) -> torch.Tensor:
-    """A_1 (x) ... (x) A_m with A_k = a_k I + (1 - a_k) S, a = sigmoid(z): z [..., m],
-    same [m, n, n] (_kron_pattern) -> [..., n, n]. Entry (i, j) is the product over k of
-    a_k where bit k of i and j agree and 1 - a_k where they differ."""
-    a = torch.sigmoid(z)[..., :, None, None]  # [..., m, 1, 1]
-    s = same.to(a.dtype)
-    factors = s * a + (1.0 - s) * (1.0 - a)  # [..., m, n, n]
-    if factors.shape[-3] == 0:  # n = 1: the empty product
-        return torch.ones(*z.shape[:-1], 1, 1, dtype=z.dtype, device=z.device)
-    return factors.prod(dim=-3)
-
-
-# ---------------------------------------------------------------------------------------------
-# Modules
-# ---------------------------------------------------------------------------------------------
 
 
 class MhcResVariant(Connection):
@@ -270,10 +227,10 @@ class KromHC(MhcResVariant):
             )
 
     def _init_buffers(self) -> None:
-        self.register_buffer("same", _kron_pattern(self.streams), persistent=False)
+        self.register_buffer("same", kronecker_pattern(self.streams), persistent=False)
 
     def _fill_buffers(self) -> None:
-        assign_parameter(self.same, _kron_pattern(self.streams))
+        assign_parameter(self.same, kronecker_pattern(self.streams))
 
     def _res_bias(self) -> torch.Tensor:
         return torch.full((self.res_count(self.streams),), math.log(3.0))  # a_k = 3/4
