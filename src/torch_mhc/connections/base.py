@@ -77,7 +77,8 @@ class Connection(nn.Module):
         # Op implementation (torch_mhc.ops): "auto" picks by device and dtype at each call.
         self.impl = _ops.check_impl_name(impl)
 
-    def _check_input(self, x: torch.Tensor) -> None:
+    def check_input(self, x: torch.Tensor) -> None:
+        """Raise a TypeError or ValueError unless x is a floating-point [..., n, C] tensor."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{type(self).__name__} expects a torch.Tensor, got {type(x).__name__}")
         if not x.is_floating_point():
@@ -112,7 +113,7 @@ class Connection(nn.Module):
             self._check_finite("the branch output", f)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        self._check_input(x)
+        self.check_input(x)
         if self.check_finite:
             self._check_finite("the input streams", x)
         # expand_streams' broadcast view: copy once here rather than once inside every op.

@@ -77,9 +77,11 @@ class HyperConnection(Connection):
         """H_pre, H_post, H_res; with_pre=True appends the branch input sum_j H_pre[j] x[j]
         (one fused op where the implementation has one)."""
         ops = _ops.get_impl(self.impl, x.device, x.dtype)
-        return (ops.hc_maps_pre if with_pre else ops.hc_maps)(*self._map_args(x))
+        return (ops.hc_maps_pre if with_pre else ops.hc_maps)(*self.map_args(x))
 
-    def _map_args(self, x: torch.Tensor) -> tuple:
+    def map_args(self, x: torch.Tensor) -> tuple:
+        """The arguments of ops.hc_maps (a subclass holding another parameter layout maps it
+        here)."""
         return (
             x, self.w, self.s_alpha.view(()), self.s_beta.view(()),
             self.static_pre, self.static_post, self.static_res, self.norm_eps,
@@ -87,8 +89,8 @@ class HyperConnection(Connection):
 
     def _maps_and_input(self, ops, x: torch.Tensor):
         if ops.links:  # x_link None: no single node was made, the merge runs unlinked
-            return ops.hc_maps_pre(*self._map_args(x), link=True)
-        return (*ops.hc_maps_pre(*self._map_args(x)), None)
+            return ops.hc_maps_pre(*self.map_args(x), link=True)
+        return (*ops.hc_maps_pre(*self.map_args(x)), None)
 
     def no_weight_decay(self) -> set[str]:
         names = {"static_pre", "static_post", "static_res"}

@@ -79,9 +79,11 @@ class ManifoldHyperConnection(Connection):
         """H_pre, H_post, H_res; with_pre=True appends the branch input sum_j H_pre[j] x[j]
         (one fused op where the implementation has one)."""
         ops = _ops.get_impl(self.impl, x.device, x.dtype)
-        return (ops.mhc_maps_pre if with_pre else ops.mhc_maps)(*self._map_args(x))
+        return (ops.mhc_maps_pre if with_pre else ops.mhc_maps)(*self.map_args(x))
 
-    def _map_args(self, x: torch.Tensor) -> tuple:
+    def map_args(self, x: torch.Tensor) -> tuple:
+        """The arguments of ops.mhc_maps (a subclass holding another parameter layout maps it
+        here)."""
         return (
             x, self.phi, self.alpha, self.b_pre, self.b_post, self.b_res,
             self.sinkhorn_iters, self.norm_eps, self.sinkhorn_eps, self.pre_eps,
@@ -89,8 +91,8 @@ class ManifoldHyperConnection(Connection):
 
     def _maps_and_input(self, ops, x: torch.Tensor):
         if ops.links:
-            return ops.mhc_maps_pre(*self._map_args(x), link=True)
-        return (*ops.mhc_maps_pre(*self._map_args(x)), None)
+            return ops.mhc_maps_pre(*self.map_args(x), link=True)
+        return (*ops.mhc_maps_pre(*self.map_args(x)), None)
 
     def no_weight_decay(self) -> set[str]:
         return {"alpha", "b_pre", "b_post", "b_res"}

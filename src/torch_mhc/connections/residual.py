@@ -21,7 +21,7 @@ class Residual(Connection):
         self.layer_index = check_count(layer_index, "Residual", "layer_index", 0)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        self._check_input(x)
+        self.check_input(x)
         f = self.branch(x.squeeze(-2), *args, **kwargs)
         self._check_branch_output(f)
         return x + f.unsqueeze(-2)

@@ -59,6 +59,7 @@ from torch_mhc.connections import ManifoldHyperConnection
 from torch_mhc.connections.stream_head import StreamHead
 
 __all__ = [
+    "column_order",
     "from_deepseek_v4",
     "from_deepseek_v4_head",
     "load_deepseek_v4_head_state_dict",
@@ -70,7 +71,7 @@ __all__ = [
 _KEYS = ("fn", "base", "scale")
 
 
-def _column_order(n: int) -> torch.Tensor:
+def column_order(n: int) -> torch.Tensor:
     """Index p with phi[:, c] = fn[p[c], :]: identity on pre/post, n x n transpose on res.
 
     A transposition is its own inverse, so the same index also gives fn[r, :] = phi[:, p[r]].
@@ -134,7 +135,7 @@ def load_deepseek_v4_state_dict(
     n, dim = mhc.streams, mhc.dim
     tensors = _read_state_dict(state_dict, prefix)
     _check_shapes(tensors, n, dim, prefix)
-    order = _column_order(n).to(tensors["fn"].device)
+    order = column_order(n).to(tensors["fn"].device)
     base = tensors["base"]
     with torch.no_grad():
         mhc.phi.copy_(tensors["fn"][order].T)  # [n*C, n*n + 2n]
@@ -159,7 +160,7 @@ def to_deepseek_v4_state_dict(
         raise TypeError(f"expected a ManifoldHyperConnection, got {type(mhc).__name__}")
     n = mhc.streams
     with torch.no_grad():
-        order = _column_order(n).to(mhc.phi.device)
+        order = column_order(n).to(mhc.phi.device)
         fn = mhc.phi.T[order]  # [(2+n)*n, n*C], a new tensor (advanced indexing copies)
         base = torch.cat([mhc.b_pre, mhc.b_post, mhc.b_res.T.reshape(-1)])  # [(2+n)*n]
         scale = mhc.alpha.detach().clone()
@@ -193,54 +194,11 @@ def from_deepseek_v4(
     }
     if isinstance(hc_module_or_state_dict, nn.Module):
         module = hc_module_or_state_dict
-        needed = ("fn", "base", "scale", "hc_mult", "hc_sinkhorn_iters", "hc_eps", "input_norm")
-        lacking = [a for a in needed if not hasattr(module, a)]
-        if lacking:
-            raise TypeError(
-                f"expected a DeepseekV4HyperConnection (attributes {list(needed)}), "
-                f"got {type(module).__name__} lacking {lacking}"
-            )
-        n = int(module.hc_mult)
-        found = {
-            "hidden_size": module.fn.shape[-1] // n, "hc_mult": n,
-            "sinkhorn_iters": int(module.hc_sinkhorn_iters), "hc_eps": float(module.hc_eps),
-            "rms_norm_eps": float(module.input_norm.eps),
-        }
-        for name, value in given.items():
-            if value is not None and value != found[name]:
-                raise ValueError(
-                    f"from_deepseek_v4: {name}={value!r} disagrees with the module's "
-                    f"{found[name]!r}"
-                )
+        found = _settings_of_module(module, given)
         state_dict, prefix = {k: getattr(module, k) for k in _KEYS}, ""
     elif isinstance(hc_module_or_state_dict, Mapping):
         state_dict = hc_module_or_state_dict
-        tensors = _read_state_dict(state_dict, prefix)
-        width = tensors["base"].numel() if tensors["base"].dim() == 1 else -1
-        n = _streams_from_width(width)
-        if n is None:
-            raise ValueError(
-                f"DeepSeek-V4 hyper-connection parameter {prefix + 'base'!r}: expected shape "
-                f"[(2 + n) * n] for some hc_mult n >= 1, got {tuple(tensors['base'].shape)}"
-            )
-        if tensors["fn"].dim() != 2 or tensors["fn"].shape[1] % n:
-            raise ValueError(
-                f"DeepSeek-V4 hyper-connection parameter {prefix + 'fn'!r}: expected shape "
-                f"[{(2 + n) * n}, {n} * hidden_size], got {tuple(tensors['fn'].shape)}"
-            )
-        found = dict(given, hidden_size=tensors["fn"].shape[1] // n, hc_mult=n)
-        for name in ("hidden_size", "hc_mult"):
-            if given[name] is not None and given[name] != found[name]:
-                raise ValueError(
-                    f"from_deepseek_v4: {name}={given[name]!r} disagrees with the state dict's "
-                    f"shapes, which give {found[name]!r}"
-                )
-        lacking = [k for k in ("sinkhorn_iters", "hc_eps", "rms_norm_eps") if found[k] is None]
-        if lacking:
-            raise ValueError(
-                f"from_deepseek_v4 from a state dict needs {lacking} (the model config's "
-                f"hc_sinkhorn_iters, hc_eps, rms_norm_eps); they are not stored in the weights"
-            )
+        found = _settings_of_state_dict(state_dict, prefix, given)
     else:
         raise TypeError(
             "from_deepseek_v4 expects a DeepseekV4HyperConnection or a state dict with keys "
@@ -255,6 +213,64 @@ def from_deepseek_v4(
     return load_deepseek_v4_state_dict(
         mhc, state_dict, found["hc_eps"], found["rms_norm_eps"], prefix=prefix
     )
+
+
+def _settings_of_module(module: nn.Module, given: dict) -> dict:
+    """hidden_size, hc_mult, sinkhorn_iters, hc_eps, rms_norm_eps read from a
+    DeepseekV4HyperConnection; a given (not None) value that disagrees is an error."""
+    needed = ("fn", "base", "scale", "hc_mult", "hc_sinkhorn_iters", "hc_eps", "input_norm")
+    lacking = [a for a in needed if not hasattr(module, a)]
+    if lacking:
+        raise TypeError(
+            f"expected a DeepseekV4HyperConnection (attributes {list(needed)}), "
+            f"got {type(module).__name__} lacking {lacking}"
+        )
+    n = int(module.hc_mult)
+    found = {
+        "hidden_size": module.fn.shape[-1] // n, "hc_mult": n,
+        "sinkhorn_iters": int(module.hc_sinkhorn_iters), "hc_eps": float(module.hc_eps),
+        "rms_norm_eps": float(module.input_norm.eps),
+    }
+    for name, value in given.items():
+        if value is not None and value != found[name]:
+            raise ValueError(
+                f"from_deepseek_v4: {name}={value!r} disagrees with the module's "
+                f"{found[name]!r}"
+            )
+    return found
+
+
+def _settings_of_state_dict(state_dict: Mapping[str, torch.Tensor], prefix: str,
+                            given: dict) -> dict:
+    """hidden_size and hc_mult inferred from the tensors' shapes, the rest as given (each
+    needed: the weights do not store them)."""
+    tensors = _read_state_dict(state_dict, prefix)
+    width = tensors["base"].numel() if tensors["base"].dim() == 1 else -1
+    n = _streams_from_width(width)
+    if n is None:
+        raise ValueError(
+            f"DeepSeek-V4 hyper-connection parameter {prefix + 'base'!r}: expected shape "
+            f"[(2 + n) * n] for some hc_mult n >= 1, got {tuple(tensors['base'].shape)}"
+        )
+    if tensors["fn"].dim() != 2 or tensors["fn"].shape[1] % n:
+        raise ValueError(
+            f"DeepSeek-V4 hyper-connection parameter {prefix + 'fn'!r}: expected shape "
+            f"[{(2 + n) * n}, {n} * hidden_size], got {tuple(tensors['fn'].shape)}"
+        )
+    found = dict(given, hidden_size=tensors["fn"].shape[1] // n, hc_mult=n)
+    for name in ("hidden_size", "hc_mult"):
+        if given[name] is not None and given[name] != found[name]:
+            raise ValueError(
+                f"from_deepseek_v4: {name}={given[name]!r} disagrees with the state dict's "
+                f"shapes, which give {found[name]!r}"
+            )
+    lacking = [k for k in ("sinkhorn_iters", "hc_eps", "rms_norm_eps") if found[k] is None]
+    if lacking:
+        raise ValueError(
+            f"from_deepseek_v4 from a state dict needs {lacking} (the model config's "
+            f"hc_sinkhorn_iters, hc_eps, rms_norm_eps); they are not stored in the weights"
+        )
+    return found
 
 
 # ------------------------------------------------------------------------------------------

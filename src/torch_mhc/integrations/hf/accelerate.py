@@ -21,7 +21,7 @@ from torch import nn
 
 from torch_mhc.connections import Connection, ManifoldHyperConnection
 from torch_mhc.connections.stream_head import StreamHead
-from torch_mhc.integrations.deepseek_v4 import _column_order
+from torch_mhc.integrations.deepseek_v4 import column_order
 from torch_mhc.integrations.hf.convert import with_no_split
 from torch_mhc.integrations.hf.layers import ConversionError
 
@@ -55,9 +55,9 @@ class DeepseekV4Connection(ManifoldHyperConnection):
         self.norm_eps = float(hf_module.input_norm.eps)
         self.pre_eps = self.sinkhorn_eps = float(hf_module.hc_eps)
         self.fn, self.base, self.scale = hf_module.fn, hf_module.base, hf_module.scale
-        self.register_buffer("column_order", _column_order(n), persistent=False)
+        self.register_buffer("column_order", column_order(n), persistent=False)
 
-    def _map_args(self, x: torch.Tensor) -> tuple:
+    def map_args(self, x: torch.Tensor) -> tuple:
         n = self.streams
         phi = self.fn.t().index_select(1, self.column_order)  # [n*C, n*n + 2n], one copy
         b_res = self.base[2 * n:].view(n, n).t()  # H_res = comb^T

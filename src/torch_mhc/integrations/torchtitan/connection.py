@@ -29,7 +29,7 @@ class _TitanConnection(Module):
     """forward(x [B, T, n, C], branch, *args) -> [B, T, n, C]."""
 
     def forward(self, x: torch.Tensor, branch: Callable, *args) -> torch.Tensor:
-        self._check_input(x)
+        self.check_input(x)
         x = x if x.is_contiguous() else x.contiguous()
         h_in, state = self.mix_in(x)  # [B, T, C]
         return self.mix_out(x, branch(h_in, *args), state)
