@@ -23,8 +23,11 @@ def test_core_and_config_run_without_numpy_tqdm_matplotlib(run_python):
     code = BLOCK + textwrap.dedent("""
         import torch
         import torch_mhc
-        from torch_mhc import connections, cost, diagnostics, model, ops, recompute, sinkhorn
-        from torch_mhc import config, files, parallel
+        from torch_mhc import connections, functional, ops, runtime  # the library
+        from torch_mhc.functional import maps, sinkhorn
+        from torch_mhc.runtime import diagnostics, files, recompute
+        from torch_mhc.lm import config, model, parallel  # the LM without its trainer
+        from torch_mhc.tools.cost import model as cost_model
         from torch_mhc.lm.model import LM, ModelConfig
 
         for kind in ("residual", "hc", "mhc"):
