@@ -1,4 +1,5 @@
-"""Shared test helpers, given to the tests as fixtures (no test module imports another).
+"""Fixtures shared by every test folder (helpers that are plain functions and classes live in
+tests/helpers/, imported as `tests.helpers.<name>`; no test module imports another).
 
 - `corpus`: a small, very regular text corpus (~14 KB) a tiny model learns in a few dozen steps
   (`corpus_writer(path)` writes it elsewhere);

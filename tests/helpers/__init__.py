@@ -1,0 +1,10 @@
+"""Helpers the tests import (plain code, not fixtures):
+
+- references: plain, slow reference implementations (Sinkhorn, HC and mHC layers) to hold
+  the library to;
+- op_cases: random inputs and comparisons for the op implementations;
+- branches: small attention and MLP branches for connection tests;
+- hf_cases: the tiny transformers configurations of the Hugging Face tests;
+- launch: torchrun launches of the multi-process workers;
+- titan_support: shared pieces of the torchtitan tests and their worker.
+"""
