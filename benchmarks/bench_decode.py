@@ -1,7 +1,7 @@
 """KV-cached greedy decoding tokens/s: residual vs HC vs mHC.
 
-A thin script: the benchmark is `decode` in torch_mhc.tools.bench.suite (`mhc bench --only decode`);
-every option of `mhc bench` is accepted, e.g.
+A thin script: `mhc bench --only decode` (torch_mhc/tools/bench/decode.py); every
+option of `mhc bench` is accepted, e.g.
 
     python benchmarks/bench_decode.py --decode-batches 1,8 --threads 1 --clock process
     python benchmarks/bench_decode.py --quick
@@ -9,7 +9,7 @@ every option of `mhc bench` is accepted, e.g.
 
 import sys
 
-from torch_mhc.tools.bench.suite import bench_main
+from torch_mhc.tools.cli import main
 
 if __name__ == "__main__":
-    sys.exit(bench_main(["--only", "decode", *sys.argv[1:]]))
+    sys.exit(main(["bench", "--only", "decode", *sys.argv[1:]]))

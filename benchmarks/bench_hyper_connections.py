@@ -1,7 +1,7 @@
 """lucidrains' hyper-connections mHC around the same blocks, against ours and the residual.
 
-A thin script: the benchmark is `hyper_connections` in torch_mhc.tools.bench.suite
-(`mhc bench --only hyper_connections`); every option of `mhc bench` is accepted, e.g.
+A thin script: `mhc bench --only hyper_connections` (torch_mhc/tools/bench/step.py); every
+option of `mhc bench` is accepted, e.g.
 
     python benchmarks/bench_hyper_connections.py --sizes 256,512 --threads 1 --clock process
     python benchmarks/bench_hyper_connections.py --quick
@@ -9,7 +9,7 @@ A thin script: the benchmark is `hyper_connections` in torch_mhc.tools.bench.sui
 
 import sys
 
-from torch_mhc.tools.bench.suite import bench_main
+from torch_mhc.tools.cli import main
 
 if __name__ == "__main__":
-    sys.exit(bench_main(["--only", "hyper_connections", *sys.argv[1:]]))
+    sys.exit(main(["bench", "--only", "hyper_connections", *sys.argv[1:]]))

@@ -1,7 +1,7 @@
 """Sinkhorn forward + backward: recomputing backward vs autograd through the loop.
 
-A thin script: the benchmark is `sinkhorn` in tools/bench/suite.py (`mhc bench --only sinkhorn`);
-every option of `mhc bench` is accepted, e.g.
+A thin script: `mhc bench --only sinkhorn` (torch_mhc/tools/bench/sinkhorn.py); every
+option of `mhc bench` is accepted, e.g.
 
     python benchmarks/bench_sinkhorn.py --threads 1 --clock process
     python benchmarks/bench_sinkhorn.py --quick
@@ -9,7 +9,7 @@ every option of `mhc bench` is accepted, e.g.
 
 import sys
 
-from torch_mhc.tools.bench.suite import bench_main
+from torch_mhc.tools.cli import main
 
 if __name__ == "__main__":
-    sys.exit(bench_main(["--only", "sinkhorn", *sys.argv[1:]]))
+    sys.exit(main(["bench", "--only", "sinkhorn", *sys.argv[1:]]))

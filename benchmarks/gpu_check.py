@@ -3,13 +3,13 @@
     python benchmarks/gpu_check.py --out gpu_check        # JSON + markdown in gpu_check/
     TRITON_INTERPRET=1 python benchmarks/gpu_check.py --dry-run --out /tmp/gc   # CPU, tiny
 
-The same as `mhc bench --gpu`; the code is torch_mhc/tools/bench/gpu_check.py (its docstring lists
-the sections).
+The same as `mhc bench --gpu` (errors name gpu_check); the code is
+torch_mhc/tools/bench/gpu_check.py (its docstring lists the sections).
 """
 
 import sys
 
-from torch_mhc.tools.bench.gpu_check import main
+from torch_mhc.tools.cli import run_bench_tool
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_bench_tool("--gpu", sys.argv[1:], prog="gpu_check"))

@@ -14,8 +14,14 @@ import torch
 
 from torch_mhc.tools.bench import suite as bench
 from torch_mhc.tools.bench import workloads
-from torch_mhc.tools.bench.suite import bench_main, saved_bytes, summarize, time_interleaved
+from torch_mhc.tools.bench.suite import saved_bytes, summarize, time_interleaved
 from torch_mhc.tools.bench.timing import medians, time_ms
+from torch_mhc.tools.cli import main
+
+
+def bench_main(argv: list[str]) -> int:
+    """`mhc bench ARGV`."""
+    return main(["bench", *argv])
 
 
 @pytest.fixture(scope="module")

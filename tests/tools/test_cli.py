@@ -256,13 +256,14 @@ def test_generate_with_and_without_cache(tmp_path, tiny_flags, capsys):
 # cost, help, python -m
 
 
-def test_cost_is_delegated(capsys):
-    from torch_mhc.tools.cost.model import cli_main
+def test_cost_prints_the_cost_model(capsys):
+    import json
+
+    from torch_mhc.tools.cost.model import PAPER_27B, CostConfig, estimate
 
     code, out, _ = run(["cost", "--preset", "paper-27b", "--json"], capsys)
     assert code == 0
-    assert cli_main(["--preset", "paper-27b", "--json"]) == 0
-    assert out == capsys.readouterr().out
+    assert out == json.dumps(estimate(CostConfig(**PAPER_27B)), indent=2) + "\n"
 
 
 def test_help_lists_subcommands(capsys):

@@ -11,6 +11,13 @@ from torch_mhc.tools.cost import model as cost
 from torch_mhc.tools.cost.format import format_table
 from torch_mhc.tools.cost.model import CostConfig
 
+
+def cost_main(argv: list[str]) -> int:
+    """`mhc cost ARGV`."""
+    from torch_mhc.tools.cli import main
+
+    return main(["cost", *argv])
+
 GIB = 2**30
 SIZES = [(n, c) for n in (1, 2, 4, 8) for c in (64, 2560)]
 
@@ -258,7 +265,7 @@ def test_function_errors():
 
 
 def test_cli_json(capsys):
-    rc = cost.cli_main(["--layers", "32", "--hidden", "4096", "--tokens", "8192", "--json"])
+    rc = cost_main(["--layers", "32", "--hidden", "4096", "--tokens", "8192", "--json"])
     captured = capsys.readouterr()
     assert rc == 0 and captured.err == ""
     report = json.loads(captured.out)
@@ -270,13 +277,13 @@ def test_cli_json(capsys):
 
 
 def test_cli_table_and_preset(capsys):
-    assert cost.cli_main(["--preset", "paper-27b", "--pipeline-stages", "4"]) == 0
+    assert cost_main(["--preset", "paper-27b", "--pipeline-stages", "4"]) == 0
     out = capsys.readouterr().out
     assert "30 blocks (60 connections), C=2560, n=4" in out
     assert "|        mHC |      33,304 |       12,824 |" in out
     assert "4 stages, 3 boundaries" in out
     assert out == format_table(cost.estimate(CostConfig(**cost.PAPER_27B,
-                                                             pipeline_stages=4))) + "\n"
+                                                        pipeline_stages=4))) + "\n"
 
 
 @pytest.mark.parametrize(
@@ -291,7 +298,7 @@ def test_cli_table_and_preset(capsys):
     ],
 )
 def test_cli_bad_input(capsys, argv, match):
-    assert cost.cli_main(argv) == 2
+    assert cost_main(argv) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     lines = captured.err.splitlines()

@@ -77,13 +77,32 @@ def test_needs_a_gpu_without_dry_run(tmp_path):
     assert not (tmp_path / "gpu_check.json").exists()
 
 
-def test_mhc_bench_gpu_and_aot_hand_over_their_options(monkeypatch):
+def test_mhc_bench_gpu_aot_and_ops_hand_over_their_options(monkeypatch):
     from torch_mhc.ops.triton import aot as triton_aot
-    from torch_mhc.tools.bench import suite as bench
+    from torch_mhc.tools.bench import ops
+    from torch_mhc.tools.cli import main
 
     seen = {}
-    monkeypatch.setattr(gpu_check, "main", lambda argv: seen.setdefault("gpu", argv) and 3)
-    monkeypatch.setattr(triton_aot, "main", lambda argv: seen.setdefault("aot", argv) and 4)
-    assert bench.bench_main(["--gpu", "--dry-run", "--out", "x"]) == 3
-    assert bench.bench_main(["--aot", "--n", "2"]) == 4
-    assert seen == {"gpu": ["--dry-run", "--out", "x"], "aot": ["--n", "2"]}
+    monkeypatch.setattr(gpu_check, "run_command", lambda args: seen.setdefault("gpu", args) and 3)
+    monkeypatch.setattr(triton_aot, "run_command", lambda args: seen.setdefault("aot", args) and 4)
+    monkeypatch.setattr(ops, "run_command", lambda args: seen.setdefault("ops", args) and 5)
+    assert main(["bench", "--gpu", "--dry-run", "--out", "x"]) == 3
+    assert main(["bench", "--aot", "--n", "2"]) == 4
+    assert main(["bench", "--threads", "1", "--ops"]) == 5  # a switch anywhere on the line
+    assert vars(seen["gpu"]) == {"out": "x", "budget_s": 270.0, "dry_run": True,
+                                 "only": gpu_check.SECTIONS}
+    assert seen["aot"].n == (2,) and seen["aot"].cc == triton_aot.FULL["cc"]
+    assert seen["ops"].threads == 1 and seen["ops"].impls == ["reference", "cpu"]
+
+
+def test_bench_tools_report_bad_options_with_their_usage(capsys):
+    from torch_mhc.tools.cli import main
+
+    assert main(["bench", "--gpu", "--dry-run", "--only", "kernels,nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: gpu_check")
+    assert "gpu_check: error: --only: unknown sections ['nope']" in err
+    assert main(["bench", "--aot", "--dtypes", "fp64"]) == 2
+    assert "error: --dtypes: expected some of" in capsys.readouterr().err
+    assert main(["bench", "--ops", "--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: mhc bench --ops")

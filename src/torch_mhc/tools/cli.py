@@ -1,21 +1,27 @@
-"""The `mhc` command (also `python -m torch_mhc`).
+"""The `mhc` command (also `python -m torch_mhc`): every parser of the tools is built here.
 
-    mhc train    [--config run.toml] [--residual mhc --steps 2000 ...]
+    mhc train    [--config run.toml] [--connection mhc --steps 2000 ...]
     mhc compare  --out DIR [--preset default|tiny|stress|shakespeare] [--config f.toml] [flags]
     mhc generate --checkpoint RUN_DIR [--prompt "def "] [--no-cache]
-    mhc cost     ...   (the analytic cost model: torch_mhc.tools.cost.model)
+    mhc cost     ...   (the analytic cost model: torch_mhc.tools.cost)
     mhc bench    ...   (the benchmark suite: torch_mhc.tools.bench.suite)
+    mhc bench --gpu ...  (the GPU check: torch_mhc.tools.bench.gpu_check)
+    mhc bench --aot ...  (the Triton ahead-of-time compile check: torch_mhc.ops.triton.aot)
+    mhc bench --ops ...  (the per-op benchmark: torch_mhc.tools.bench.ops)
 
-Each subcommand is one `_add_<name>(subparsers)` function that builds its parser and sets
-`run`; `SUBCOMMANDS` lists them, so adding a command is one function and one list entry.
-Commands that own their whole command line (cost) are in `DELEGATED` and receive the raw
-arguments.
+train, compare and generate are subparsers, each one `_add_<name>(subparsers)` function that
+builds its parser and sets `run`; `SUBCOMMANDS` lists them. cost and bench (`DELEGATED`) are
+parsed from their raw arguments, since bench's --gpu, --aot and --ops switch to another tool's
+options wherever they stand on the line (`BENCH_TOOLS`, `run_bench_tool`). The tools' modules
+only add their options to a parser given to them (`add_arguments(parser)`) and act on the
+parsed arguments (`run_command(args)`).
 
 Every error is one line on stderr, `mhc <command>: error: <what was expected and what came>`,
 with no traceback, and its own exit status (`EXIT_STATUS`, listed in `mhc train --help`):
 0 done, 1 stopped by the spike policy, 2 bad input (a config value, a data path, a bad or
 foreign checkpoint, an out_dir in use by another run, a missing extra), 3 out of disk space,
-130 interrupted (Ctrl-C; a training run writes a checkpoint first).
+130 interrupted (Ctrl-C; a training run writes a checkpoint first). The benchmark tools keep
+argparse's usage line above a bad option's message.
 
 `train`, `compare` and `generate` need the `train` extra (numpy, tqdm; matplotlib for
 compare's figures); without it they say which extra to install. `cost` and `bench` need torch
@@ -32,7 +38,10 @@ import sys
 import time
 from collections.abc import Callable
 
-__all__ = ["DELEGATED", "EXIT_STATUS", "SUBCOMMANDS", "build_parser", "main"]
+from torch_mhc.tools.errors import UsageError
+
+__all__ = ["BENCH_TOOLS", "DELEGATED", "EXIT_STATUS", "SUBCOMMANDS", "UsageError", "build_parser",
+           "main", "run_bench_tool"]
 
 EXIT_STATUS = """exit status:
   0    the run finished
@@ -52,10 +61,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-class UsageError(Exception):
-    """Bad input found by a command; main prints it as one line and returns 2."""
 
 
 def _require_extra(command: str) -> None:
@@ -269,8 +274,34 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# mhc cost (delegated: torch_mhc.tools.cost.model parses its own command line)
+# mhc cost, mhc bench: parsed from the raw arguments (bench's --gpu, --aot and --ops switch to
+# another tool's parser, wherever they stand on the line)
 # ---------------------------------------------------------------------------------------------
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """argparse whose usage errors raise UsageError (the caller prints one line)."""
+
+    def error(self, message: str):
+        raise UsageError(message)
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | int:
+    """The parsed arguments, or the exit status of --help (0) or of a usage error argparse
+    printed (2)."""
+    try:
+        return parser.parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 0
+
+
+def _parse_error(parser: argparse.ArgumentParser, message: str) -> int:
+    """The parser's own report of a usage error (usage line, then the message): exit status 2."""
+    try:
+        parser.error(message)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    return 2
 
 
 def _add_cost(subparsers) -> None:
@@ -279,9 +310,15 @@ def _add_cost(subparsers) -> None:
 
 
 def _run_cost(argv: list[str]) -> int:
-    from torch_mhc.tools.cost.model import cli_main
+    from torch_mhc.tools.cost import command
 
-    return cli_main(argv)
+    parser = _RaisingParser(prog="mhc cost", description=command.DESCRIPTION)
+    command.add_arguments(parser)
+    try:
+        args = _parse(parser, argv)
+        return args if isinstance(args, int) else command.run_command(args)
+    except (UsageError, ValueError) as e:
+        return _fail("mhc cost", f"error: {e}", 2)
 
 
 def _add_bench(subparsers) -> None:
@@ -290,9 +327,70 @@ def _add_bench(subparsers) -> None:
 
 
 def _run_bench(argv: list[str]) -> int:
-    from torch_mhc.tools.bench.suite import bench_main
+    for switch in BENCH_TOOLS:
+        if switch in argv:
+            return run_bench_tool(switch, [a for a in argv if a not in BENCH_TOOLS])
+    from torch_mhc.tools.bench import suite
 
-    return bench_main(argv)
+    parser = argparse.ArgumentParser(prog="mhc bench", description=suite.DESCRIPTION,
+                                     epilog=suite.EPILOG)
+    suite.add_arguments(parser)
+    args = _parse(parser, argv)
+    if isinstance(args, int):
+        return args
+    try:
+        suite.check_arguments(args)
+    except (UsageError, ValueError) as e:
+        return _fail("mhc bench", f"error: {e}", 2)
+    return suite.run_command(args, argv)
+
+
+def _gpu_check_parser() -> tuple[argparse.ArgumentParser, object]:
+    from torch_mhc.tools.bench import gpu_check
+
+    return argparse.ArgumentParser(prog="gpu_check",
+                                   description=gpu_check.__doc__.splitlines()[0]), gpu_check
+
+
+def _aot_parser() -> tuple[argparse.ArgumentParser, object]:
+    from torch_mhc.ops.triton import aot
+
+    return argparse.ArgumentParser(prog="python -m torch_mhc.ops.triton.aot",
+                                   description=aot.__doc__.splitlines()[0]), aot
+
+
+def _ops_parser() -> tuple[argparse.ArgumentParser, object]:
+    from torch_mhc.tools.bench import ops
+
+    return argparse.ArgumentParser(prog="mhc bench --ops",
+                                   description=ops.__doc__.splitlines()[0]), ops
+
+
+# switch of `mhc bench` -> (its parser, the module with add_arguments and run_command)
+BENCH_TOOLS: dict[str, Callable[[], tuple[argparse.ArgumentParser, object]]] = {
+    "--gpu": _gpu_check_parser, "--aot": _aot_parser, "--ops": _ops_parser}
+
+
+def run_bench_tool(switch: str, argv: list[str], prog: str = "mhc bench") -> int:
+    """`mhc bench <switch> ARGS`: the GPU check (--gpu), the Triton AOT compile check (--aot) or
+    the op benchmark (--ops), with their own options. A bad option value is a usage error of
+    the tool's parser; what the run itself refuses (the GPU check without a GPU) is one line,
+    `<prog>: error: ...`. Returns the exit status."""
+    parser, tool = BENCH_TOOLS[switch]()
+    tool.add_arguments(parser)
+    args = _parse(parser, argv)
+    if isinstance(args, int):
+        return args
+    check = getattr(tool, "check_arguments", None)
+    try:
+        if check is not None:
+            check(args)
+    except (UsageError, ValueError) as e:
+        return _parse_error(parser, str(e))
+    try:
+        return tool.run_command(args)
+    except UsageError as e:
+        return _fail(prog, f"error: {e}", 2)
 
 
 SUBCOMMANDS: list[Callable] = [_add_train, _add_compare, _add_generate, _add_cost, _add_bench]

@@ -208,9 +208,8 @@ def _csv(cast):
     return lambda text: tuple(cast(v) for v in text.split(",") if v)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m torch_mhc.ops.triton.aot",
-                                description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The check's options (the parser is built by the `mhc` command: `mhc bench --aot`)."""
     p.add_argument("--cc", type=_csv(int), default=FULL["cc"], help="default 80,90")
     p.add_argument("--dtypes", type=_csv(str), default=FULL["dtypes"], help="fp32,bf16,fp16")
     p.add_argument("--n", type=_csv(int), default=FULL["n"], help="default 2,3,4,5,8,12,16")
@@ -219,10 +218,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--jobs", type=int, default=None, help="compile processes (default: cores)")
     p.add_argument("--json", metavar="PATH", default=None, help="write the rows here")
-    args = p.parse_args(argv)
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """ValueError naming a dtype the check does not know."""
     for d in args.dtypes:
         if d not in DTYPES:
-            p.error(f"--dtypes: expected some of {sorted(DTYPES)}, got {d!r}")
+            raise ValueError(f"--dtypes: expected some of {sorted(DTYPES)}, got {d!r}")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Compile the matrix, print the table; 1 (and a FAIL line per problem) if any kernel fails
+    to compile, spills or needs more than 255 registers, else 0."""
     rows = run_matrix(args.cc, args.dtypes, args.n, args.tokens, args.channels, args.iters,
                       args.jobs)
     if args.json:
@@ -235,4 +242,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # A script entry, not a dependency: the module itself imports nothing of torch_mhc.tools.
+    from torch_mhc.tools.cli import run_bench_tool
+
+    raise SystemExit(run_bench_tool("--aot", sys.argv[1:]))

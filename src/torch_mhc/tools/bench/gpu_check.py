@@ -1,7 +1,7 @@
 """One command for the first GPU: are the kernels right, how fast, what does mHC cost?
 
-    python benchmarks/gpu_check.py --out gpu_check          # or: mhc bench --gpu --out ...
-    TRITON_INTERPRET=1 python benchmarks/gpu_check.py --dry-run --out /tmp/gc   # CPU, tiny
+    mhc bench --gpu --out gpu_check        # or: python benchmarks/gpu_check.py --out ...
+    TRITON_INTERPRET=1 mhc bench --gpu --dry-run --out /tmp/gc   # CPU, tiny shapes
 
 Sections, each in its own try/except (an error is recorded and the next section runs), under
 one global time budget (--budget-s, default 270 s; a section that would start after it is
@@ -45,6 +45,7 @@ from torch_mhc.runtime.files import atomic_write
 from torch_mhc.tools.bench import decode
 from torch_mhc.tools.bench.timing import time_ms
 from torch_mhc.tools.bench.workloads import build_model, random_tokens, train_step
+from torch_mhc.tools.errors import UsageError
 
 SECTIONS = ("correctness", "kernels", "sinkhorn", "step", "decode", "inductor")
 # Relative max error allowed (|a - e| <= tol * max|e|), as tests/ops/test_triton.py.
@@ -405,22 +406,27 @@ NO_CUDA = ("the GPU check needs a CUDA device and none is available here; --dry-
            "on the CPU (tiny shapes)")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the check; 0 all passed, 1 a section failed, 2 bad input (one line on stderr)."""
-    p = argparse.ArgumentParser(prog="gpu_check", description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="gpu_check", help="folder for gpu_check.json and .md")
     p.add_argument("--budget-s", type=float, default=270.0, help="global time budget (270 s)")
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (interpreter)")
     p.add_argument("--only", default=",".join(SECTIONS), help=f"some of {','.join(SECTIONS)}")
-    args = p.parse_args(argv)
-    only = tuple(s for s in args.only.split(",") if s)
-    unknown = [s for s in only if s not in SECTIONS]
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """args.only as a tuple of sections; UsageError naming any unknown one."""
+    args.only = tuple(s for s in args.only.split(",") if s)
+    unknown = [s for s in args.only if s not in SECTIONS]
     if unknown:
-        p.error(f"--only: unknown sections {unknown}; expected some of {SECTIONS}")
+        raise UsageError(f"--only: unknown sections {unknown}; expected some of {SECTIONS}")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run the check; 0 all passed, 1 a section failed; UsageError without a CUDA device
+    (unless --dry-run)."""
     if not args.dry_run and not torch.cuda.is_available():
-        print(f"{p.prog}: error: {NO_CUDA}", file=sys.stderr)
-        return 2
-    report = run(args.out, args.budget_s, args.dry_run, only)
+        raise UsageError(NO_CUDA)
+    report = run(args.out, args.budget_s, args.dry_run, args.only)
     print(markdown(report))
     failed = [n for n, sec in report["sections"].items() if "error" in sec]
     bad = any(report["sections"].get(n, {}).get("result", {}).get("all_pass") is False
@@ -428,5 +434,13 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed or bad else 0
 
 
-if __name__ == "__main__":  # python -m torch_mhc.tools.bench.gpu_check, as mhc bench --gpu
+def main(argv: list[str] | None = None) -> int:
+    """`python -m torch_mhc.tools.bench.gpu_check`: `mhc bench --gpu` with errors as gpu_check's;
+    0 all passed, 1 a section failed, 2 bad input (one line on stderr)."""
+    from torch_mhc.tools.cli import run_bench_tool
+
+    return run_bench_tool("--gpu", sys.argv[1:] if argv is None else argv, prog="gpu_check")
+
+
+if __name__ == "__main__":
     raise SystemExit(main())

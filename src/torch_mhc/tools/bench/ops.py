@@ -1,6 +1,7 @@
 """Time the connection ops per implementation, in one process.
 
-    python -m torch_mhc.tools.bench.ops --tokens 2048 --streams 4 --dim 512 --impls reference cpu
+    mhc bench --ops --tokens 2048 --streams 4 --dim 512 --impls reference cpu
+    python -m torch_mhc.tools.bench.ops ...                  # the same
 
 For each implementation, maps + pre-aggregation + post-merge, forward and backward with a
 random upstream gradient, around an identity branch (so only the connection is timed),
@@ -43,9 +44,9 @@ def _connection_step(impl: str, tokens: int, n: int, c: int, dtype: torch.dtype,
     ops = get_impl(impl, device, dtype)
 
     def step():  # what ManifoldHyperConnection runs, around an identity branch
-        if ops.links:
-            _, h_post, h_res, f, x_link = ops.mhc_maps_pre(x, *params, link=True)
-            out = ops.post_merge(x_link, f, h_post, h_res, linked=True)
+        if ops.fused_dx:
+            _, h_post, h_res, f, x_for_merge = ops.mhc_maps_pre(x, *params, fused_dx=True)
+            out = ops.post_merge(x_for_merge, f, h_post, h_res, fused_dx=True)
         else:
             _, h_post, h_res, f = ops.mhc_maps_pre(x, *params)
             out = ops.post_merge(x, f, h_post, h_res)
@@ -103,8 +104,7 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=2048, help="ops: tokens (B*T)")
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--dim", type=int, default=512)
@@ -114,14 +114,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--clock", choices=CLOCKS, default="wall")
-    args = parser.parse_args(argv)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Time the implementations; print the JSON, then the markdown table."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     result = measure(args.impls, args.tokens, args.streams, args.dim, args.dtype, args.device,
                      args.repeats, clock=args.clock)
     print(json.dumps(result, indent=2))
     print(markdown(result))
+    return 0
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the same as `mhc bench --ops`
+    import sys
+
+    from torch_mhc.tools.cli import run_bench_tool
+
+    sys.exit(run_bench_tool("--ops", sys.argv[1:]))

@@ -3,7 +3,8 @@
     mhc bench                                     # every benchmark at the default sizes
     mhc bench --only step,saved --sizes 256,512 --threads 1 --clock process --json out.json
     mhc bench --quick                             # tiny sizes, seconds: a smoke test
-    python -m torch_mhc.tools.bench.suite ...                 # the same without the CLI
+    mhc bench --gpu | --aot | --ops ...           # the GPU check, AOT check, op benchmark
+    python -m torch_mhc.tools.bench.suite ...     # the same as mhc bench
 
 Benchmarks (choose with --only, comma-separated; the default runs all five):
 
@@ -68,20 +69,24 @@ from torch_mhc.tools.bench.workloads import (
     saved_bytes,
     train_step,
 )
+from torch_mhc.tools.errors import UsageError
 
 # The benchmarks' functions are re-exported: the suite is the one import for all of them.
 __all__ = [
     "BENCHMARKS",
+    "DESCRIPTION",
+    "EPILOG",
     "LucidrainsMHCLM",
     "bench_decode",
-    "bench_main",
     "bench_saved",
     "bench_sinkhorn",
     "bench_training_steps",
     "build_model",
+    "check_arguments",
     "markdown",
     "random_tokens",
     "run_benchmarks",
+    "run_command",
     "saved_bytes",
     "summarize",
     "time_interleaved",
@@ -93,10 +98,6 @@ BENCHMARKS = ("step", "hyper_connections", "saved", "sinkhorn", "decode")
 # ---------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------
-
-
-class _UsageError(Exception):
-    pass
 
 
 def _int_list(text: str) -> list[int]:
@@ -132,14 +133,15 @@ def _positive(text: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="mhc bench",
-        description="Time and memory of residual, HC and mHC: JSON and markdown tables.",
-        epilog="Benchmarks: step, hyper_connections, saved, sinkhorn, decode (see "
-               "torch_mhc.tools.bench.suite's docstring). Sizes not given default to the issue's "
-               "configuration, or to tiny ones with --quick.",
-    )
+DESCRIPTION = "Time and memory of residual, HC and mHC: JSON and markdown tables."
+EPILOG = ("Benchmarks: step, hyper_connections, saved, sinkhorn, decode (see "
+          "torch_mhc.tools.bench.suite's docstring). Sizes not given default to the issue's "
+          "configuration, or to tiny ones with --quick.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The suite's options; --gpu, --aot and --ops hand the rest of the command line to the GPU
+    check, the AOT compile check or the op benchmark (the `mhc` command switches on them)."""
     p.add_argument("--only", type=_names, default=list(BENCHMARKS),
                    help=f"comma-separated benchmarks to run (default: {','.join(BENCHMARKS)})")
     p.add_argument("--sizes", type=_int_list, default=None,
@@ -182,7 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--aot", action="store_true",
                    help="run the Triton ahead-of-time compile check instead (its own options "
                         "follow; mhc bench --aot --help)")
-    return p
+    p.add_argument("--ops", action="store_true",
+                   help="run the per-op benchmark (connection ops per implementation against "
+                        "x + f) instead (its own options follow; mhc bench --ops --help)")
 
 
 # (full, --quick) defaults for the options left unset
@@ -199,20 +203,22 @@ _DEFAULTS = {
 }
 
 
-def _fill_defaults(args: argparse.Namespace) -> None:
+def check_arguments(args: argparse.Namespace) -> None:
+    """Fill the sizes left unset (full or --quick) and check every input before any benchmark
+    runs; UsageError (or ValueError from the model config) on bad input."""
     for name, (full, quick) in _DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
     if args.quick and args.repeats is None:
         args.repeats = 2
     if args.warmup < 0:
-        raise _UsageError(f"--warmup must be >= 0, got {args.warmup}")
+        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
     _ops.check_impl_name(args.impl)
     _check_device(args.device)
     if args.json is not None:
         _check_json_path(args.json)
     if args.streams < 2:
-        raise _UsageError(f"--streams must be >= 2 for HC and mHC, got {args.streams}")
+        raise UsageError(f"--streams must be >= 2 for HC and mHC, got {args.streams}")
     # Every model the run will build, checked now rather than after minutes of timing.
     for dim in {*args.sizes, args.dim}:
         lm_config("mhc", dim, args.layers, args.streams, max(args.seq, args.prompt +
@@ -224,26 +230,26 @@ def _check_device(name: str) -> None:
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError):
-        raise _UsageError(f"--device must be cpu, cuda or cuda:N, got {name!r}") from None
+        raise UsageError(f"--device must be cpu, cuda or cuda:N, got {name!r}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise _UsageError(f"--device {name} asked for, but CUDA is not available here")
+        raise UsageError(f"--device {name} asked for, but CUDA is not available here")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise _UsageError(f"--device {name} asked for, but there are "
+        raise UsageError(f"--device {name} asked for, but there are "
                           f"{torch.cuda.device_count()} GPUs")
     if device.type not in ("cpu", "cuda"):
-        raise _UsageError(f"--device must be cpu, cuda or cuda:N, got {name!r}")
+        raise UsageError(f"--device must be cpu, cuda or cuda:N, got {name!r}")
 
 
 def _check_json_path(path: str) -> None:
     """--json names a file that can be written, checked before minutes of benchmarks."""
     target = Path(os.path.abspath(os.path.expanduser(path)))
     if target.is_dir():
-        raise _UsageError(f"--json {path} is a folder, expected a file path")
+        raise UsageError(f"--json {path} is a folder, expected a file path")
     if not target.parent.is_dir():
-        raise _UsageError(f"--json {path}: its folder {target.parent} does not exist (or is "
+        raise UsageError(f"--json {path}: its folder {target.parent} does not exist (or is "
                           "a file), expected an existing folder")
     if not os.access(target.parent, os.W_OK):
-        raise _UsageError(f"--json {path}: the folder {target.parent} is not writable")
+        raise UsageError(f"--json {path}: the folder {target.parent} is not writable")
 
 
 def _load_average() -> list[float] | None:
@@ -329,31 +335,9 @@ def run_benchmarks(args: argparse.Namespace) -> dict:
     return {name: out[name] for name in BENCHMARKS if name in out}
 
 
-def bench_main(argv: list[str] | None = None) -> int:
-    """`mhc bench`: run, print JSON (or write --json) and markdown; 0 ok, 2 bad input."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--gpu" in argv or "--aot" in argv:  # other tools, with their own options
-        rest = [a for a in argv if a not in ("--gpu", "--aot")]
-        if "--gpu" in argv:
-            from torch_mhc.tools.bench.gpu_check import NO_CUDA
-            from torch_mhc.tools.bench.gpu_check import main as gpu_main
-
-            help_asked = "-h" in rest or "--help" in rest
-            if "--dry-run" not in rest and not help_asked and not torch.cuda.is_available():
-                print(f"mhc bench: error: {NO_CUDA}", file=sys.stderr)
-                return 2
-            return gpu_main(rest)
-        from torch_mhc.ops.triton.aot import main as aot_main
-
-        return aot_main(rest)
-    try:
-        args = build_parser().parse_args(argv)
-        _fill_defaults(args)
-    except SystemExit as exc:  # --help (0) or a usage error (2, already printed)
-        return exc.code if isinstance(exc.code, int) else 0
-    except (_UsageError, ValueError) as exc:
-        print(f"mhc bench: error: {exc}", file=sys.stderr)
-        return 2
+def run_command(args: argparse.Namespace, argv: list[str]) -> int:
+    """Run the benchmarks; print the JSON (or write --json) and the markdown. argv: the
+    command line after `mhc bench`, recorded in the report."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     report = {"meta": _meta(args, argv), "benchmarks": {}}
@@ -368,5 +352,7 @@ def bench_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(bench_main())
+if __name__ == "__main__":  # the same as `mhc bench`
+    from torch_mhc.tools.cli import main
+
+    sys.exit(main(["bench", *sys.argv[1:]]))

@@ -1,2 +1,3 @@
-"""`mhc compare`: run (train every kind on the same batches), seeds (paired statistics over
-seeds), stats (Student's t without scipy), plots (the report's figures)."""
+"""`mhc compare`: run (train every kind on the same batches), report (report.json, report.md and
+the figures), seeds (paired statistics over seeds), stats (Student's t without scipy), plots (the
+report's figures)."""

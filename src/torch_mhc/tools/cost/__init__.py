@@ -1,2 +1,2 @@
-"""`mhc cost`: the analytic cost model of a connection kind inside a transformer (model) and
-its printed tables."""
+"""`mhc cost`: the analytic cost model of a connection kind inside a transformer (model), its
+printed tables (format) and the command's options (command)."""

@@ -122,11 +122,8 @@ model, O(nC)), the backward kernels' memory traffic, optimizer state, wall-clock
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 from torch_mhc.runtime.recompute import optimal_interval as optimal_recompute_interval
 
@@ -148,7 +145,6 @@ __all__ = [
     "kv_cache_bytes",
     "estimate",
     "paper_27b_overhead",
-    "cli_main",
 ]
 
 # Width of one element in bits; int4 is half a byte.
@@ -648,76 +644,3 @@ def paper_27b_overhead(**overrides) -> dict:
         "param_overhead": report["params"]["relative_to_blocks"]["mhc"],
         "paper_reported_training_time_overhead": PAPER_REPORTED_TRAINING_OVERHEAD,
     }
-
-
-# --------------------------------------------------------------------------------------------
-# Command line: `mhc cost`
-# --------------------------------------------------------------------------------------------
-
-
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, no usage dump, no sys.exit
-        raise _UsageError(message)
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="mhc cost",
-        description="Analytic cost of residual, HC and mHC connections (memory traffic, FLOPs, "
-        "activations, pipeline traffic, KV cache).",
-    )
-    p.add_argument("--preset", choices=["paper-27b"], help="start from the paper's 27B sizes")
-    p.add_argument("--layers", type=int, help="transformer blocks (2 connections each)")
-    p.add_argument("--hidden", type=int, help="hidden size C")
-    p.add_argument("--streams", type=int, help="residual streams n (default 4)")
-    p.add_argument("--tokens", type=int, help="sequence length T (default 4096)")
-    p.add_argument("--batch", type=int, help="sequences per data-parallel replica (default 1)")
-    p.add_argument("--dtype", choices=list(DTYPE_BITS), help="element type (default bf16)")
-    p.add_argument("--sinkhorn-iters", type=int, help="Sinkhorn iterations (default 20)")
-    p.add_argument("--heads", type=int, help="query heads")
-    p.add_argument("--kv-heads", type=int, help="key/value heads")
-    p.add_argument("--head-dim", type=int, help="head size")
-    p.add_argument("--ffn-mult", type=float, help="MLP width / C (default 4)")
-    p.add_argument("--pipeline-stages", type=int, help="must divide 2*layers (default 1)")
-    p.add_argument("--micro-batches", type=int, help="must divide batch (default 1)")
-    p.add_argument("--data-parallel", type=int, help="data-parallel replicas (default 1)")
-    p.add_argument("--tensor-parallel", type=int, help="tensor-parallel ranks (default 1)")
-    p.add_argument("--recompute-interval", type=int,
-                   help="L_r in connections (default: the optimum per stage)")
-    p.add_argument("--json", action="store_true", help="print the full report as JSON")
-    return p
-
-
-def cli_main(argv: list[str] | None = None) -> int:
-    """`mhc cost`: print the table (or JSON with --json); 2 and one stderr line on bad input."""
-    try:
-        args = _parser().parse_args(argv)
-        kwargs = dict(PAPER_27B) if args.preset == "paper-27b" else {}
-        for f in fields(CostConfig):
-            value = getattr(args, f.name, None)
-            if value is not None:
-                kwargs[f.name] = value
-        missing = [f"--{name}" for name in ("layers", "hidden") if name not in kwargs]
-        if missing:
-            raise _UsageError(f"{' and '.join(missing)} required (or --preset paper-27b)")
-        report = estimate(CostConfig(**kwargs))
-    except (_UsageError, ValueError) as exc:
-        print(f"mhc cost: error: {exc}", file=sys.stderr)
-        return 2
-    except SystemExit as exc:  # --help
-        return exc.code if isinstance(exc.code, int) else 0
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        from torch_mhc.tools.cost.format import format_table
-
-        print(format_table(report))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(cli_main())
