@@ -54,7 +54,7 @@ def kernels(tokens: int, n: int, c: int, dtype: torch.dtype) -> dict:
         "merge_fwd": lambda: native.merge_fwd(x, f, h_post, h_res),
         "merge_bwd (with dx)": lambda: native.merge_bwd(x, f, h_post, h_res, g_link),
         "merge_bwd (linked: no dx, no dH_res)":
-            lambda: native.merge_bwd(x, f, h_post, h_res, g_link, linked=True),
+            lambda: native.merge_bwd(x, f, h_post, h_res, g_link, fused_dx=True),
         "pre_fwd": lambda: native.pre_fwd(x, h_pre),
         "torch: x + x, for scale": lambda: x + x,
     }

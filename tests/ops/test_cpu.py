@@ -109,9 +109,9 @@ def test_fused_maps_and_pre_aggregation_match_reference(tokens, n, c, dtype, cpu
     "tokens, n, c", [((7,), 4, 100), ((3, 21), 3, 100), ((63,), 8, 16), ((5,), 1, 33),
                      ((5,), 9, 16)],  # n = 9: more streams than the native loops take
 )
-def test_linked_maps_and_merge_match_reference(tokens, n, c, dtype, cpu_path):
-    """mhc_maps_pre(link=True) + post_merge(x_link, linked=True), around a branch: the
-    merge's share of x's gradient goes through the maps node (one dx)."""
+def test_fused_dx_maps_and_merge_match_reference(tokens, n, c, dtype, cpu_path):
+    """mhc_maps_pre(fused_dx=True) + post_merge(x_for_merge, fused_dx=True), around a branch:
+    the merge's share of x's gradient goes through the maps node (one dx)."""
     inputs = maps_inputs(tokens, n, c, dtype, seed=7)
     f_extra = torch.randn(*tokens, c, generator=torch.Generator().manual_seed(8))
     f_extra = f_extra.to(dtype).requires_grad_()
@@ -122,13 +122,14 @@ def test_linked_maps_and_merge_match_reference(tokens, n, c, dtype, cpu_path):
         a = reference.pre_aggregate(x, h_pre)
         return reference.post_merge(x, torch.tanh(a) + extra, h_post, h_res), a
 
-    def linked(x, *rest):
+    def fused(x, *rest):
         *params, extra = rest
-        _, h_post, h_res, a, x_link = cpu.mhc_maps_pre(x, *params, sinkhorn_iters=7, link=True)
-        return cpu.post_merge(x_link, torch.tanh(a) + extra, h_post, h_res, linked=True), a
+        _, h_post, h_res, a, x_for_merge = cpu.mhc_maps_pre(x, *params, sinkhorn_iters=7,
+                                                            fused_dx=True)
+        return cpu.post_merge(x_for_merge, torch.tanh(a) + extra, h_post, h_res, fused_dx=True), a
 
     out_ref, grad_ref = run(ref, [*inputs, f_extra])
-    out_cpu, grad_cpu = run(linked, clone_inputs([*inputs, f_extra]))
+    out_cpu, grad_cpu = run(fused, clone_inputs([*inputs, f_extra]))
     for a, e in zip(out_cpu, out_ref, strict=True):
         assert a.dtype == e.dtype == dtype
         assert_close(a, e, TOL[dtype])
@@ -139,8 +140,8 @@ def test_linked_maps_and_merge_match_reference(tokens, n, c, dtype, cpu_path):
 
 
 @pytest.mark.parametrize("tokens, n, c", [((7,), 4, 100), ((9,), 3, 16), ((5,), 9, 16)])
-def test_linked_merge_with_h_res_used_elsewhere_matches_reference(tokens, n, c, cpu_path):
-    """On the linked path the maps' backward adds the merge's dH_res = <g_i, x_j> to what
+def test_fused_dx_merge_with_h_res_used_elsewhere_matches_reference(tokens, n, c, cpu_path):
+    """With fused_dx the maps' backward adds the merge's dH_res = <g_i, x_j> to what
     H_res receives from elsewhere: here H_res is also an output of the loss."""
     inputs = maps_inputs(tokens, n, c, torch.float32, seed=9)
 
@@ -149,12 +150,13 @@ def test_linked_merge_with_h_res_used_elsewhere_matches_reference(tokens, n, c, 
         a = reference.pre_aggregate(x, h_pre)
         return reference.post_merge(x, torch.tanh(a), h_post, h_res), h_res
 
-    def linked(x, *params):
-        _, h_post, h_res, a, x_link = cpu.mhc_maps_pre(x, *params, sinkhorn_iters=7, link=True)
-        return cpu.post_merge(x_link, torch.tanh(a), h_post, h_res, linked=True), h_res
+    def fused(x, *params):
+        _, h_post, h_res, a, x_for_merge = cpu.mhc_maps_pre(x, *params, sinkhorn_iters=7,
+                                                            fused_dx=True)
+        return cpu.post_merge(x_for_merge, torch.tanh(a), h_post, h_res, fused_dx=True), h_res
 
     out_ref, grad_ref = run(ref, inputs)
-    out_cpu, grad_cpu = run(linked, clone_inputs(inputs))
+    out_cpu, grad_cpu = run(fused, clone_inputs(inputs))
     for a, e in zip(out_cpu, out_ref, strict=True):
         assert_close(a, e, TOL[torch.float32])
     assert len(grad_cpu) == 6  # x, phi, alpha, b_pre, b_post, b_res
@@ -220,10 +222,10 @@ def _hc_maps_then_pre(x, *params):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens, n, c", [((17,), 4, 100), ((3, 21), 3, 100), ((20,), 8, 16),
                                           ((20,), 1, 33), ((18,), 5, 40)])
-def test_linked_hc_maps_and_merge_match_reference(tokens, n, c, dtype):
-    """hc_maps_pre(link=True) + post_merge(x_link, linked=True) around a branch, with H_pre
-    and H_res also used elsewhere: the aggregation's and the merge's shares of x's gradient
-    go through one node (NativeOps.hc_bwd), against the reference ops in float64."""
+def test_fused_dx_hc_maps_and_merge_match_reference(tokens, n, c, dtype):
+    """hc_maps_pre(fused_dx=True) + post_merge(x_for_merge, fused_dx=True) around a branch,
+    with H_pre and H_res also used elsewhere: the aggregation's and the merge's shares of x's
+    gradient go through one node (NativeOps.hc_bwd), against the reference ops in float64."""
     _need_native()
     inputs = hc_inputs(tokens, n, c, dtype, seed=22)
     f_extra = torch.randn(*tokens, c, generator=torch.Generator().manual_seed(9))
@@ -234,11 +236,11 @@ def test_linked_hc_maps_and_merge_match_reference(tokens, n, c, dtype):
         h_pre, h_post, h_res, a = _hc_maps_then_pre(x, *params)
         return reference.post_merge(x, torch.tanh(a) + extra, h_post, h_res), a, h_pre, h_res
 
-    def linked(x, *rest):
+    def fused(x, *rest):
         *params, extra = rest
-        h_pre, h_post, h_res, a, x_link = cpu.hc_maps_pre(x, *params, link=True)
-        assert x_link is not None  # one node was made
-        merged = cpu.post_merge(x_link, torch.tanh(a) + extra, h_post, h_res, linked=True)
+        h_pre, h_post, h_res, a, x_for_merge = cpu.hc_maps_pre(x, *params, fused_dx=True)
+        assert x_for_merge is not None  # one node was made
+        merged = cpu.post_merge(x_for_merge, torch.tanh(a) + extra, h_post, h_res, fused_dx=True)
         return merged, a, h_pre, h_res
 
     def unfused(x, *rest):  # the cpu ops as separate nodes: three dx, added by autograd
@@ -247,7 +249,7 @@ def test_linked_hc_maps_and_merge_match_reference(tokens, n, c, dtype):
         a = cpu.pre_aggregate(x, h_pre)
         return cpu.post_merge(x, torch.tanh(a) + extra, h_post, h_res), a, h_pre, h_res
 
-    out_cpu, grad_cpu = run(linked, clone_inputs(inputs))
+    out_cpu, grad_cpu = run(fused, clone_inputs(inputs))
     _, grad_unfused = run(unfused, clone_inputs(inputs))
     inputs64 = [t.detach().double().requires_grad_() for t in inputs]
     out_64, grad_64 = run(ref, inputs64, upstream_dtype=dtype)
@@ -796,7 +798,7 @@ def test_unknown_impl_names_are_rejected_with_the_choices():
 
 
 def test_lm_trains_under_cpu_bf16_autocast():
-    # Regression: the cpu ops once mixed autocast's bf16 logits with fp32 streams in backward.
+    # Under autocast the backward must not mix autocast's bf16 logits with fp32 streams.
     from torch_mhc.lm.model import LM, ModelConfig
 
     idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))

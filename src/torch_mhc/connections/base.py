@@ -128,22 +128,23 @@ class Connection(nn.Module):
     def mix_in(self, x: torch.Tensor):
         """Maps and pre-aggregation: x [..., n, C] -> (h_in [..., C], state for mix_out)."""
         ops = _ops.get_impl(self.impl, x.device, x.dtype)
-        h_pre, h_post, h_res, h_in, x_link = self._maps_and_input(ops, x)
+        h_pre, h_post, h_res, h_in, x_for_merge = self._maps_and_input(ops, x)
         if self.check_finite:
             self._check_maps(h_pre, h_post, h_res)
         if _diag.ACTIVE is not None and not _diag.in_backward():  # a replay recorded already
             _diag.ACTIVE.record(self, h_res, x=x, h_pre=h_pre, h_post=h_post)
-        return h_in, (ops, h_post, h_res, x_link)
+        return h_in, (ops, h_post, h_res, x_for_merge)
 
     def mix_out(self, x: torch.Tensor, f: torch.Tensor, state) -> torch.Tensor:
         """Post-and-merge: H_res x + H_post^T f -> [..., n, C]."""
-        ops, h_post, h_res, x_link = state
-        if x_link is not None:  # x's gradient through the merge joins the maps' one dx
-            return ops.post_merge(x_link, f, h_post, h_res, linked=True)
+        ops, h_post, h_res, x_for_merge = state
+        if x_for_merge is not None:  # x's gradient through the merge joins the maps' one dx
+            return ops.post_merge(x_for_merge, f, h_post, h_res, fused_dx=True)
         return ops.post_merge(x, f, h_post, h_res)
 
     def _maps_and_input(self, ops, x: torch.Tensor):
-        """(H_pre, H_post, H_res, branch input, x_link or None) under implementation ops."""
+        """(H_pre, H_post, H_res, branch input, x_for_merge or None) under implementation
+        ops."""
         raise NotImplementedError
 
     def no_weight_decay(self) -> set[str]:

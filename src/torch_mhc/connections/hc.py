@@ -66,7 +66,7 @@ class HyperConnection(Connection):
         assign_parameter(self.s_beta, torch.full((1,), scale))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # Checkpoints written before the scales became [1] hold them as 0-dim tensors.
+        # A checkpoint may hold the scales as 0-dim tensors: they load into the [1] vectors.
         for name in ("s_alpha", "s_beta"):
             value = state_dict.get(prefix + name)
             if isinstance(value, torch.Tensor) and value.dim() == 0:
@@ -88,8 +88,9 @@ class HyperConnection(Connection):
         )
 
     def _maps_and_input(self, ops, x: torch.Tensor):
-        if ops.links:  # x_link None: no single node was made, the merge runs unlinked
-            return ops.hc_maps_pre(*self.map_args(x), link=True)
+        # x_for_merge None: no single node was made, the merge writes its own dx
+        if ops.fused_dx:
+            return ops.hc_maps_pre(*self.map_args(x), fused_dx=True)
         return (*ops.hc_maps_pre(*self.map_args(x)), None)
 
     def no_weight_decay(self) -> set[str]:

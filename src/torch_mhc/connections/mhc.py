@@ -90,8 +90,8 @@ class ManifoldHyperConnection(Connection):
         )
 
     def _maps_and_input(self, ops, x: torch.Tensor):
-        if ops.links:
-            return ops.mhc_maps_pre(*self.map_args(x), link=True)
+        if ops.fused_dx:
+            return ops.mhc_maps_pre(*self.map_args(x), fused_dx=True)
         return (*ops.mhc_maps_pre(*self.map_args(x)), None)
 
     def no_weight_decay(self) -> set[str]:

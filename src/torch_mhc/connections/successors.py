@@ -22,7 +22,7 @@ and differ in H_res, built from the last R logits z = alpha_res * logits[2n:] + 
   J/n (every stream the mean: the collapse the diagnostics look for). With I the streams
   differ only through H_pre and H_post, so this kind measures what learning H_res is worth.
 
-Initialisation (each starts as the Pre-Norm residual network, like mHC; see connections.py):
+Initialisation (each starts as the Pre-Norm residual network, like mHC; see connections.base):
 phi = 0, gates alpha = 0.01, H_pre = e_{k mod n} / 2 + 1 / (2n), H_post = 1, and H_res
 doubly stochastic, so equal streams stay equal and F(h) is added once:
 - mhc-lite: b_res = log(n! + 1) on the identity permutation, 0 elsewhere (up to a common
@@ -39,7 +39,7 @@ Ops: the maps are computed here in torch (float32, float64 stays float64) under 
 every implementation; the pre-aggregation and the post-and-merge use the chosen op
 implementation's (ops.pre_aggregate, ops.post_merge: the fused CPU kernels or Triton), which
 take any H_res. Not fused: the maps themselves (the fused mHC maps kernel computes Sinkhorn,
-not a permutation mixture or a Kronecker product) and the linked dx write of ops.cpu, which
+not a permutation mixture or a Kronecker product) and the fused dx write of ops.cpu, which
 belongs to that maps kernel.
 """
 
@@ -118,7 +118,7 @@ class MhcResVariant(Connection):
     def reset_parameters(self) -> None:
         """Re-apply the documented initialisation (also fills the constant buffers, so a
         module built on the meta device and moved with to_empty() is complete after it;
-        DTensor shards take their part, as in connections.py)."""
+        DTensor shards take their part, as in connections.base.assign_parameter)."""
         n = self.streams
         self._fill_buffers()
         assign_parameter(self.phi, torch.zeros(self.phi.shape))
@@ -155,7 +155,7 @@ class MhcResVariant(Connection):
                                               self.norm_eps)
         z = rest + self.b_res.to(rest.dtype) if hasattr(self, "b_res") else rest
         # H_res is built in float64 and rounded once (n! or m numbers per token: negligible
-        # work). In float32 mHC-lite's 24-term mixtures summed rows to 1 - 6e-8 at init, a
+        # work). In float32 mHC-lite's 24-term mixtures sum rows to 1 - 6e-8 at init, a
         # bias that compounds over depth (4.3e-6 from the residual network after 16
         # sublayers); rounded once, the initial entries are exact (0.625, 0.125; 9/16 ...).
         wide = torch.float32 if z.device.type == "mps" else torch.float64  # MPS: no float64

@@ -1,6 +1,6 @@
 """The maths of HC and mHC in plain torch: the readable definition and the test oracle.
 
-Conventions (DESIGN.md): streams x have shape [..., n, C]; per token a connection produces
+Conventions: streams x have shape [..., n, C]; per token a connection produces
 H_pre [..., n], H_post [..., n] and H_res [..., n, n], and the layer computes (paper Eq. 3)
 
     out[..., i, :] = sum_j H_res[i, j] x[..., j, :] + H_post[i] F(sum_j H_pre[j] x[..., j, :])

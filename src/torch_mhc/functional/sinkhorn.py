@@ -31,7 +31,7 @@ entries. Measured against a float64 log-domain evaluation on random and two-leve
 the log-domain float32 one, forward (<= 8e-7) and backward. With eps > 0 (DeepSeek-V4's
 variant) every denominator is >= eps, so the linear domain never divides by zero and is
 always used. The common case (trained mHC logits span a few units) costs one min/max per
-matrix more than before.
+matrix more than the linear domain alone.
 
 The autograd function saves only the input logits (n^2 numbers per matrix, not
 iters * n^2): backward recomputes the iterates and runs the exact reverse of the unrolled

@@ -14,10 +14,11 @@ Every implementation provides the same six functions with the same contracts as
     post_merge(x, f, h_post, h_res)           -> [..., n, C]  H_res x + H_post^T f
     sinkhorn(logits, iters=20, *, eps=0.0)    -> [..., n, n]
 
-Optionally (Ops.links, the `cpu` implementation): mhc_maps_pre(..., link=True) and
-hc_maps_pre(..., link=True) also return x_link, and post_merge(x_link, f, h_post, h_res,
-linked=True) leaves x's gradient through the merge to the maps node, so that a connection
-writes x's gradient once (hc_maps_pre's x_link is None where it made no single node).
+Optionally (Ops.fused_dx, the `cpu` implementation): mhc_maps_pre(..., fused_dx=True) and
+hc_maps_pre(..., fused_dx=True) also return x_for_merge, and post_merge(x_for_merge, f,
+h_post, h_res, fused_dx=True) leaves x's gradient through the merge to the maps node, so that
+a connection writes x's gradient once (hc_maps_pre's x_for_merge is None where it made no
+single node).
 
 Implementations:
     "reference"  plain torch, autograd through every op: the definition and the test oracle
@@ -99,9 +100,9 @@ class Ops:
     pre_aggregate: Callable
     post_merge: Callable
     sinkhorn: Callable
-    # mhc_maps_pre(..., link=True) and post_merge(..., linked=True) exist (ops/cpu/ops.py: x's
-    # gradient through maps, aggregation and merge written once).
-    links: bool = False
+    # mhc_maps_pre(..., fused_dx=True) and post_merge(..., fused_dx=True) exist
+    # (ops/cpu/ops.py: x's gradient through maps, aggregation and merge written once).
+    fused_dx: bool = False
 
 
 _default: str | None = None  # set by set_default_impl
@@ -202,7 +203,7 @@ def _load(resolved: str) -> Ops:
         pre_aggregate=module.pre_aggregate,
         post_merge=module.post_merge,
         sinkhorn=module.sinkhorn,
-        links=getattr(module, "LINKS", False),
+        fused_dx=getattr(module, "FUSED_DX", False),
     )
     _loaded[resolved] = ops
     return ops

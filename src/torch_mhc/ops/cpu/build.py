@@ -14,9 +14,9 @@ Nothing here runs at import; `build_library()` is called by the first native op
   (files.atomic_write), then the same for a sidecar <name>.sha256 holding the library's
   hash. Concurrent builders publish identical complete files.
 - Verification: a cached library is used only when its bytes hash to the sidecar. A file cut
-  short (a crash or a full disk mid-write, or an older version that renamed without fsync)
-  is rebuilt instead of handed to dlopen: mapping a truncated ELF file kills the process
-  with SIGBUS when the missing pages are touched, which no exception handler can catch.
+  short (a crash or a full disk mid-write) is rebuilt instead of handed to dlopen: mapping a
+  truncated ELF file kills the process with SIGBUS when the missing pages are touched, which
+  no exception handler can catch.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@
      maps_bwd   the aggregation's dH_pre, the gates' and Sinkhorn's backward, dphi += x^T dz
                 and dx = coef x + dz phi^T + H_pre da + H_res^T g_merge in one pass;
      merge_fwd  H_res x + H_post f;  merge_bwd  df, dH_post, and dH_res and dx unless the
-                maps' backward takes the merge's gradient (the "linked" path of ops/cpu/ops.py:
+                maps' backward takes the merge's gradient (the fused_dx path of ops/cpu/ops.py:
                 the maps' backward then computes the merge's dH_res and H_res^T g from the x
                 and g it reads anyway, and the merge's backward does not read x);
      rows_fwd / rows_bwd, hc_bwd  the same for HC's maps, per stream row: x_j @ W, and a
@@ -221,7 +221,7 @@ INLINE void merge_fwd_body(const void* x, const void* f, const float* hp, const 
 
 /* df[t] = sum_i h_post[t, i] g[t, i]; dh_post[t, i] = <g[t, i], f[t]>; and, with_x,
    dh_res[t, i, j] = <g[t, i], x[t, j]> and dx[t, j] = sum_i h_res[t, i, j] g[t, i]. Without
-   (dx and dhr NULL) is the linked path: the maps' backward, which reads x and g anyway,
+   (dx and dhr NULL) is the fused_dx path: the maps' backward, which reads x and g anyway,
    computes H_res^T g and <g_i, x_j> itself, so this pass does not read x. */
 INLINE void merge_bwd_pass(const void* x, const void* f, const float* hp, const float* hr,
                            const void* g, void* dx, void* df, float* dhp, float* dhr,
@@ -294,7 +294,7 @@ INLINE void aggregate_row(const void* x, const float* h, void* a, int64_t t, con
 
 /* For one token, in one pass over its rows: dots[j] = <x[t, j], da[t]> (unless da is NULL)
    and dres[i n + j] = <g[t, i], x[t, j]> (unless g is NULL; the merge's dH_res on the
-   linked path). With `ahead`, prefetches token t + 1's rows. */
+   fused_dx path). With `ahead`, prefetches token t + 1's rows. */
 INLINE void token_dots_pass(const void* x, const void* da, const void* g, float* dots,
                             float* dres, int64_t t, int ahead, const int64_t n, int64_t C,
                             const int with_a, const int with_g, int bf) {
@@ -681,32 +681,32 @@ INLINE void maps_fwd_body(const void* x, const float* phip, const float* ab, flo
 
 /* ---------------------------------------------------------------------------------------
    mHC maps, backward. Inputs: the forward's lt, r; the upstream gradients of H_pre (gpre),
-   H_post (gpost), H_res (gres), of the aggregation (ga) and, on the linked path, the merge's
-   upstream gradient glink [T, n, C]; any may be NULL (no gradient). Per group of tokens:
+   H_post (gpost), H_res (gres), of the aggregation (ga) and, on the fused_dx path, the
+   merge's upstream gradient gmerge [T, n, C]; any may be NULL (no gradient). Per group of tokens:
      dH_pre += <x[j], ga>                              (the aggregation's share)
-     dH_res += <glink[i], x[j]>                         (the merge's share, linked path)
+     dH_res += <gmerge[i], x[j]>                        (the merge's share, fused_dx path)
      dh~ = the gates' and Sinkhorn's backward           -> dht [T, M] (for db, dalpha)
      dl = alpha_row dh~, coef = -<dl, l> / (r^2 K), dz = dl / r
      dphi += x^T dz                                     (dphi [K, Mp], this thread's partial)
-     dx = coef x + dz phi^T + H_pre[j] ga + sum_i H_res[i, j] glink[i]
+     dx = coef x + dz phi^T + H_pre[j] ga + sum_i H_res[i, j] gmerge[i]
    phit [M, K] is phi transposed; sk_y is scratch for Sinkhorn's iterates (see native.py).
    --------------------------------------------------------------------------------------- */
 
-/* base[j] = coef x[j] + H_pre[j] ga + sum_i H_res[i, j] glink[i] for token t, in float
-   (the part of dx that is per token): each chunk of x, ga and glink is loaded once. coef is
+/* base[j] = coef x[j] + H_pre[j] ga + sum_i H_res[i, j] gmerge[i] for token t, in float
+   (the part of dx that is per token): each chunk of x, ga and gmerge is loaded once. coef is
    one number for the token (mHC), or one per stream row with per_row (HC). */
-INLINE void maps_dx_base(const void* x, const void* ga, const void* glink, const float* coef,
+INLINE void maps_dx_base(const void* x, const void* ga, const void* gmerge, const float* coef,
                          const int per_row, const float* hp, const float* hr, float* base,
                          int64_t t, const int64_t n, int64_t C, int bf) {
     FOR_CHUNKS(c, w, C,
         const v16 av = ga ? ldw(ga, t * C + c, w, bf) : vzero();
         v16 gv[MAXN];
         for (int64_t i = 0; i < n; ++i)
-            gv[i] = glink ? ldw(glink, (t * n + i) * C + c, w, bf) : vzero();
+            gv[i] = gmerge ? ldw(gmerge, (t * n + i) * C + c, w, bf) : vzero();
         for (int64_t j = 0; j < n; ++j) {
             v16 acc = coef[per_row ? j : 0] * ldw(x, (t * n + j) * C + c, w, bf);
             if (ga) acc += hp[j] * av;
-            if (glink)
+            if (gmerge)
                 for (int64_t i = 0; i < n; ++i) acc += hr[i * n + j] * gv[i];
             stw(base, j * C + c, acc, w, 0);
         }
@@ -735,13 +735,13 @@ INLINE void dx_chunk(const void* a, int64_t a0, const float* s, int a_bf, const 
 }
 
 /* dx for TT tokens from t; base: scratch of TT n C floats. */
-INLINE void maps_dx_tile(const void* x, const float* phit, const void* ga, const void* glink,
+INLINE void maps_dx_tile(const void* x, const float* phit, const void* ga, const void* gmerge,
                          const float* coef, const float* hp, const float* hr, const float* dz,
                          void* dx, float* base, int64_t t, const int TT, const int64_t n,
                          int64_t C, int64_t M, int64_t Mp, int bf) {
     const int64_t K = n * C;
     for (int u = 0; u < TT; ++u)
-        maps_dx_base(x, ga, glink, coef + u, 0, hp + u * n, hr + u * n * n, base + u * K,
+        maps_dx_base(x, ga, gmerge, coef + u, 0, hp + u * n, hr + u * n * n, base + u * K,
                      t + u, n, C, bf);
     int64_t k = 0;
     for (; k + W <= K; k += W)
@@ -751,7 +751,7 @@ INLINE void maps_dx_tile(const void* x, const float* phit, const void* ga, const
 
 INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, const float* lt,
                           const float* r, const float* gpre, const float* gpost,
-                          const float* gres, const void* ga, const void* glink, void* dx,
+                          const float* gres, const void* ga, const void* gmerge, void* dx,
                           float* dht, float* dphi, v16* sk_y, float* base, int64_t t0,
                           int64_t t1,
                           const int64_t n, int64_t C, int64_t M, int64_t MV, int iters,
@@ -763,7 +763,7 @@ INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, con
     v16 p0[nn], gl[nn], hres[nn];
     float far_dh[G * nn], far_out[G * nn];  /* far tokens' log-domain results */
     int far[G];
-    const int with_res = gres || glink;
+    const int with_res = gres || gmerge;
     for (int64_t t = t0; t < t1; t += G) {
         const int64_t g = t1 - t < G ? t1 - t : G;
         int any_far = 0;
@@ -772,7 +772,7 @@ INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, con
             float* d = dht + tu * M;
             gate_logits(lt + tu * M, ab, ht, M);
             for (int64_t i = 0; i < n; ++i) dpre[i] = gpre ? gpre[tu * n + i] : 0.0f;
-            token_dots(x, ga, glink, dots, dres, tu, tu + 1 < t1, n, C, bf);
+            token_dots(x, ga, gmerge, dots, dres, tu, tu + 1 < t1, n, C, bf);
             if (ga)
                 for (int64_t i = 0; i < n; ++i) dpre[i] += dots[i];
             for (int64_t i = 0; i < n; ++i) {
@@ -783,7 +783,7 @@ INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, con
             }
             if (with_res) {
                 for (int64_t q = 0; q < nn; ++q)
-                    gl[q][u] = (gres ? gres[tu * nn + q] : 0.0f) + (glink ? dres[q] : 0.0f);
+                    gl[q][u] = (gres ? gres[tu * nn + q] : 0.0f) + (gmerge ? dres[q] : 0.0f);
                 far[u] = far_matrix(ht + 2 * n, nn, sk_eps);
                 any_far |= far[u];
                 if (far[u]) {  /* log domain now (sk_y is free); the lane runs uniform */
@@ -829,21 +829,21 @@ INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, con
             for (int64_t q = M; q < Mp; ++q) dz[u * Mp + q] = 0.0f;
             coef[u] = -dot / (rr * rr * (float)K);
         }
-        /* The next group's x, ga and glink rows, fetched during dphi. */
+        /* The next group's x, ga and gmerge rows, fetched during dphi. */
         const int64_t t2 = t + G < t1 ? t + G : t1, t3 = t + 2 * G < t1 ? t + 2 * G : t1;
         const int64_t size = bf ? 2 : 4;
         const ahead_t ahead = {
             {(const char*)x + t2 * K * size, ga ? (const char*)ga + t2 * C * size : NULL,
-             glink ? (const char*)glink + t2 * K * size : NULL},
+             gmerge ? (const char*)gmerge + t2 * K * size : NULL},
             {(t3 - t2) * K * size / 64, ga ? (t3 - t2) * C * size / 64 : 0,
-             glink ? (t3 - t2) * K * size / 64 : 0}};
+             gmerge ? (t3 - t2) * K * size / 64 : 0}};
         dphi_rows(x, dz, dphi, t, g, K, MV, &ahead, bf);
         int64_t s = 0;
         for (; s + 8 <= g; s += 8)
-            maps_dx_tile(x, phit, ga, glink, coef + s, hp + s * n, hr + s * nn, dz + s * Mp, dx,
+            maps_dx_tile(x, phit, ga, gmerge, coef + s, hp + s * n, hr + s * nn, dz + s * Mp, dx,
                          base, t + s, 8, n, C, M, Mp, bf);
         for (; s < g; ++s)
-            maps_dx_tile(x, phit, ga, glink, coef + s, hp + s * n, hr + s * nn, dz + s * Mp, dx,
+            maps_dx_tile(x, phit, ga, gmerge, coef + s, hp + s * n, hr + s * nn, dz + s * Mp, dx,
                          base, t + s, 1, n, C, M, Mp, bf);
     }
 }
@@ -931,15 +931,15 @@ INLINE void hc_fwd_body(const void* x, const float* wp, const float* p, float* h
 /* ---------------------------------------------------------------------------------------
    HC maps and pre-aggregation, backward, with one dx (as the mHC maps backward). Per token t,
    stream rows t n + j of x [T, n, C]:
-     gp[j] = gpre[t, j] + <x[j], ga>,  gr[i, j] = gres[t, i, j] + <glink[i], x[j]>
+     gp[j] = gpre[t, j] + <x[j], ga>,  gr[i, j] = gres[t, i, j] + <gmerge[i], x[j]>
                                                  -> gtot [T, n + n n] (gp, then gr row-major)
      dd[j] = (s_beta gpost[t, j], s_alpha gp[j], s_alpha gr[0, j] .. s_alpha gr[n - 1, j])
      du = dd (1 - d[j]^2), coef[j] = -<du, u[j]> / (r[j]^2 C), dz[j] = du / r[j]
      dw += x[j]^T dz[j]                                      (dw [C, Mp]: this thread's part)
-     dx[j] = coef[j] x[j] + dz[j] W^T + hpre[t, j] ga + sum_i hres[t, i, j] glink[i]
+     dx[j] = coef[j] x[j] + dz[j] W^T + hpre[t, j] ga + sum_i hres[t, i, j] gmerge[i]
    d = tanh(u), u [T n, M] (M = n + 2) and r [T n] are the forward's, hpre [T, n] and
    hres [T, n, n] its maps, wt [M, C] = W^T, sc = (s_alpha, s_beta); gpre, gpost, gres, ga
-   and glink may be NULL (no gradient). base: 8 rows of C floats of scratch.
+   and gmerge may be NULL (no gradient). base: 8 rows of C floats of scratch.
    --------------------------------------------------------------------------------------- */
 
 INLINE void hc_row_grads(const float* d, const float* u, float rr, const float* gp,
@@ -961,7 +961,7 @@ INLINE void hc_row_grads(const float* d, const float* u, float rr, const float* 
 INLINE void hc_bwd_body(const void* x, const float* wt, const float* d, const float* u,
                         const float* r, const float* hpre, const float* hres,
                         const float* gpre, const float* gpost, const float* gres,
-                        const void* ga, const void* glink, const float* sc, void* dx,
+                        const void* ga, const void* gmerge, const float* sc, void* dx,
                         float* gtot, float* dw, float* base, int64_t t0, int64_t t1,
                         const int64_t n, int64_t C, int64_t M, int64_t MV, int bf) {
     const int64_t Mp = MV * WG, nn = n * n, size = bf ? 2 : 4;
@@ -971,13 +971,13 @@ INLINE void hc_bwd_body(const void* x, const float* wt, const float* d, const fl
         const int64_t g = t1 - t < G ? t1 - t : G;
         for (int64_t v = 0; v < g; ++v) {  /* the dot products, then each row's dz, coef */
             const int64_t tv = t + v;
-            token_dots(x, ga, glink, dots, dres, tv, tv + 1 < t1, n, C, bf);
+            token_dots(x, ga, gmerge, dots, dres, tv, tv + 1 < t1, n, C, bf);
             float* gp = gtot + tv * (n + nn);
             float* gr = gp + n;
             for (int64_t j = 0; j < n; ++j)
                 gp[j] = (gpre ? gpre[tv * n + j] : 0.0f) + (ga ? dots[j] : 0.0f);
             for (int64_t q = 0; q < nn; ++q)
-                gr[q] = (gres ? gres[tv * nn + q] : 0.0f) + (glink ? dres[q] : 0.0f);
+                gr[q] = (gres ? gres[tv * nn + q] : 0.0f) + (gmerge ? dres[q] : 0.0f);
             for (int64_t j = 0; j < n; ++j) {
                 const int64_t row = tv * n + j;
                 hc_row_grads(d + row * M, u + row * M, r[row], gp, gr,
@@ -985,19 +985,19 @@ INLINE void hc_bwd_body(const void* x, const float* wt, const float* d, const fl
                              dz + (v * n + j) * Mp, coef + v * n + j, j, n, C, M, Mp);
             }
         }
-        /* The next group's x, ga and glink rows, fetched during dw. */
+        /* The next group's x, ga and gmerge rows, fetched during dw. */
         const int64_t t2 = t + G < t1 ? t + G : t1, t3 = t + 2 * G < t1 ? t + 2 * G : t1;
         const int64_t K = n * C;
         const ahead_t ahead = {
             {(const char*)x + t2 * K * size, ga ? (const char*)ga + t2 * C * size : NULL,
-             glink ? (const char*)glink + t2 * K * size : NULL},
+             gmerge ? (const char*)gmerge + t2 * K * size : NULL},
             {(t3 - t2) * K * size / 64, ga ? (t3 - t2) * C * size / 64 : 0,
-             glink ? (t3 - t2) * K * size / 64 : 0}};
+             gmerge ? (t3 - t2) * K * size / 64 : 0}};
         dphi_rows(x, dz, dw, t * n, g * n, C, MV, &ahead, bf);
         for (int64_t s = 0; s < g; s += tk) {  /* dx, tk tokens (tk n rows) at a time */
             const int64_t kt = g - s < tk ? g - s : tk, rows = kt * n, row0 = (t + s) * n;
             for (int64_t v = 0; v < kt; ++v)
-                maps_dx_base(x, ga, glink, coef + (s + v) * n, 1, hpre + (t + s + v) * n,
+                maps_dx_base(x, ga, gmerge, coef + (s + v) * n, 1, hpre + (t + s + v) * n,
                              hres + (t + s + v) * nn, base + v * n * C, t + s + v, n, C, bf);
             const float* dzs = dz + s * n * Mp;
             if (rows == MAX_TILE) {
@@ -1103,10 +1103,10 @@ EXPORT_BOTH(maps_fwd,
 EXPORT_BOTH(maps_bwd,
             (const void* x, const float* phit, const float* ab, const float* lt,
              const float* r, const float* gpre, const float* gpost, const float* gres,
-             const void* ga, const void* glink, void* dx, float* dht, float* dphi, float* sk_y,
+             const void* ga, const void* gmerge, void* dx, float* dht, float* dphi, float* sk_y,
              float* base, int64_t t0, int64_t t1, int64_t threads, int64_t n, int64_t C,
              int64_t M, int64_t MV, int64_t iters, double sk_eps, double pre_eps),
-            (x, phit, ab, lt, r, gpre, gpost, gres, ga, glink, dx, dht,
+            (x, phit, ab, lt, r, gpre, gpost, gres, ga, gmerge, dx, dht,
              dphi + k_ * n * C * MV * WG,
              (v16*)(sk_y + k_ * (2 * iters - 1) * (n * n + n) * 16),
              base + k_ * 8 * n * C, a_, b_, N_, C, M, MV, (int)iters, (float)sk_eps,
@@ -1122,10 +1122,10 @@ EXPORT_BOTH(hc_fwd,
 EXPORT_BOTH(hc_bwd,
             (const void* x, const float* wt, const float* d, const float* u, const float* r,
              const float* hpre, const float* hres, const float* gpre, const float* gpost,
-             const float* gres, const void* ga, const void* glink, const float* sc, void* dx,
+             const float* gres, const void* ga, const void* gmerge, const float* sc, void* dx,
              float* gtot, float* dw, float* base, int64_t t0, int64_t t1, int64_t threads,
              int64_t n, int64_t C, int64_t M, int64_t MV),
-            (x, wt, d, u, r, hpre, hres, gpre, gpost, gres, ga, glink, sc, dx, gtot,
+            (x, wt, d, u, r, hpre, hres, gpre, gpost, gres, ga, gmerge, sc, dx, gtot,
              dw + k_ * C * MV * WG, base + k_ * MAX_TILE * C, a_, b_, N_, C, M, MV, bf))
 
 #define EXPORT_ROWS(NAME, BF)                                                           \

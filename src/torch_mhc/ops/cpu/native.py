@@ -209,14 +209,14 @@ class NativeOps:
         self._run("merge_fwd", x.dtype, [x, f, h_post, h_res, out], t, *x.shape[-2:])
         return out
 
-    def merge_bwd(self, x, f, h_post, h_res, g, linked=False):
-        """(dx, df, dh_post, dh_res) for the merge's upstream gradient g; linked=True leaves
+    def merge_bwd(self, x, f, h_post, h_res, g, fused_dx=False):
+        """(dx, df, dh_post, dh_res) for the merge's upstream gradient g; fused_dx=True leaves
         dx and dh_res to the maps' backward (None here) and does not read x."""
         t, n, c = x.shape
-        dx = None if linked else self.blocks.empty(x.shape, x.dtype)
+        dx = None if fused_dx else self.blocks.empty(x.shape, x.dtype)
         df = self.blocks.empty(f.shape, f.dtype)
         dh_post = torch.empty_like(h_post)
-        dh_res = None if linked else torch.empty_like(h_res)
+        dh_res = None if fused_dx else torch.empty_like(h_res)
         self._run("merge_bwd", x.dtype, [x, f, h_post, h_res, g, dx, df, dh_post, dh_res],
                   t, n, c)
         return dx, df, dh_post, dh_res
@@ -286,10 +286,10 @@ class NativeOps:
                 torch.empty((*lead, n, n), dtype=f32),
                 self.blocks.empty((*lead, c), x.dtype, t * c) if with_pre else None)
 
-    def maps_bwd(self, x, phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_link, iters, sk_eps,
+    def maps_bwd(self, x, phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_merge, iters, sk_eps,
                  pre_eps):
         """dx [T, n, C] (x's dtype), dh~ [T, M] and dphi [n*C, M] of the maps (and of the
-        aggregation when g_a is given; of the merge's H_res x when g_link is given).
+        aggregation when g_a is given; of the merge's H_res x when g_merge is given).
 
         phit: phi^T [M, n*C] float32; the gradients are float32 [T, n], [T, n], [T, n, n]
         and x's dtype [T, C], [T, n, C]; any may be None.
@@ -308,15 +308,15 @@ class NativeOps:
         # The per-token part of dx for a tile of 8 tokens, in float32, per thread.
         base = torch.empty((threads, 8 * n * c), dtype=torch.float32)
         self._run("maps_bwd", x.dtype,
-                  [x, phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_link, dx, dht,
+                  [x, phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_merge, dx, dht,
                    PerThread(dphi), PerThread(sk_y), PerThread(base)], t, n, c, m, mp // 8,
                   iters, sk_eps, pre_eps)
         dphi = dphi[0] if dphi.shape[0] == 1 else dphi.sum(dim=0)
         return dx, dht, dphi[:, :m].contiguous()
 
-    def hc_bwd(self, x, wt, d, u, r, h_pre, h_res, g_pre, g_post, g_res, g_a, g_link, sc):
+    def hc_bwd(self, x, wt, d, u, r, h_pre, h_res, g_pre, g_post, g_res, g_a, g_merge, sc):
         """The backward of HC's maps and pre-aggregation (and of the merge's H_res x when
-        g_link is given) for x [T, n, C]: dx [T, n, C] in x's dtype, gtot [T, n + n n] (the
+        g_merge is given) for x [T, n, C]: dx [T, n, C] in x's dtype, gtot [T, n + n n] (the
         total gradients of H_pre, then H_res, aggregation and merge included) and dw [C, M].
 
         wt: W^T [M, C] float32 (M = n + 2); d = tanh(u), u [T n, M] and r [T n] from the
@@ -333,7 +333,7 @@ class NativeOps:
         dw = torch.zeros((threads, c, mp), dtype=torch.float32)
         base = torch.empty((threads, 8 * c), dtype=torch.float32)  # 8 rows of dx, in float
         self._run("hc_bwd", x.dtype,
-                  [x, wt, d, u, r, h_pre, h_res, g_pre, g_post, g_res, g_a, g_link, sc, dx,
+                  [x, wt, d, u, r, h_pre, h_res, g_pre, g_post, g_res, g_a, g_merge, sc, dx,
                    gtot, PerThread(dw), PerThread(base)], t, n, c, m, mp // 8)
         dw = dw[0] if threads == 1 else dw.sum(dim=0)
         return dx, gtot, dw[:, :m].contiguous()

@@ -9,19 +9,20 @@ matmuls with phi, so everything here is about fewer passes and fewer saved tenso
   maps forward = x @ phi, the RMS, gates, Sinkhorn and the pre-aggregation in one pass per
   tile of tokens; maps backward = the aggregation's dH_pre, gates' and Sinkhorn's backward,
   dphi and dx in one pass; post-merge forward and backward.
-- One gradient write for x per connection. mhc_maps_pre(..., link=True) returns x_link, a
-  view of x made by the maps node; post_merge(x_link, ..., linked=True) hands its upstream
-  gradient g to x_link unchanged, and the maps' backward adds H_res^T g to its own dx
-  (coef x + dz phi^T + H_pre[j] da) and <g_i, x_j> to H_res's gradient, so the merge's
-  backward does not read x. ManifoldHyperConnection uses this pair (Ops.links).
+- One gradient write for x per connection. mhc_maps_pre(..., fused_dx=True) returns
+  x_for_merge, a view of x made by the maps node; post_merge(x_for_merge, ...,
+  fused_dx=True) hands its upstream gradient g to x_for_merge unchanged, and the maps'
+  backward adds H_res^T g to its own dx (coef x + dz phi^T + H_pre[j] da) and <g_i, x_j> to
+  H_res's gradient, so the merge's backward does not read x. ManifoldHyperConnection uses
+  this pair (Ops.fused_dx).
 - The backward saves only x, phi, the logits and the RMS (M + 1 numbers per token besides
   x); Sinkhorn recomputes its iterates from the n x n logits.
 - HC's dynamic maps (hc_maps) use the native rows kernels: every stream row's logits
   x_j @ W in one pass over x, divided by the row's RMS afterwards (the reordering mHC uses),
   and a backward that writes dx = dz W^T + coef x once (a HyperConnection's forward +
   backward on [2048, 4, 512] streams: 97.9 ms with torch's per-stream RMSNorm and skinny
-  matmuls, 22.6 ms with these; benchmarks/NOTES_ops.md). hc_maps_pre(..., link=True) makes
-  HC's maps, aggregation and (through the link) merge one gradient write for x, as mHC's:
+  matmuls, 22.6 ms with these; benchmarks/NOTES_ops.md). hc_maps_pre(..., fused_dx=True) makes
+  HC's maps, aggregation and (through x_for_merge) merge one gradient write for x, as mHC's:
   its backward (NativeOps.hc_bwd) adds H_pre[j] da and H_res^T g to the rows' dx.
 - Without autograd (decode under no_grad / inference_mode) mhc_maps_pre and post_merge call
   the native loops directly, skipping the autograd Function and the custom-op dispatch,
@@ -51,14 +52,15 @@ from torch_mhc.ops.cpu import native as _native
 __all__ = ["mhc_maps", "mhc_maps_pre", "hc_maps", "hc_maps_pre", "pre_aggregate", "post_merge",
            "sinkhorn"]
 
-LINKS = True  # mhc_maps_pre(..., link=True) and post_merge(..., linked=True); see ops/__init__
+# mhc_maps_pre(..., fused_dx=True) and post_merge(..., fused_dx=True) exist; see ops/__init__
+FUSED_DX = True
 
 
 # ---------------------------------------------------------------------------------------------
-# Sinkhorn on token-last matrices m[i, j, t]: functional.sinkhorn's iterations along dims TL
+# Sinkhorn on token-last matrices m[i, j, t]: functional.sinkhorn's iterations along dims (0, 1)
 # ---------------------------------------------------------------------------------------------
 
-TL = (0, 1)  # the matrix axes of a token-last [n, n, T] tensor
+TOKEN_LAST_DIMS = (0, 1)  # the matrix axes of a token-last [n, n, T] tensor
 
 
 def _to_token_last(m: torch.Tensor) -> torch.Tensor:
@@ -87,7 +89,7 @@ class _Sinkhorn(torch.autograd.Function):
         h = _to_token_last(logits.reshape(-1, n, n).to(cdt))  # [n, n, T]
         ctx.save_for_backward(h)
         ctx.iters, ctx.eps = iters, eps
-        out = sinkhorn_forward(h, iters, eps, TL).permute(2, 0, 1)  # [T, n, n]
+        out = sinkhorn_forward(h, iters, eps, TOKEN_LAST_DIMS).permute(2, 0, 1)  # [T, n, n]
         return out.reshape(logits.shape).to(logits.dtype)
 
     @staticmethod
@@ -96,7 +98,7 @@ class _Sinkhorn(torch.autograd.Function):
         (h,) = ctx.saved_tensors
         n = h.shape[0]
         g = _to_token_last(grad.reshape(-1, n, n).to(h.dtype))
-        dh = sinkhorn_backward(h, g, ctx.iters, ctx.eps, TL).permute(2, 0, 1)
+        dh = sinkhorn_backward(h, g, ctx.iters, ctx.eps, TOKEN_LAST_DIMS).permute(2, 0, 1)
         return dh.reshape(grad.shape).to(grad.dtype), None, None
 
 
@@ -116,13 +118,14 @@ def sinkhorn(logits: torch.Tensor, iters: int = 20, *, eps: float = 0.0) -> torc
 
 class _MhcMaps(torch.autograd.Function):
     """Maps of x [T, n, C] (any float dtype), in the maps dtype; with_pre=True also returns
-    the pre-aggregation a = sum_j H_pre[j] x[j] in x's dtype, and link=True (with with_pre)
-    also returns `x_link`, x itself as a view, for post_merge(..., linked=True).
+    the pre-aggregation a = sum_j H_pre[j] x[j] in x's dtype, and fused_dx=True (with
+    with_pre) also returns `x_for_merge`, x itself as a view, for post_merge(...,
+    fused_dx=True).
 
     With the aggregation inside, the backward writes dx once: coef * x + dz @ phi^T (the
     maps' share) + H_pre[j] da (the aggregation's share), instead of autograd adding two
-    [T, n, C] gradients. The link extends this to the merge: its backward hands the raw
-    upstream gradient g of the merge to x_link instead of computing H_res^T g and
+    [T, n, C] gradients. fused_dx extends this to the merge: its backward hands the raw
+    upstream gradient g of the merge to x_for_merge instead of computing H_res^T g and
     <g_i, x_j>, and this backward adds H_res^T g to the same dx and <g_i, x_j> to H_res's
     gradient (so x's gradient from the whole connection is one [T, n, C] write, and the
     merge's backward reads g and f, not x).
@@ -131,10 +134,10 @@ class _MhcMaps(torch.autograd.Function):
     @staticmethod
     @_no_autocast
     def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, iters, norm_eps, sk_eps, pre_eps,
-                with_pre, link):
+                with_pre, fused_dx):
         ctx.set_materialize_grads(False)  # unused outputs' gradients arrive as None
         ctx.iters, ctx.sk_eps, ctx.pre_eps = iters, sk_eps, pre_eps
-        ctx.with_pre, ctx.link = with_pre, link
+        ctx.with_pre, ctx.fused_dx = with_pre, fused_dx
         ctx.b_dtypes = (b_pre.dtype, b_post.dtype, b_res.dtype)
         ctx.native = _use_native(x)
         if ctx.native:
@@ -152,16 +155,16 @@ class _MhcMaps(torch.autograd.Function):
             maps, a = _maps_forward_torch(ctx, x, phi, alpha, a_rows, b_rows, iters, norm_eps,
                                           sk_eps, pre_eps, with_pre)
         outs = (*maps, a) if with_pre else maps
-        return (*outs, x.view_as(x)) if link else outs
+        return (*outs, x.view_as(x)) if fused_dx else outs
 
     @staticmethod
     @_no_autocast
     def backward(ctx, g_pre, g_post, g_res, *more):
         g_a = more[0] if ctx.with_pre else None
-        g_link = more[1] if ctx.link else None
+        g_merge = more[1] if ctx.fused_dx else None
         if ctx.native:
-            return _maps_backward_native(ctx, g_pre, g_post, g_res, g_a, g_link)
-        return _maps_backward_torch(ctx, g_pre, g_post, g_res, g_a, g_link)
+            return _maps_backward_native(ctx, g_pre, g_post, g_res, g_a, g_merge)
+        return _maps_backward_torch(ctx, g_pre, g_post, g_res, g_a, g_merge)
 
 
 def _padded(phi: torch.Tensor) -> torch.Tensor:
@@ -204,7 +207,7 @@ def _contiguous_or_none(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Ten
     return None if t is None else t.to(dtype).contiguous()
 
 
-def _maps_backward_native(ctx, g_pre, g_post, g_res, g_a, g_link):
+def _maps_backward_native(ctx, g_pre, g_post, g_res, g_a, g_merge):
     x, phi, alpha, lt, r, ab = ctx.saved_tensors
     n = x.shape[1]
     f32 = torch.float32
@@ -212,7 +215,7 @@ def _maps_backward_native(ctx, g_pre, g_post, g_res, g_a, g_link):
         x, phi.to(f32).t().contiguous(), ab, lt, r,
         _contiguous_or_none(g_pre, f32), _contiguous_or_none(g_post, f32),
         _contiguous_or_none(g_res, f32), _contiguous_or_none(g_a, x.dtype),
-        _contiguous_or_none(g_link, x.dtype), ctx.iters, ctx.sk_eps, ctx.pre_eps,
+        _contiguous_or_none(g_merge, x.dtype), ctx.iters, ctx.sk_eps, ctx.pre_eps,
     )
     return (dx, d_phi.to(phi.dtype), *_parameter_grads(ctx, d_ht, lt, n, alpha.dtype),
             None, None, None, None, None, None)
@@ -234,7 +237,8 @@ def _maps_forward_torch(ctx, x, phi, alpha, a_rows, b_rows, iters, norm_eps, sk_
     if pre_eps:
         h_pre.add_(pre_eps)
     h_post = torch.sigmoid(ht[n : 2 * n]).mul_(2.0)  # [n, T]
-    h_res = sinkhorn_forward(ht[2 * n :].reshape(n, n, t), iters, sk_eps, TL)  # [n, n, T]
+    h_res = sinkhorn_forward(ht[2 * n :].reshape(n, n, t), iters, sk_eps,
+                             TOKEN_LAST_DIMS)  # [n, n, T]
     # Saved: the logits and the RMS, M + 1 numbers per token besides x and the parameters.
     ctx.save_for_backward(x, phi, alpha, lt, r, ht, a_rows)
     # Token-last results seen as [T, ...]; consumers that need contiguity copy (tiny).
@@ -242,7 +246,7 @@ def _maps_forward_torch(ctx, x, phi, alpha, a_rows, b_rows, iters, norm_eps, sk_
     return maps, (_pre_forward(x, h_pre.t()) if with_pre else None)
 
 
-def _maps_backward_torch(ctx, g_pre, g_post, g_res, g_a, g_link):
+def _maps_backward_torch(ctx, g_pre, g_post, g_res, g_a, g_merge):
     x, phi, alpha, lt, r, ht, a_rows = ctx.saved_tensors
     t, n, c = x.shape
     k = n * c
@@ -259,13 +263,14 @@ def _maps_backward_torch(ctx, g_pre, g_post, g_res, g_a, g_link):
     if g_post is not None:
         d_ht[n : 2 * n] = g_post.t() * ds[n:] * 2.0
     h = ht[2 * n :].reshape(n, n, t)
-    if g_link is not None:  # the merge's dH_res = <g_i, x_j>, [T, n, n]
-        dh = torch.bmm(g_link.to(x.dtype), x.transpose(-1, -2)).to(cdt)
+    if g_merge is not None:  # the merge's dH_res = <g_i, x_j>, [T, n, n]
+        dh = torch.bmm(g_merge.to(x.dtype), x.transpose(-1, -2)).to(cdt)
         g_res = dh if g_res is None else g_res + dh
     if g_res is not None:
         g = _to_token_last(g_res.to(cdt))
         # The recomputation passes through H_res: kept for the merge's H_res^T g below.
-        d_res, h_res = sinkhorn_backward(h, g, ctx.iters, ctx.sk_eps, TL, with_output=True)
+        d_res, h_res = sinkhorn_backward(h, g, ctx.iters, ctx.sk_eps, TOKEN_LAST_DIMS,
+                                         with_output=True)
         d_ht[2 * n :] = d_res.reshape(n * n, t)
     params = _parameter_grads(ctx, d_ht.t(), lt.t(), n, alpha.dtype)
     d_lt = d_ht.mul_(a_rows)  # [M, T] dL/dlogits
@@ -278,8 +283,8 @@ def _maps_backward_torch(ctx, g_pre, g_post, g_res, g_a, g_link):
     dv3 = dv.view(t, n, c)
     if g_a is not None:
         dv3.addcmul_(h_pre.unsqueeze(-1), g_a.to(cdt).unsqueeze(-2))
-    if g_link is not None:  # the merge's H_res^T g
-        dv3.baddbmm_(h_res.permute(2, 1, 0), g_link.to(cdt))  # H_res [n, n, T] as [T, j, i]
+    if g_merge is not None:  # the merge's H_res^T g
+        dv3.baddbmm_(h_res.permute(2, 1, 0), g_merge.to(cdt))  # H_res [n, n, T] as [T, j, i]
     d_phi = torch.mm(d_zt, v).t()  # [K, M]
     return (dv3.to(x.dtype), d_phi.to(phi.dtype), *params,
             None, None, None, None, None, None)
@@ -338,33 +343,34 @@ def mhc_maps_pre(
     sinkhorn_eps: float = 0.0,
     pre_eps: float = 0.0,
     *,
-    link: bool = False,
+    fused_dx: bool = False,
 ):
     """mhc_maps plus pre_aggregate(x, H_pre) as one autograd node (one dx in backward).
 
-    link=True appends x_link (x's values) to pass to post_merge(x_link, ..., linked=True)
-    in place of x: the merge's share of x's gradient then joins the same single dx.
+    fused_dx=True appends x_for_merge (x's values) to pass to post_merge(x_for_merge, ...,
+    fused_dx=True) in place of x: the merge's share of x's gradient then joins the same single dx.
     """
     params = (phi, alpha, b_pre, b_post, b_res)
     if _no_autograd(x, *params) and _use_native(x):
-        # Decoding: the maps in x's leading shape straight from the native loops; x_link is
-        # x itself (nothing to link without autograd).
+        # Decoding: the maps in x's leading shape straight from the native loops; x_for_merge
+        # is x itself (without autograd there is no gradient to fuse).
         phip, ab = _cached_tables(_mhc_tables, *params)
         maps = _lib().maps_infer(x.contiguous(), phip, ab, int(sinkhorn_iters),
                                  float(norm_eps), float(sinkhorn_eps), float(pre_eps))
-        return (*maps, x) if link else maps
+        return (*maps, x) if fused_dx else maps
     lead, (n, c) = x.shape[:-2], x.shape[-2:]
     outs = _MhcMaps.apply(
         x.reshape(-1, n, c), *params,
-        int(sinkhorn_iters), float(norm_eps), float(sinkhorn_eps), float(pre_eps), True, link,
+        int(sinkhorn_iters), float(norm_eps), float(sinkhorn_eps), float(pre_eps), True,
+        fused_dx,
     )
     h_pre, h_post, h_res, a = outs[:4]
     maps = (
         h_pre.reshape(*lead, n), h_post.reshape(*lead, n), h_res.reshape(*lead, n, n),
         a.reshape(*lead, c),
     )
-    # x_link: the autograd node's view of x
-    return (*maps, outs[4].reshape(x.shape)) if link else maps
+    # x_for_merge: the autograd node's view of x
+    return (*maps, outs[4].reshape(x.shape)) if fused_dx else maps
 
 
 # Inference (decode): no autograd graph, so the native loops are called directly, without
@@ -509,9 +515,9 @@ def hc_maps(
     """Same contract as functional.maps.hc_maps; dynamic maps of fp32/bf16 streams run on the
     native loops, everything else on the reference. Without autograd (decoding) that is one
     call of native.c's hc_fwd; with autograd, the rows kernels from
-    _HC_NATIVE_MIN_TOKENS tokens on and the reference's few torch ops below (before hc_fwd,
-    one token's maps without autograd took 78 us on the rows kernels' path and 49 us on the
-    reference's, 16 tokens 87 and 97 us; n = 4, C = 512)."""
+    _HC_NATIVE_MIN_TOKENS tokens on and the reference's few torch ops below (the rows
+    kernels' fixed cost: one token's maps take 78 us on them and 49 us on the reference's
+    ops, 16 tokens 87 and 97 us; n = 4, C = 512, measured without autograd)."""
     args = (w, s_alpha, s_beta, static_pre, static_post, static_res)
     if _hc_native(x, w, 1) and _no_autograd(x, *args):
         return _hc_inference(x, args, norm_eps, False)
@@ -525,15 +531,16 @@ def hc_maps(
 
 class _HcMapsPre(torch.autograd.Function):
     """hc_maps and the pre-aggregation a = sum_j H_pre[j] x[j] as one node on the native
-    loops, for x [T, n, C] and a dynamic W [C, n + 2]; link=True also returns x_link, as
-    _MhcMaps does. The backward (NativeOps.hc_bwd) writes x's gradient once: coef x + dz W^T
-    (the maps' share) + H_pre[j] da (the aggregation's) + H_res^T g (the merge's, linked),
+    loops, for x [T, n, C] and a dynamic W [C, n + 2]; fused_dx=True also returns
+    x_for_merge, as _MhcMaps does. The backward (NativeOps.hc_bwd) writes x's gradient once:
+    coef x + dz W^T (the maps' share) + H_pre[j] da (the aggregation's) + H_res^T g (the
+    merge's, with fused_dx),
     where separate nodes would write three [T, n, C] gradients and autograd add them up."""
 
     @staticmethod
     @_no_autocast
     def forward(ctx, x, w, s_alpha, s_beta, static_pre, static_post, static_res, norm_eps,
-                link):
+                fused_dx):
         ctx.set_materialize_grads(False)
         (h_pre, h_post, h_res), (r, u, d) = _hc_maps_values(
             x, _padded(w), s_alpha, s_beta, static_pre, static_post, static_res, norm_eps
@@ -542,12 +549,13 @@ class _HcMapsPre(torch.autograd.Function):
         a = torch.ops.torch_mhc.cpu_pre_aggregate_fwd(x, h_pre)
         ctx.save_for_backward(x, w, s_alpha, s_beta, r, u, d, h_pre, h_res)
         ctx.static_dtypes = (static_pre.dtype, static_post.dtype, static_res.dtype)
-        ctx.link = link
-        return (h_pre, h_post, h_res, a, x.view_as(x)) if link else (h_pre, h_post, h_res, a)
+        ctx.fused_dx = fused_dx
+        maps = (h_pre, h_post, h_res, a)
+        return (*maps, x.view_as(x)) if fused_dx else maps
 
     @staticmethod
     @_no_autocast
-    def backward(ctx, g_pre, g_post, g_res, g_a, g_link=None):
+    def backward(ctx, g_pre, g_post, g_res, g_a, g_merge=None):
         x, w, s_alpha, s_beta, r, u, d, h_pre, h_res = ctx.saved_tensors
         t, n, _ = x.shape
         f32 = torch.float32
@@ -556,7 +564,7 @@ class _HcMapsPre(torch.autograd.Function):
             x, w.to(f32).t().contiguous(), d, u, r, h_pre, h_res,
             _contiguous_or_none(g_pre, f32), _contiguous_or_none(g_post, f32),
             _contiguous_or_none(g_res, f32), _contiguous_or_none(g_a, x.dtype),
-            _contiguous_or_none(g_link, x.dtype), sc,
+            _contiguous_or_none(g_merge, x.dtype), sc,
         )
         # The scales' and the static maps' gradients from H_pre's and H_res's totals [T, ...]
         gp, gr = gtot[:, :n], gtot[:, n:].view(t, n, n)
@@ -597,29 +605,30 @@ def hc_maps_pre(
     static_res: torch.Tensor,
     norm_eps: float = 1e-6,
     *,
-    link: bool = False,
+    fused_dx: bool = False,
 ):
     """hc_maps plus pre_aggregate(x, H_pre): one autograd node (one dx in backward) where the
     maps run natively with autograd, else the two ops.
 
-    link=True appends x_link for post_merge(x_link, ..., linked=True), as mhc_maps_pre does,
-    or None where no single node was made (the merge then runs unlinked on x).
+    fused_dx=True appends x_for_merge for post_merge(x_for_merge, ..., fused_dx=True), as
+    mhc_maps_pre does, or None where no single node was made (the merge then runs on x with
+    its own dx).
     """
     args = (w, s_alpha, s_beta, static_pre, static_post, static_res)
     native = _hc_native(x, w, 1)
     if native and _no_autograd(x, *args):  # decoding
         maps = _hc_inference(x, args, norm_eps, True)
-        return (*maps, None) if link else maps
+        return (*maps, None) if fused_dx else maps
     lead, (n, c) = x.shape[:-2], x.shape[-2:]
     if not native or math.prod(lead) < _HC_NATIVE_MIN_TOKENS:  # hc_maps' reference path
         maps = _ref.hc_maps(x, *args, norm_eps)
         a = pre_aggregate(x, maps[0])
-        return (*maps, a, None) if link else (*maps, a)
-    outs = _HcMapsPre.apply(x.reshape(-1, n, c).contiguous(), *args, float(norm_eps), link)
+        return (*maps, a, None) if fused_dx else (*maps, a)
+    outs = _HcMapsPre.apply(x.reshape(-1, n, c).contiguous(), *args, float(norm_eps), fused_dx)
     h_pre, h_post, h_res, a = outs[:4]
     maps = (h_pre.view(*lead, n), h_post.view(*lead, n), h_res.view(*lead, n, n),
             a.view(*lead, c))
-    return (*maps, outs[4].view(x.shape)) if link else maps
+    return (*maps, outs[4].view(x.shape)) if fused_dx else maps
 
 
 # ---------------------------------------------------------------------------------------------
@@ -653,17 +662,18 @@ class _PostMerge(torch.autograd.Function):
     """out = H_res x + H_post^T f on x [T, n, C], f [T, C], h_post [T, n], h_res [T, n, n]
     (maps in float32 on the native path, in x's dtype on the torch path).
 
-    linked=True (x and h_res are the x_link and H_res of one mhc_maps_pre(..., link=True)):
+    fused_dx=True (x and h_res are the x_for_merge and H_res of one
+    mhc_maps_pre(..., fused_dx=True)):
     the backward passes its upstream gradient g through to x unchanged and returns no
-    gradient for h_res; the maps node that made x_link adds H_res^T g to x's gradient and
+    gradient for h_res; the maps node that made x_for_merge adds H_res^T g to x's gradient and
     <g_i, x_j> to H_res's, so the merge's backward neither writes dx nor reads x.
     """
 
     @staticmethod
     @_no_autocast
-    def forward(ctx, x, f, h_post, h_res, native, linked):
+    def forward(ctx, x, f, h_post, h_res, native, fused_dx):
         ctx.set_materialize_grads(False)
-        ctx.native, ctx.linked = native, linked
+        ctx.native, ctx.fused_dx = native, fused_dx
         ctx.save_for_backward(x, f, h_post, h_res)
         if native:
             return torch.ops.torch_mhc.cpu_post_merge_fwd(x, f, h_post, h_res)
@@ -676,7 +686,7 @@ class _PostMerge(torch.autograd.Function):
             return None, None, None, None, None, None
         x, f, h_post, h_res = ctx.saved_tensors
         g = g.to(x.dtype).contiguous()
-        if ctx.linked:
+        if ctx.fused_dx:
             if ctx.native:
                 _, df, dh_post, _ = torch.ops.torch_mhc.cpu_post_merge_bwd(
                     x, f, h_post, h_res, g, True
@@ -698,7 +708,7 @@ class _PostMerge(torch.autograd.Function):
         return dx, df, dh_post, dh_res, None, None
 
 
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _contiguous_in(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t contiguous in dtype (a no-op Tensor.to costs more than the merge of one token)."""
     return t.contiguous() if t.dtype == dtype else t.to(dtype).contiguous()
 
@@ -784,18 +794,18 @@ def _(x, f, h_post, h_res):
 @torch.library.custom_op("torch_mhc::cpu_post_merge_bwd", mutates_args=())
 def _native_merge_bwd(
     x: torch.Tensor, f: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor,
-    g: torch.Tensor, linked: bool,
+    g: torch.Tensor, fused_dx: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, df, dh_post, dh_res); linked=True leaves dx and dh_res out (empty tensors)."""
-    dx, df, dh_post, dh_res = _lib().merge_bwd(x, f, h_post, h_res, g, linked)
-    if linked:
+    """(dx, df, dh_post, dh_res); fused_dx=True leaves dx and dh_res out (empty tensors)."""
+    dx, df, dh_post, dh_res = _lib().merge_bwd(x, f, h_post, h_res, g, fused_dx)
+    if fused_dx:
         return x.new_empty(0), df, dh_post, h_res.new_empty(0)
     return dx, df, dh_post, dh_res
 
 
 @_native_merge_bwd.register_fake
-def _(x, f, h_post, h_res, g, linked):
-    if linked:
+def _(x, f, h_post, h_res, g, fused_dx):
+    if fused_dx:
         return x.new_empty(0), torch.empty_like(f), torch.empty_like(h_post), h_res.new_empty(0)
     return (torch.empty_like(x), torch.empty_like(f), torch.empty_like(h_post),
             torch.empty_like(h_res))
@@ -830,16 +840,16 @@ def _(x, phip, ab, iters, norm_eps, sk_eps, pre_eps, with_pre):
 def _native_maps_bwd(
     x: torch.Tensor, phit: torch.Tensor, ab: torch.Tensor, lt: torch.Tensor, r: torch.Tensor,
     g_pre: torch.Tensor | None, g_post: torch.Tensor | None, g_res: torch.Tensor | None,
-    g_a: torch.Tensor | None, g_link: torch.Tensor | None, iters: int, sk_eps: float,
+    g_a: torch.Tensor | None, g_merge: torch.Tensor | None, iters: int, sk_eps: float,
     pre_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dL/dH~ [T, M], dphi [K, M]): see NativeOps.maps_bwd."""
-    return _lib().maps_bwd(x.contiguous(), phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_link,
+    return _lib().maps_bwd(x.contiguous(), phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_merge,
                             iters, sk_eps, pre_eps)
 
 
 @_native_maps_bwd.register_fake
-def _(x, phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_link, iters, sk_eps, pre_eps):
+def _(x, phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_merge, iters, sk_eps, pre_eps):
     return torch.empty_like(x), torch.empty_like(lt), phit.new_empty(phit.t().shape)
 
 
@@ -848,15 +858,15 @@ def _native_hc_bwd(
     x: torch.Tensor, wt: torch.Tensor, d: torch.Tensor, u: torch.Tensor, r: torch.Tensor,
     h_pre: torch.Tensor, h_res: torch.Tensor, g_pre: torch.Tensor | None,
     g_post: torch.Tensor | None, g_res: torch.Tensor | None, g_a: torch.Tensor | None,
-    g_link: torch.Tensor | None, sc: torch.Tensor,
+    g_merge: torch.Tensor | None, sc: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, gtot [T, n + n n], dw [C, M]): see NativeOps.hc_bwd."""
     return _lib().hc_bwd(x.contiguous(), wt, d, u, r, h_pre, h_res, g_pre, g_post, g_res,
-                         g_a, g_link, sc)
+                         g_a, g_merge, sc)
 
 
 @_native_hc_bwd.register_fake
-def _(x, wt, d, u, r, h_pre, h_res, g_pre, g_post, g_res, g_a, g_link, sc):
+def _(x, wt, d, u, r, h_pre, h_res, g_pre, g_post, g_res, g_a, g_merge, sc):
     t, n, c = x.shape
     return (torch.empty_like(x), x.new_empty((t, n + n * n), dtype=torch.float32),
             wt.new_empty(wt.t().shape))
@@ -915,13 +925,13 @@ def pre_aggregate(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
 
 def post_merge(
     x: torch.Tensor, f: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor, *,
-    linked: bool = False,
+    fused_dx: bool = False,
 ) -> torch.Tensor:
     """H_res x + H_post^T f: [..., n, C], [..., C], [..., n], [..., n, n] -> [..., n, C].
 
-    linked=True: x and h_res are the x_link and H_res of one mhc_maps_pre(..., link=True),
-    and x's and H_res's gradients through the merge are left to that node's backward (the
-    same values; one dx write in all).
+    fused_dx=True: x and h_res are the x_for_merge and H_res of one
+    mhc_maps_pre(..., fused_dx=True), and x's and H_res's gradients through the merge are
+    left to that node's backward (the same values; one dx write in all).
     """
     _check_streams(x, "post_merge")
     lead, (n, c) = x.shape[:-2], x.shape[-2:]
@@ -930,8 +940,9 @@ def post_merge(
         _ref.check_merge_shapes(x, f, h_post, h_res)
     native = _use_native(x)
     if native and _no_autograd(x, f, h_post, h_res):  # decoding: in the callers' shapes
-        return _lib().merge_fwd(x.contiguous(), _as(f, x.dtype), _as(h_post, torch.float32),
-                                _as(h_res, torch.float32))
+        return _lib().merge_fwd(x.contiguous(), _contiguous_in(f, x.dtype),
+                                _contiguous_in(h_post, torch.float32),
+                                _contiguous_in(h_res, torch.float32))
     maps_dtype = torch.float32 if native else x.dtype
     args = (
         x.reshape(-1, n, c).contiguous() if native else x.reshape(-1, n, c),
@@ -939,4 +950,4 @@ def post_merge(
         h_post.reshape(-1, n).to(maps_dtype).contiguous(),
         h_res.reshape(-1, n, n).to(maps_dtype).contiguous(),
     )
-    return _PostMerge.apply(*args, native, linked).reshape(x.shape)
+    return _PostMerge.apply(*args, native, fused_dx).reshape(x.shape)
