@@ -7,7 +7,7 @@ Entries (one process, run round-robin, so the machine's load hits all alike):
     mhc                 mHC on the `cpu` ops as shipped: the kernels on torch's OpenMP team,
                         large outputs from the block pool
     mhc own-threads     the kernels' token ranges on threads of our own (what a forked child
-                        uses; before 2026-11-30 every process did), pool on
+                        uses, where OpenMP's team cannot run), pool on
     mhc no-pool         OpenMP team, block pool off (TORCH_MHC_CPU_POOL_MB=0's path)
 Prints JSON (median, min, max ms and the ratio to the residual, with its per-round range),
 then a markdown table.

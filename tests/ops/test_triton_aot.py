@@ -52,7 +52,7 @@ def test_every_kernel_compiles_without_spills_for_sm80_and_sm90(tmp_path):
     print(proc.stdout)  # the table (pytest -s shows it)
     rows = json.loads(out.read_text())
     assert proc.returncode == 0, proc.stderr[-4000:]
-    # Every kernel of triton_kernels.py for every target, dtype and n.
+    # Every kernel of ops/triton/kernels.py for every target, dtype and n.
     kernels = {r["kernel"] for r in rows}
     assert kernels == set(_kernel_names()), kernels
     assert len(rows) == len(kernels) * 2 * 2 * 3

@@ -135,8 +135,8 @@ def _positive(text: str) -> int:
 
 DESCRIPTION = "Time and memory of residual, HC and mHC: JSON and markdown tables."
 EPILOG = ("Benchmarks: step, hyper_connections, saved, sinkhorn, decode (see "
-          "torch_mhc.tools.bench.suite's docstring). Sizes not given default to the issue's "
-          "configuration, or to tiny ones with --quick.")
+          "torch_mhc.tools.bench.suite's docstring). Sizes not given take the defaults "
+          "listed above, or tiny ones with --quick.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

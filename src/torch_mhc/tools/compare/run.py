@@ -129,7 +129,7 @@ def compare(out_dir: str | os.PathLike, preset: str = "default", *,
     """Train each of `kinds` on `seeds` seeds with the same configuration and write the report
     to out_dir.
 
-    config: the base configuration (its model.residual and seed are replaced per run); by
+    config: the base configuration (its model.connection and seed are replaced per run); by
     default the preset's, with `overrides` (TrainConfig or ModelConfig field names) applied.
     Every run's configuration is validated and the corpus loaded before the first step.
     Returns the report dict that report.json holds.

@@ -1,7 +1,7 @@
 """Analytic cost model of the residual connection, Hyper-Connections (HC) and mHC.
 
-Everything here is arithmetic on the shapes of DESIGN.md; nothing runs a model, so `mhc cost`
-answers instantly. Notation: n = streams, C = hidden,
+Everything here is arithmetic on the shapes of the connections (torch_mhc.connections); nothing
+runs a model, so `mhc cost` answers instantly. Notation: n = streams, C = hidden,
 L = layers (transformer blocks), T = tokens per sequence, m = n^2 + 2n (the number of map
 coefficients per token: n for H_pre, n for H_post, n^2 for H_res). Every transformer block
 has two sublayers (attention, MLP), each wrapped by one connection, so a model has 2L
