@@ -1,7 +1,7 @@
 """The reference decoder-only language model: one file, read top to bottom.
 
 A byte-level GPT with rotary position embeddings in which every sublayer is wrapped by a
-connection from torch_mhc.connections.base, so the same blocks run as a plain residual network,
+connection from torch_mhc.connections, so the same blocks run as a plain residual network,
 as HC or as mHC by changing one config field:
 
     h = embed(idx)                                  # [B, T, C]
