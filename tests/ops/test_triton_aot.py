@@ -4,7 +4,7 @@ Each custom op builds its launches with a plan function (ops/triton/ops.py); the
 compiles exactly those launches (ops/triton/aot.py) with the ptxas shipped in the triton
 wheel and asserts: every kernel compiles, spills nothing and uses at most 255 registers.
 The CI matrix is fp32 and bf16 at n = 2, 4, 8 for both targets; `mhc bench --aot` (or
-`python -m torch_mhc.ops.triton.aot`) runs the full one (fp16 too, n up to 16). Compiled
+`mhc bench --aot`) runs the full one (fp16 too, n up to 16). Compiled
 results are cached in a temporary folder (TORCH_MHC_AOT_CACHE), so a rerun is quick.
 """
 
@@ -46,7 +46,7 @@ def test_every_kernel_compiles_without_spills_for_sm80_and_sm90(tmp_path):
     out = tmp_path / "aot.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    cmd = [sys.executable, "-m", "torch_mhc.ops.triton.aot", "--cc", "80,90",
+    cmd = [sys.executable, "-m", "torch_mhc", "bench", "--aot", "--cc", "80,90",
            "--dtypes", "fp32,bf16", "--n", "2,4,8", "--jobs", "2", "--json", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     print(proc.stdout)  # the table (pytest -s shows it)

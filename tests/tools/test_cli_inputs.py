@@ -213,9 +213,9 @@ def test_bench_without_cuda_is_one_line(capsys):
     assert_one_line_error(code, err, "mhc bench: error: the GPU check needs a CUDA device",
                           "--dry-run")
     assert out == ""
-    from torch_mhc.tools.bench import gpu_check
+    from torch_mhc.tools.cli import run_bench_tool  # python -m torch_mhc.tools.bench.gpu_check
 
-    assert gpu_check.main([]) == 2
+    assert run_bench_tool("--gpu", [], prog="gpu_check") == 2
     assert_one_line_error(2, capsys.readouterr().err, "gpu_check: error: the GPU check needs")
 
 

@@ -6,7 +6,7 @@
     mhc cost     ...   (the analytic cost model: torch_mhc.tools.cost)
     mhc bench    ...   (the benchmark suite: torch_mhc.tools.bench.suite)
     mhc bench --gpu ...  (the GPU check: torch_mhc.tools.bench.gpu_check)
-    mhc bench --aot ...  (the Triton ahead-of-time compile check: torch_mhc.ops.triton.aot)
+    mhc bench --aot ...  (the Triton ahead-of-time compile check of ops/triton/aot.py)
     mhc bench --ops ...  (the per-op benchmark: torch_mhc.tools.bench.ops)
 
 train, compare and generate are subparsers, each one `_add_<name>(subparsers)` function that
@@ -355,7 +355,7 @@ def _gpu_check_parser() -> tuple[argparse.ArgumentParser, object]:
 def _aot_parser() -> tuple[argparse.ArgumentParser, object]:
     from torch_mhc.ops.triton import aot
 
-    return argparse.ArgumentParser(prog="python -m torch_mhc.ops.triton.aot",
+    return argparse.ArgumentParser(prog="mhc bench --aot",
                                    description=aot.__doc__.splitlines()[0]), aot
 
 

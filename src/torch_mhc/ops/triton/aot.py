@@ -8,8 +8,8 @@ derives the signature and the specialisations (16-byte alignment, divisibility) 
 arguments, as at a real launch. From ptxas's log: registers and spill bytes; from the
 compiled kernel: shared memory; from the three: the theoretical occupancy.
 
-    python -m torch_mhc.ops.triton.aot                  # full matrix, table on stdout
-    python -m torch_mhc.ops.triton.aot --n 2,4,8 --cc 90 --dtypes bf16 --json out.json
+    mhc bench --aot                                     # full matrix, table on stdout
+    mhc bench --aot --n 2,4,8 --cc 90 --dtypes bf16 --json out.json
     mhc bench --aot                                     # the same, from the bench CLI
 
 Results are cached by kernel hash in TORCH_MHC_AOT_CACHE (default: a folder in the system's
@@ -240,9 +240,3 @@ def run_command(args: argparse.Namespace) -> int:
         print("FAIL", line, file=sys.stderr)
     return 1 if bad else 0
 
-
-if __name__ == "__main__":
-    # A script entry, not a dependency: the module itself imports nothing of torch_mhc.tools.
-    from torch_mhc.tools.cli import run_bench_tool
-
-    raise SystemExit(run_bench_tool("--aot", sys.argv[1:]))

@@ -434,13 +434,9 @@ def run_command(args: argparse.Namespace) -> int:
     return 1 if failed or bad else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m torch_mhc.tools.bench.gpu_check`: `mhc bench --gpu` with errors as gpu_check's;
-    0 all passed, 1 a section failed, 2 bad input (one line on stderr)."""
+if __name__ == "__main__":
+    # `python -m torch_mhc.tools.bench.gpu_check`: `mhc bench --gpu` with errors as gpu_check's;
+    # 0 all passed, 1 a section failed, 2 bad input (one line on stderr).
     from torch_mhc.tools.cli import run_bench_tool
 
-    return run_bench_tool("--gpu", sys.argv[1:] if argv is None else argv, prog="gpu_check")
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_bench_tool("--gpu", sys.argv[1:], prog="gpu_check"))
