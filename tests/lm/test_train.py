@@ -162,7 +162,7 @@ def test_resume_refuses_another_model(tmp_path, tiny_config):
     before = _folder_bytes(out / "ckpt")
     with pytest.raises(CheckpointError, match=r"another model \(dim: checkpoint 32, config 64"):
         train(tiny_config("mhc", out_dir=str(out), steps=4, resume=True, dim=64))
-    with pytest.raises(CheckpointError, match="residual: checkpoint 'mhc', config 'hc'"):
+    with pytest.raises(CheckpointError, match="connection: checkpoint 'mhc', config 'hc'"):
         train(tiny_config("hc", out_dir=str(out), steps=4, resume=True))
     # a fresh run must not replace the checkpoint either
     with pytest.raises(ConfigError, match="ckpt exists"):
