@@ -428,7 +428,7 @@ INLINE void column_softmax_lane(const float* h, v16* p0, int u, int64_t n) {
     }
 }
 
-/* Far matrices (torch_mhc/sinkhorn.py): a token whose n n Sinkhorn logits span more than
+/* Far matrices (torch_mhc/functional/sinkhorn.py): a token whose n n Sinkhorn logits span more than
    LINEAR_RANGE (or hold a NaN) would underflow to 0 / 0 in the lanes' linear-domain loop; its
    lane runs the uniform matrix instead, and the scalar log-domain loop below computes the
    same unrolled function for it (eps = 0 only: with eps > 0 no denominator is below eps). */
