@@ -344,3 +344,37 @@ def test_param_groups_wants_a_module():
         param_groups([conn])
     groups = param_groups(nn.ModuleList([conn]))
     assert {id(p) for g in groups for p in g["params"]} == {id(p) for p in conn.parameters()}
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
+def test_norm_eps_must_be_finite_and_positive(kind, bad):
+    # norm_eps = 0 divides an all-zero token by 0; inf or NaN poison every map.
+    cls = type(make_connection(kind, 8, 4, 0, nn.Identity())).__name__
+    with pytest.raises(ValueError, match=rf"{cls} expects norm_eps to be a finite number > 0, "
+                                         rf"got {bad!r}"):
+        make_connection(kind, 8, 4, 0, nn.Identity(), norm_eps=bad)
+    with pytest.raises(ValueError, match=rf"StreamHead expects norm_eps .*> 0, got {bad!r}"):
+        torch_mhc.StreamHead(8, 4, norm_eps=bad)
+
+
+@pytest.mark.parametrize("name", ["pre_eps", "sinkhorn_eps"])
+@pytest.mark.parametrize("bad", [-1e-3, float("inf"), float("nan")])
+def test_mhc_additive_eps_must_be_finite_and_non_negative(name, bad):
+    with pytest.raises(ValueError, match=rf"ManifoldHyperConnection expects {name} to be a "
+                                         rf"finite number >= 0, got {bad!r}"):
+        make_connection("mhc", 8, 4, 0, nn.Identity(), **{name: bad})
+    with pytest.raises(ValueError, match=rf"StreamHead expects eps .*>= 0, got {bad!r}"):
+        torch_mhc.StreamHead(8, 4, eps=bad)
+
+
+def test_eps_options_are_numbers():
+    for bad in ("1e-6", True, None):
+        with pytest.raises(TypeError, match=rf"expects norm_eps to be a float, got {bad!r}"):
+            make_connection("hc", 8, 4, 0, nn.Identity(), norm_eps=bad)
+    # ints and numpy floats are numbers; 0 is a valid additive eps
+    conn = make_connection("mhc", 8, 4, 0, nn.Identity(), norm_eps=np.float32(1e-5), pre_eps=0,
+                           sinkhorn_eps=np.float64(1e-6))
+    assert (conn.norm_eps, conn.pre_eps, conn.sinkhorn_eps) == (float(np.float32(1e-5)), 0.0,
+                                                                 1e-6)
+    assert torch.isfinite(conn(torch.zeros(2, 4, 8))).all()  # an all-zero token stays finite

@@ -29,6 +29,7 @@ training moves the maps:
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from collections.abc import Callable
 
@@ -39,7 +40,7 @@ from torch_mhc import ops as _ops
 from torch_mhc.runtime import diagnostics as _diag
 from torch_mhc.runtime import recompute as _recompute
 
-__all__ = ["Connection", "assign_parameter", "check_count", "pre_bias", "res_bias"]
+__all__ = ["Connection", "assign_parameter", "check_count", "check_eps", "pre_bias", "res_bias"]
 
 
 def check_count(value, owner: str, name: str, least: int) -> int:
@@ -51,6 +52,21 @@ def check_count(value, owner: str, name: str, least: int) -> int:
     value = operator.index(value)
     if value < least:
         raise ValueError(f"{owner} expects {name} >= {least}, got {value}")
+    return value
+
+
+def check_eps(value, owner: str, name: str, positive: bool) -> float:
+    """value as a finite float, > 0 when positive (an RMS norm's epsilon: 0 divides an all-zero
+    token by 0), else >= 0 (an additive epsilon: a negative one can zero a denominator); numpy
+    floats included, bools not. Else a TypeError or ValueError naming what was expected."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{owner} expects {name} to be a float, got {value!r} ({type(value).__name__})"
+        )
+    value = float(value)
+    if not math.isfinite(value) or value < 0.0 or (positive and value == 0.0):
+        want = "> 0" if positive else ">= 0"
+        raise ValueError(f"{owner} expects {name} to be a finite number {want}, got {value!r}")
     return value
 
 

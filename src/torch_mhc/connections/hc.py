@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from torch_mhc import ops as _ops
-from torch_mhc.connections.base import Connection, assign_parameter, check_count
+from torch_mhc.connections.base import Connection, assign_parameter, check_count, check_eps
 
 __all__ = ["HyperConnection"]
 
@@ -37,6 +37,7 @@ class HyperConnection(Connection):
         super().__init__(dim, streams, branch, check_finite, impl)
         n = self.streams
         layer_index = check_count(layer_index, "HyperConnection", "layer_index", 0)
+        norm_eps = check_eps(norm_eps, "HyperConnection", "norm_eps", positive=True)
         self.layer_index, self.dynamic, self.norm_eps = layer_index, dynamic, norm_eps
         self.static_pre = nn.Parameter(torch.empty(n))
         self.static_post = nn.Parameter(torch.empty(n))

@@ -13,6 +13,7 @@ from torch_mhc.connections.base import (
     Connection,
     assign_parameter,
     check_count,
+    check_eps,
     pre_bias,
     res_bias,
 )
@@ -50,7 +51,11 @@ class ManifoldHyperConnection(Connection):
         if not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 1:
             raise ValueError(f"sinkhorn_iters must be >= 1, got {sinkhorn_iters!r}")
         n = self.streams
-        layer_index = check_count(layer_index, type(self).__name__, "layer_index", 0)
+        owner = type(self).__name__
+        layer_index = check_count(layer_index, owner, "layer_index", 0)
+        norm_eps = check_eps(norm_eps, owner, "norm_eps", positive=True)
+        pre_eps = check_eps(pre_eps, owner, "pre_eps", positive=False)
+        sinkhorn_eps = check_eps(sinkhorn_eps, owner, "sinkhorn_eps", positive=False)
         if res_init_diag is None:
             res_init_diag = 0.5 + 0.5 / n  # I / 2 + J / (2n)
         if not 0.0 < res_init_diag < 1.0 and n > 1:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torch_mhc.connections.base import assign_parameter, check_count
+from torch_mhc.connections.base import assign_parameter, check_count, check_eps
 
 __all__ = ["StreamHead"]
 
@@ -43,6 +43,8 @@ class StreamHead(nn.Module):
         streams = check_count(streams, "StreamHead", "streams", 1)
         if not math.isfinite(gate_init):
             raise ValueError(f"StreamHead expects a finite gate_init, got {gate_init!r}")
+        norm_eps = check_eps(norm_eps, "StreamHead", "norm_eps", positive=True)
+        eps = check_eps(eps, "StreamHead", "eps", positive=False)
         self.dim, self.streams, self.norm_eps, self.eps = dim, streams, norm_eps, eps
         self.gate_init = float(gate_init)
         self.phi = nn.Parameter(torch.empty(streams * dim, streams))

@@ -52,7 +52,13 @@ import torch
 from torch import nn
 
 from torch_mhc import ops as _ops
-from torch_mhc.connections.base import Connection, assign_parameter, check_count, pre_bias
+from torch_mhc.connections.base import (
+    Connection,
+    assign_parameter,
+    check_count,
+    check_eps,
+    pre_bias,
+)
 from torch_mhc.functional.maps import read_write_maps
 from torch_mhc.functional.successors import (
     kromhc_res,
@@ -90,6 +96,7 @@ class MhcResVariant(Connection):
         self.check_streams(n)
         r = self.res_count(n)
         layer_index = check_count(layer_index, type(self).__name__, "layer_index", 0)
+        norm_eps = check_eps(norm_eps, type(self).__name__, "norm_eps", positive=True)
         self.layer_index, self.norm_eps, self.gate_init = layer_index, norm_eps, float(gate_init)
         self.phi = nn.Parameter(torch.empty(n * self.dim, 2 * n + r))
         self.alpha = nn.Parameter(torch.empty(3 if r else 2))

@@ -3,8 +3,22 @@
     M = exp(H~ - max(H~))                      # per matrix, the shift cancels below
     repeat `iters` times:  M <- M / colsum(M);  M <- M / rowsum(M)
 
-Rows therefore sum to 1 exactly and columns approximately (the paper's observation that the
-backward gain of a projected map deviates slightly from 1).
+What holds after `iters` iterations. The last step normalises rows, so every row sums to 1
+up to rounding (measured <= 2.4e-7 in float32, 4.4e-16 in float64). The entries are >= 0, so
+every column sum lies in [0, n] and |column sum - 1| <= n - 1, and that is the only bound
+that holds for every input: columns converge towards 1 at a rate set by the spread
+S = max - min of the matrix's logits, not by rounding (float64 gives the same errors). The
+iteration is a geometric contraction whose ratio is bounded by tanh(S / 2) (Birkhoff-Hopf:
+exp(H~)'s projective diameter is <= 2 S), fast for small S and no guarantee once S is tens.
+Where exp(H~) is nearly zero in places the error decays like 1 / iters instead: for
+[[0, 0], [0, -S]] with S >= 32 it is 1 / (2 iters + 1) (1/41 after 20 iterations). Measured
+max |column sum - 1| after 20 iterations over 10,000 4 x 4 matrices of logits uniform on
+[0, S], float32 (tests/functional/test_sinkhorn.py): 1.2e-7 (rounding) for S = 1, 3.1e-4
+for S = 4, 0.026 for S = 8, 0.26 for S = 32, 1.0 for S = 64, 1.98 for S = 100 and 2.0 for
+S = 200, while the median matrix's error stays below 0.05 up to S = 200. The backward
+gain of a projected map (its largest column sum) therefore deviates from 1 by up to this
+column error (the paper's observation), which the connection health reports per layer
+(runtime.diagnostics, max_abs_colsum_error).
 
 Finite wherever the exact answer is. In float32 the direct iteration underflows when a
 matrix's logits are far apart: for [[100, 100], [-100, -100]] the first column step gives
@@ -50,6 +64,8 @@ token-last [n, n, T] tensors), and are the only torch definition of the iteratio
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["LINEAR_RANGE", "compute_dtype", "sinkhorn", "sinkhorn_backward", "sinkhorn_forward",
@@ -73,8 +89,10 @@ def _check(logits: torch.Tensor, iters: int, eps: float = 0.0) -> None:
         )
     if not isinstance(iters, int) or iters < 1:
         raise ValueError(f"sinkhorn expects iters >= 1, got {iters!r}")
-    if not eps >= 0.0:  # a negative eps can zero a row's or column's denominator
-        raise ValueError(f"sinkhorn expects eps >= 0, got {eps!r}")
+    # A negative eps can zero a row's or column's denominator; an infinite one makes every
+    # entry inf / inf = NaN.
+    if not (eps >= 0.0 and math.isfinite(eps)):
+        raise ValueError(f"sinkhorn expects a finite eps >= 0, got {eps!r}")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -294,7 +312,9 @@ def sinkhorn(
         implicit_grad: differentiate the fixed point instead of the unrolled loop. An
             approximation: exact only when the iterates have converged.
     Returns:
-        A tensor of logits' shape and dtype whose rows sum to 1 and columns to about 1.
+        A tensor of logits' shape and dtype, entries >= 0, whose rows sum to 1 up to
+        rounding; the columns' distance from 1 depends on the logits' spread (module
+        docstring: below 1e-6 for spreads <= 1, up to n - 1 for spreads of 100 and more).
     """
     _check(logits, iters, eps)
     if log_domain:
