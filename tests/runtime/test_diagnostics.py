@@ -129,6 +129,68 @@ def test_map_health_identity_uniform_and_a_shrinking_column():
     assert map_health(torch.tensor([[1.0, 0.0], [1.0, 0.0]]))["max_abs_log_colsum"] == math.inf
 
 
+def test_max_abs_colsum_error_known_answers():
+    # rows sum to 1; columns 0.5 and 1.5 -> 0.5; 2 and 0 -> 1; 0.3, 0.3, 2.4 -> 1.4;
+    # exact maps (identity, J/n) -> 0. Tokens reduce by the max.
+    third = 1 / 3
+    maps = torch.tensor([[[0.25, 0.75, 0.0], [0.25, 0.75, 0.0], [0.0, 0.0, 1.0]],
+                         [[1.0, 0.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0]],
+                         [[0.1, 0.1, 0.8], [0.1, 0.1, 0.8], [0.1, 0.1, 0.8]],
+                         [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]],
+                         [[third] * 3] * 3], dtype=torch.float64)
+    err = map_health(maps)["max_abs_colsum_error"]
+    assert err.tolist() == pytest.approx([0.5, 1.0, 1.4, 0.0, 0.0], abs=1e-15)
+    report = diagnostics.composite_health([maps[:2], maps[2:4]])
+    assert report.layer_health[0]["max_abs_colsum_error"] == 1.0  # worst token
+    assert report.layer_health[1]["max_abs_colsum_error"] == pytest.approx(1.4)
+    # composite of layers 1..2 for token 0: [0.1 0.1 0.8]^3 rows @ maps[0] -> columns
+    comp0 = maps[2] @ maps[0]
+    want = max((comp0.sum(-2) - 1).abs().max().item(), 1.0)  # token 1: eye @ maps[1]
+    assert report.composite_health[1]["max_abs_colsum_error"] == pytest.approx(want)
+    # what a collector adds per layer (no streams measured here)
+    report.stream_cosine, report.gate_pre, report.gate_post = [0.0] * 2, [0.5] * 2, [1.0] * 2
+    report.logit_range, report.exp_underflow = [None] * 2, [None] * 2
+    flat = report.flat()
+    assert flat["max_abs_colsum_error"] == pytest.approx(1.4)  # max over the layers
+    assert flat["layer1/max_abs_colsum_error"] == pytest.approx(1.4)
+    assert flat["composite1/max_abs_colsum_error"] == pytest.approx(want)
+
+
+def test_max_abs_colsum_error_of_an_mhc_layer_is_sinkhorns():
+    # The figure equals the column error of the Sinkhorn map the layer computed: near 0 for
+    # mild logits, large for logits spread over hundreds (functional.sinkhorn's docstring).
+    torch.manual_seed(0)
+    conn = make_connection("mhc", 8, 4, 0, nn.Identity())
+    x = torch.randn(64, 4, 8)
+    errs = []
+    for scale in (0.0, 100.0):
+        with torch.no_grad():
+            conn.alpha.fill_(scale)
+            conn.phi.normal_(std=1.0)
+        with collect_health() as health:
+            conn(x)
+        h_res = conn.maps(x)[2].double()
+        want = (h_res.sum(-2) - 1).abs().max().item()
+        got = health.report().layer_health[0]["max_abs_colsum_error"]
+        assert got == pytest.approx(want, abs=1e-12)
+        errs.append(got)
+    assert errs[0] < 1e-6 and errs[1] > 0.1
+
+
+def test_flat_health_of_a_history_without_the_colsum_error():
+    # training histories written before max_abs_colsum_error existed still flatten
+    x = expand_streams(torch.randn(3, 8), 4)
+    with collect_health() as health:
+        for conn in _stack("mhc", layers=2):
+            x = conn(x)
+    d = health.report().to_dict()
+    for entry in d["layer_health"] + d["composite_health"]:
+        del entry["max_abs_colsum_error"]
+    flat = diagnostics.flat_health(d)
+    assert "max_abs_colsum_error" not in flat and "layer0/max_abs_colsum_error" not in flat
+    assert flat["layer1/colsum_min"] == pytest.approx(1.0, abs=1e-6)
+
+
 def test_stream_cosine_known_cases():
     h = torch.randn(5, 8, dtype=torch.float64)
     assert stream_cosine(expand_streams(h, 4)).tolist() == pytest.approx([1.0] * 5)
@@ -170,9 +232,10 @@ def test_health_of_initialised_connections(kind, logit_span):
     assert r.stream_cosine == pytest.approx([1.0] * layers, abs=1e-6)
     assert r.gate_pre == pytest.approx([1 / n] * layers, abs=1e-6)
     assert r.gate_post == pytest.approx([1.0] * layers, abs=1e-6)
-    for entry in r.composite_health:
+    for entry in r.composite_health + r.layer_health:
         assert entry["colsum_min"] == pytest.approx(1.0, abs=1e-6)
         assert entry["max_abs_log_colsum"] == pytest.approx(0.0, abs=1e-6)
+        assert entry["max_abs_colsum_error"] == pytest.approx(0.0, abs=1e-6)
     if logit_span is None:
         assert r.logit_range == [None] * layers and r.exp_underflow == [None] * layers
     else:

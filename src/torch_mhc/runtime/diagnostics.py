@@ -22,6 +22,10 @@ H_res_l ... H_res_1 of layers 1..l:
                              of gradient while the Amax gains (a max) stay near 1.
     max_abs_log_colsum       max over columns and tokens of |log column sum| (inf when a
                              sum is <= 0): shrinking and growing columns alike.
+    max_abs_colsum_error     max over columns and tokens of |column sum - 1|: Sinkhorn's
+                             remaining column error (rows are exact), which grows with the
+                             logits' spread (functional.sinkhorn: ~1e-7 for spreads <= 1,
+                             up to n - 1 for 100 and more); also the backward gain's excess.
     dist_identity            ||M - I||_F (Frobenius norm), mean over tokens: how far H_res
                              moved off the identity ("H_res never moves").
     dist_uniform             ||M - J/n||_F, mean over tokens: 0 when every output stream
@@ -185,6 +189,7 @@ def map_health(m: torch.Tensor) -> dict[str, torch.Tensor]:
         "colsum_min": cs.amin(dim=-1),
         "colsum_max": cs.amax(dim=-1),
         "max_abs_log_colsum": log_cs.amax(dim=-1),
+        "max_abs_colsum_error": (cs - 1.0).abs().amax(dim=-1),
         "dist_identity": (m - eye).flatten(-2).norm(dim=-1),
         "dist_uniform": (m - 1.0 / n).flatten(-2).norm(dim=-1),
     }
@@ -192,7 +197,7 @@ def map_health(m: torch.Tensor) -> dict[str, torch.Tensor]:
 
 # how each per-token figure is reduced over tokens
 _TOKEN_REDUCE = {"colsum_min": "min", "colsum_max": "max", "max_abs_log_colsum": "max",
-                 "dist_identity": "mean", "dist_uniform": "mean"}
+                 "max_abs_colsum_error": "max", "dist_identity": "mean", "dist_uniform": "mean"}
 HEALTH_FIELDS = tuple(_TOKEN_REDUCE)
 
 
@@ -277,6 +282,10 @@ def flat_health(d: dict) -> dict[str, float]:
         "min_composite_colsum": min(c["colsum_min"] for c in comp),
         "max_composite_colsum": max(c["colsum_max"] for c in comp),
         "max_abs_log_colsum": max(c["max_abs_log_colsum"] for c in comp + layers),
+        # per layer only: a composite's column error mixes every layer's
+        "max_abs_colsum_error": max((c.get("max_abs_colsum_error") for c in layers
+                                     if c.get("max_abs_colsum_error") is not None),
+                                    default=None),
         "composite_dist_identity": comp[-1]["dist_identity"],
         "composite_dist_uniform": comp[-1]["dist_uniform"],
         "last_stream_cosine": d["stream_cosine"][-1],
@@ -287,9 +296,9 @@ def flat_health(d: dict) -> dict[str, float]:
         "mean_gate_post": sum(d["gate_post"]) / len(d["gate_post"]),
     }
     for i, (lay, cmp) in enumerate(zip(layers, comp, strict=True)):
-        for name in HEALTH_FIELDS:
-            out[f"layer{i}/{name}"] = lay[name]
-            out[f"composite{i}/{name}"] = cmp[name]
+        for name in HEALTH_FIELDS:  # histories written before a figure existed lack it
+            out[f"layer{i}/{name}"] = lay.get(name)
+            out[f"composite{i}/{name}"] = cmp.get(name)
         out[f"layer{i}/fwd_gain"] = d["layer_fwd"][i]["max"]
         out[f"layer{i}/bwd_gain"] = d["layer_bwd"][i]["max"]
         out[f"layer{i}/stream_cosine"] = d["stream_cosine"][i]
