@@ -467,3 +467,38 @@ def test_bits_per_byte_and_byte_codec():
     assert data.decode([0x61, 0xFF, 0x62]) == "a\ufffdb"
     with pytest.raises(ValueError, match="byte ids"):
         data.decode([256])
+
+
+def test_symbolic_link_loops_are_one_clear_error(tmp_path, cache):
+    (tmp_path / "self").symlink_to("self")  # a link to itself
+    (tmp_path / "a").symlink_to("b")  # two links leading to each other
+    (tmp_path / "b").symlink_to("a")
+    for name in ("self", "a"):
+        with pytest.raises(ValueError, match=rf"data source .*{name}'.*symbolic link loop at "
+                                             rf"{tmp_path}.*expected a text file"):
+            load_corpus(tmp_path / name, cache_dir=cache)
+    with pytest.raises(ValueError, match="symbolic link loop"):  # a loop inside the path
+        load_corpus(tmp_path / "self" / "x.txt", cache_dir=cache)
+    with pytest.raises(FileNotFoundError, match="does not exist"):  # a dangling link
+        (tmp_path / "dangling").symlink_to("nowhere")
+        load_corpus(tmp_path / "dangling", cache_dir=cache)
+
+
+def test_folder_with_looping_links_reads_its_files(tmp_path, cache):
+    # Inside a folder, links that loop (to a file name or to the folder itself) are skipped;
+    # links to files are read as those files.
+    root = tmp_path / "texts"
+    (root / "sub").mkdir(parents=True)
+    (root / "sub" / "a.txt").write_text("alpha")
+    (root / "sub" / "up").symlink_to("..")  # a folder loop: not followed
+    (root / "x").symlink_to("y")
+    (root / "y").symlink_to("x")
+    (root / "link.txt").symlink_to(root / "sub" / "a.txt")
+    corpus = load_corpus(root, cache_dir=cache)
+    assert _bytes(corpus) == b"alpha" + SEPARATOR + b"alpha"  # link.txt, sub/a.txt
+    only_loops = tmp_path / "loops"
+    only_loops.mkdir()
+    (only_loops / "p").symlink_to("q")
+    (only_loops / "q").symlink_to("p")
+    with pytest.raises(ValueError, match=rf"folder {only_loops} holds no bytes"):
+        load_corpus(only_loops, cache_dir=cache)

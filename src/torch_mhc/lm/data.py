@@ -26,7 +26,8 @@ Sources
   whose content is UTF-8 text; hidden files and folders (names starting with ".") are
   skipped, so a `.git` directory never leaks in. Text is recognised by content, not by
   suffix, so `.txt`, `.md`, `.py`, `.c`, `.json`, `Makefile` ... all count, and binaries are
-  skipped (counted in the description).
+  skipped (counted in the description). A symbolic link to a file counts as that file; links
+  to folders are not followed (no walk can loop), and links that dangle or loop are skipped.
 - A folder holding a Hugging Face dataset written by `save_to_disk` (it has `state.json` and
   `dataset_info.json`, or `dataset_dict.json`): needs the `datasets` package. Each row of the
   "text" column (or of the only string column) is one document. For a DatasetDict the "train"
@@ -34,6 +35,9 @@ Sources
 
 "UTF-8 text" means: decodes as UTF-8 and contains no NUL byte (NUL is how git and grep tell a
 binary file from text; valid UTF-8 alone lets through e.g. all-ASCII binary formats).
+The source path itself is followed through its symbolic links; a loop among them (a link to
+itself, or links that lead to each other) is a ValueError naming the path, a missing target a
+FileNotFoundError.
 Documents are concatenated with `SEPARATOR` (b"\\n\\n") between them.
 
 Cache
@@ -72,6 +76,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -279,12 +284,45 @@ def _text_column(ds, folder: Path) -> str:
     )
 
 
+def _loop_error(source, where) -> ValueError:
+    return ValueError(
+        f"data source {str(source)!r}: symbolic link loop at {where} (a link that leads, "
+        "through others or directly, back to itself); expected a text file, a folder of text "
+        "files or a saved Hugging Face dataset"
+    )
+
+
+def _resolve_path(source: str | os.PathLike) -> Path:
+    """The absolute path of an existing source with every link followed; a missing path is a
+    FileNotFoundError, a symbolic link loop a ValueError naming it (never pathlib's
+    RuntimeError, which Python < 3.13 raises for a loop)."""
+    given = Path(source).expanduser()
+    try:
+        path = given.resolve()
+    except RuntimeError as e:
+        where = str(e).removeprefix("Symlink loop from ").strip("'\"")  # pathlib's %r
+        raise _loop_error(source, where) from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _loop_error(source, e.filename or given) from None
+        raise
+    try:
+        path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        raise FileNotFoundError(
+            f"data source {str(source)!r} does not exist (resolved to {path})"
+        ) from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # Python >= 3.13 resolves a loop without raising
+            raise _loop_error(source, path) from None
+        raise
+    return path
+
+
 def _resolve_source(source: str | os.PathLike | None) -> _Source:
     if source is None:
         return _stdlib_source()
-    path = Path(source).expanduser().resolve()
-    if not path.exists():
-        raise FileNotFoundError(f"data source {source!r} does not exist (resolved to {path})")
+    path = _resolve_path(source)
     if path.is_dir():
         if _is_saved_hf_dataset(path):
             return _hf_source(path)
