@@ -9,21 +9,62 @@ the temporary file is removed and the target keeps its old content. `remove_stal
 deletes such temporary files left behind by a process that was killed mid-write (call it only
 while no other process may be writing into the folder, e.g. under a run's lock).
 
+Nothing here follows a symbolic link at the name it writes or removes: `refuse_symlink` raises
+`SymlinkRefused` (an OSError, ELOOP) for one, `remove_tree` deletes a folder or file but never
+through a link, `NOFOLLOW` is the open flag. A link planted in a shared run folder would
+otherwise redirect a truncation or a deletion to any file its target names.
+
 Standard library only: importing it costs nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["TEMP_SUFFIX", "atomic_write", "fsync_dir", "remove_stale_temp_files", "temp_file"]
+__all__ = ["NOFOLLOW", "TEMP_SUFFIX", "SymlinkRefused", "atomic_write", "fsync_dir",
+           "refuse_symlink", "remove_stale_temp_files", "remove_tree", "temp_file"]
 
 TEMP_SUFFIX = ".tmp"
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # 0 where the platform has no such flag (Windows)
+
+
+class SymlinkRefused(OSError):
+    """A name the caller writes or removes is a symbolic link: refused, never followed."""
+
+
+def refuse_symlink(path: str | os.PathLike, what: str = "") -> None:
+    """SymlinkRefused when `path` is a symbolic link (a missing path is fine)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise SymlinkRefused(
+            errno.ELOOP, f"{path} is a symbolic link{' (' + what + ')' if what else ''}: "
+            "refusing to follow it; replace it with a plain file or folder, or choose another "
+            "out_dir", str(path))
+
+
+def remove_tree(path: str | os.PathLike) -> bool:
+    """Delete the folder (or file) `path`, never through a symbolic link; False if missing."""
+    refuse_symlink(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path)  # links inside are removed, not followed
+    else:
+        os.unlink(path)
+    return True
 
 
 def temp_file(path: str | os.PathLike) -> tuple[int, Path]:
@@ -62,7 +103,7 @@ def atomic_write(path: str | os.PathLike, data: bytes | Callable[[BinaryIO], obj
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make renames inside the folder `path` durable, where the platform allows it."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | NOFOLLOW)
     except OSError:
         return
     try:
@@ -81,7 +122,7 @@ def remove_stale_temp_files(folder: str | os.PathLike) -> list[Path]:
     if not folder.is_dir():
         return removed
     for p in folder.glob(f".*{TEMP_SUFFIX}"):
-        if p.is_file():
+        if p.is_file() or p.is_symlink():  # a link is removed itself, never its target
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
                 removed.append(p)

@@ -19,9 +19,11 @@ parsed arguments (`run_command(args)`).
 Every error is one line on stderr, `mhc <command>: error: <what was expected and what came>`,
 with no traceback, and its own exit status (`EXIT_STATUS`, listed in `mhc train --help`):
 0 done, 1 stopped by the spike policy, 2 bad input (a config value, a data path, a bad or
-foreign checkpoint, an out_dir in use by another run, a missing extra), 3 out of disk space,
-130 interrupted (Ctrl-C; a training run writes a checkpoint first). The benchmark tools keep
-argparse's usage line above a bad option's message.
+foreign checkpoint, an out_dir in use by another run, a symbolic link where the run writes, a
+model too large for memory, a missing extra), 3 out of disk space (quota, file-size limit),
+4 an internal error, 130 / 143 interrupted by SIGINT / SIGTERM however late it comes (a
+training run writes a checkpoint first). `main` is the one boundary that does this. The
+benchmark tools keep argparse's usage line above a bad option's message.
 
 `train`, `compare` and `generate` need the `train` extra (numpy, tqdm; matplotlib for
 compare's figures); without it they say which extra to install. `cost` and `bench` need torch
@@ -31,10 +33,14 @@ only.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import importlib
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -48,8 +54,12 @@ EXIT_STATUS = """exit status:
   1    stopped by the spike policy (a NaN/Inf or spiking loss); the last good checkpoint is kept
   2    bad input: configuration, data, a corrupt or foreign checkpoint, out_dir in use by
        another run, a missing extra
-  3    no space left on the device; a checkpoint written before is left intact
-  130  interrupted (Ctrl-C or SIGTERM) after writing a checkpoint of the last completed step"""
+  3    no space left on the device (or disk quota exceeded, or a file over the file-size
+       limit); a checkpoint written before is left intact
+  4    an internal error (a bug): one line naming it; MHC_TRACEBACK=1 shows the traceback
+  130  interrupted (Ctrl-C, SIGINT) after writing a checkpoint of the last completed step
+  143  terminated (SIGTERM), alike"""
+EXIT_INTERNAL = 4
 
 # what each command imports beyond torch, and the extra that installs it
 _EXTRA_MODULES = {"train": ("numpy", "tqdm"), "compare": ("numpy", "tqdm", "matplotlib"),
@@ -406,10 +416,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `mhc`; returns the exit status (see EXIT_STATUS)."""
+    """Entry point of `mhc`; returns the exit status (see EXIT_STATUS). The one error boundary:
+    every failure, BaseException subclasses included, is one line and its status
+    (`_report`); a SIGINT / SIGTERM ends with 130 / 143 whenever it comes (`_Signals`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in DELEGATED:
         return DELEGATED[argv[0]](argv[1:])
+    signals = _Signals()
+    prog = f"mhc {argv[0]}" if argv and not argv[0].startswith("-") else "mhc"
+    with signals.installed():
+        try:
+            try:
+                status = _dispatch(argv)
+            finally:
+                signals.mute()  # from here on a signal is recorded, never raised
+        except BaseException as e:  # noqa: BLE001 - the one boundary of the command
+            status = _report(prog, e, signals.first)
+        return signals.final_status(prog, status)
+
+
+def _dispatch(argv: list[str]) -> int:
     parser = build_parser()
     try:
         args, unknown = parser.parse_known_args(argv)
@@ -419,19 +445,88 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:  # the subcommand's help lists its flags, the top level's does not
         return _fail(prog, f"error: unrecognized arguments: {' '.join(unknown)} (see {prog} "
                      "--help)", 2)
-    try:
-        return args.run(args)
-    except UsageError as e:
+    return args.run(args)
+
+
+class _Signals:
+    """SIGINT and SIGTERM for the whole command. Outside the trainer's loop (which installs
+    its own handler and stops at a step boundary) the first one raises KeyboardInterrupt, so
+    that SIGTERM too unwinds through every cleanup instead of killing the process; later ones,
+    and every one after `mute()`, are only recorded. `first` decides the exit status."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.first: int | None = None
+        self.raised = self.muted = False
+
+    def handler(self, signum: int, frame) -> None:
+        self.first = self.first or signum
+        if not (self.raised or self.muted):
+            self.raised = True
+            raise KeyboardInterrupt(f"interrupted by {signal.Signals(signum).name}")
+
+    def mute(self) -> None:
+        self.muted = True
+
+    @contextlib.contextmanager
+    def installed(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield  # handlers can only be set from the main thread
+            return
+        previous = {s: signal.getsignal(s) for s in self.SIGNALS}
+        for s in self.SIGNALS:
+            signal.signal(s, self.handler)
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    def final_status(self, prog: str, status: int) -> int:
+        """A signal that came after the command's status was decided still decides it."""
+        if self.first is None or status in (128 + s for s in self.SIGNALS):
+            return status
+        if status == 0:
+            _fail(prog, f"interrupted by {signal.Signals(self.first).name} after the command "
+                  "finished", 0)
+        return 128 + self.first
+
+
+def _report(prog: str, e: BaseException, first_signal: int | None) -> int:
+    """One line and the exit status of any failure."""
+    if isinstance(e, SystemExit):
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    interrupt = _wrapped(e, KeyboardInterrupt)
+    if interrupt is not None:  # RunInterrupted says what was saved and which signal it was
+        signum = getattr(interrupt, "signum", None) or first_signal or signal.SIGINT
+        return _fail(prog, _one_line(interrupt) or "interrupted", 128 + signum)
+    if isinstance(e, UsageError):
         return _fail(prog, f"error: {_one_line(e)}", 2)
-    except KeyboardInterrupt as e:  # RunInterrupted says what was saved
-        return _fail(prog, _one_line(e) or "interrupted", 130)
-    except Exception as e:
-        return _known_error(prog, e)
+    return _known_error(prog, e)
 
 
-def _known_error(prog: str, e: Exception) -> int:
-    """One line and the exit status of an error the commands raise for the user; re-raise
-    anything else (a bug should show its traceback)."""
+def _wrapped(e: BaseException, kind: type) -> BaseException | None:
+    """`e` or an error it wraps (a cause, a context, one of DCP's per-rank failures) that
+    is a `kind`, else None."""
+    seen, stack = set(), [e]
+    while stack:
+        x = stack.pop()
+        if not isinstance(x, BaseException) or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, kind):
+            return x
+        failures = getattr(x, "failures", None)  # DCP's CheckpointException
+        if isinstance(failures, dict):
+            stack.extend(v[0] if isinstance(v, tuple) and v else v for v in failures.values())
+        stack.extend([x.__cause__, x.__context__])
+    return None
+
+
+def _known_error(prog: str, e: BaseException) -> int:
+    """One line and the exit status of an error the commands raise for the user, of the
+    system (a refused write, memory, permissions) or of a bug (EXIT_INTERNAL)."""
     from torch_mhc.lm.train.errors import (
         EXIT_BAD_INPUT,
         EXIT_NO_SPACE,
@@ -440,6 +535,8 @@ def _known_error(prog: str, e: Exception) -> int:
         ConfigError,
         DiskFullError,
         TrainingDiverged,
+        storage_errno,
+        storage_problem,
     )
 
     if isinstance(e, ConfigError):  # every rank has the same config: one rank says it
@@ -450,9 +547,37 @@ def _known_error(prog: str, e: Exception) -> int:
         return _fail(prog, _one_line(e), EXIT_STOPPED)
     if isinstance(e, DiskFullError):
         return _fail(prog, f"error: {_one_line(e)}", EXIT_NO_SPACE)
-    if isinstance(e, OSError) and e.filename is not None:  # permissions, a vanished folder
-        return _fail(prog, f"error: {e.strerror}: {e.filename}", EXIT_BAD_INPUT)
-    raise e
+    code = storage_errno(e)
+    if code is not None:
+        where = getattr(_wrapped(e, OSError), "filename", None)
+        return _fail(prog, f"error: {storage_problem(code)}" + (f" writing {where}" if where
+                                                                  else ""), EXIT_NO_SPACE)
+    if _is_out_of_memory(e):
+        return _fail(prog, f"error: out of memory: {_first_line(e)} (a smaller model, batch or "
+                     "seq_len fits)", EXIT_BAD_INPUT)
+    os_error = _wrapped(e, OSError)
+    if os_error is not None:  # permissions, a vanished folder, a link refused
+        name = errno.errorcode.get(os_error.errno or 0, "no errno")
+        where = f": {os_error.filename}" if os_error.filename is not None else ""
+        text = os_error.strerror or _first_line(os_error)
+        return _fail(prog, f"error: {text} ({name}){where}", EXIT_BAD_INPUT)
+    if os.environ.get("MHC_TRACEBACK"):
+        raise e
+    return _fail(prog, f"error: internal error, {type(e).__name__}: {_first_line(e)} (a bug; "
+                 "MHC_TRACEBACK=1 shows the traceback)", EXIT_INTERNAL)
+
+
+def _is_out_of_memory(e: BaseException) -> bool:
+    if _wrapped(e, MemoryError) is not None or type(e).__name__ == "OutOfMemoryError":
+        return True
+    text = str(e)
+    return any(k in text for k in ("can't allocate memory", "out of memory",
+                                   "Cannot allocate memory"))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:300]
 
 
 def _fail(prog: str, message: str, status: int, quiet: bool = False) -> int:

@@ -24,11 +24,17 @@ with the files (missing, truncated, flipped bytes, foreign, another model) is a
 
 Crash safety. The checkpoint is written to `<path>.partial`, and only when every rank has
 finished writing is it renamed into place by rank 0: the previous checkpoint at `<path>` moves to
-`<path>.old`, the new one to `<path>`, then `.old` becomes `previous` (when given) or is
-deleted. A crash at any moment leaves `<path>` or `<path>.old` complete, and `load_checkpoint`
-falls back to `.old`. A failure in rank 0's file operations is sent to every rank and raised
-there, so no rank is left waiting in a collective. On several machines `path` must be on a
-file system every rank sees.
+`<path>.old`, the new one to `<path>`, then `.old` becomes `previous` (when given; the
+`previous` it replaces is first renamed to `<path>.deleting`, then deleted) or is deleted. Each
+step is one rename, so a stop at any instruction leaves `<path>`, `<path>.old` or `previous`
+complete: the readers try them in that order (newest first), and the next save settles what a
+stopped one left (`_settle`: a complete `.old` takes its place again, `.partial` and `.deleting`
+are removed). A save told which checkpoint the run last verified (`verified`, e.g. the
+`previous` it resumed from because `<path>` was corrupt) first moves every newer one aside to
+`<name>.corrupt-<n>`, so that the rotation never deletes the last good checkpoint. No rename or
+deletion goes through a symbolic link (`SymlinkRefused`). A failure in rank 0's file operations
+is sent to every rank and raised there, so no rank is left waiting in a collective. On several
+machines `path` must be on a file system every rank sees.
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ import io
 import json
 import os
 import pickle
-import shutil
+import stat
+import sys
 import warnings
 import zlib
 from collections.abc import Callable
@@ -61,10 +68,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from torch_mhc.lm.parallel.env import is_rank0
-from torch_mhc.runtime.files import atomic_write, fsync_dir
+from torch_mhc.runtime.files import atomic_write, fsync_dir, refuse_symlink, remove_tree
 
 __all__ = [
     "CheckpointError",
+    "is_complete",
     "load_checkpoint",
     "read_extra",
     "read_state_dict",
@@ -89,14 +97,97 @@ def _siblings(path: Path) -> tuple[Path, Path]:
     return path.with_name(path.name + ".partial"), path.with_name(path.name + ".old")
 
 
-def remove_unfinished_save(path: str | os.PathLike) -> Path | None:
+def _doomed(path: Path) -> Path:
+    """Where a checkpoint goes to be deleted: renamed there first, so that a deletion cut
+    short never leaves a half-deleted folder under a name a reader tries."""
+    return path.with_name(path.name + ".deleting")
+
+
+def _exists(path: Path) -> bool:
+    return os.path.lexists(path)
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    """A checkpoint folder (not a link) holding its meta.json (written last by a save)."""
+    try:
+        folder, meta = os.lstat(path), os.lstat(Path(path) / _META)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return stat.S_ISDIR(folder.st_mode) and stat.S_ISREG(meta.st_mode)
+
+
+def _rename(src: Path, dst: Path) -> None:
+    """One step of a rotation (never through a link; `dst` must not exist)."""
+    refuse_symlink(src)
+    refuse_symlink(dst)
+    os.rename(src, dst)
+
+
+def _discard(path: Path) -> None:
+    """Delete a checkpoint folder: renamed to `.deleting`, then removed."""
+    doomed = _doomed(path)
+    remove_tree(doomed)
+    _rename(path, doomed)
+    remove_tree(doomed)
+
+
+def _replace(src: Path, dst: Path) -> None:
+    """`src` takes the name `dst`; what `dst` held is deleted once it is no longer named."""
+    doomed = _doomed(dst)
+    remove_tree(doomed)
+    if _exists(dst):
+        _rename(dst, doomed)
+    _rename(src, dst)
+    remove_tree(doomed)
+
+
+def remove_unfinished_save(path: str | os.PathLike,
+                           previous: str | os.PathLike | None = None) -> Path | None:
     """Remove `<path>.partial`, left by a save of `path` that died (never a good
-    checkpoint); return it if there was one. Rank 0's business, like the renames."""
-    tmp, _ = _siblings(Path(path))
-    if not tmp.exists():
-        return None
-    shutil.rmtree(tmp)
-    return tmp
+    checkpoint), and any `.deleting` folder; return the partial one if there was one. Rank 0's
+    business, like the renames."""
+    path = Path(path)
+    tmp, old = _siblings(path)
+    for doomed in (_doomed(path), _doomed(old)) + ((_doomed(Path(previous)),) if previous
+                                                   else ()):
+        remove_tree(doomed)
+    return tmp if remove_tree(tmp) else None
+
+
+def _set_aside(path: Path, say: Callable[[str], None], why: str) -> None:
+    n = 1
+    while _exists(path.with_name(f"{path.name}.corrupt-{n}")):
+        n += 1
+    aside = path.with_name(f"{path.name}.corrupt-{n}")
+    _rename(path, aside)
+    say(f"warning: moved {path} aside to {aside.name}: {why}")
+
+
+def _settle(path: Path, previous: Path | None, verified: Path | None,
+            say: Callable[[str], None]) -> None:
+    """Rank 0, before a save: the checkpoints newer than `verified` are set aside, and what a
+    stopped rotation left is put back in order (a complete `.old` is newer than `previous`)."""
+    _, old = _siblings(path)
+    order = [path, old] + ([previous] if previous is not None else [])
+    absolute = [Path(os.path.abspath(p)) for p in order]
+    verified = Path(os.path.abspath(verified)) if verified is not None else None
+    if verified is not None and verified in absolute:
+        for newer in order[:absolute.index(verified)]:
+            if _exists(newer):
+                _set_aside(newer, say, f"it failed to load and this run resumed from {verified}")
+    if _exists(path) and not is_complete(path):
+        _set_aside(path, say, "it is not a complete checkpoint")
+    if not _exists(old):
+        return
+    if not is_complete(old):
+        _discard(old)
+    elif not _exists(path):
+        _rename(old, path)
+    elif previous is not None:
+        _replace(old, previous)
+    else:
+        _discard(old)
+    fsync_dir(path.parent)
 
 
 def _distributed() -> bool:
@@ -157,7 +248,7 @@ def _file_sums(folder: Path) -> dict[str, list[int]]:
     """{file name: [size, crc32]} of every file in the folder."""
     sums = {}
     for p in sorted(folder.iterdir()):
-        if p.is_file():
+        if p.is_file() and not p.is_symlink():  # a link is no file of the checkpoint
             crc, size = 0, 0
             with open(p, "rb") as f:
                 while chunk := f.read(1 << 22):
@@ -177,24 +268,36 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     extra: dict | None = None,
     previous: str | os.PathLike | None = None,
+    verified: str | os.PathLike | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> Path:
     """Write model (and optimizer) state to the directory `path`; every rank must call it.
 
     model: the module the training step runs (DDP wrapper, FSDP2 module, a pipeline's
     `Pipeline.module`, or a plain module in a single process). extra: the caller's own state,
     plain values and tensors (see the module docstring); rank 0's copy is saved. previous: where
-    the checkpoint this one replaces goes (deleted when None). Returns the final path. Replaces
-    an existing checkpoint at `path` only once the new one is complete; on any error the
-    partial directory is removed and `path` is as it was.
+    the checkpoint this one replaces goes (deleted when None). verified: the checkpoint the
+    caller last loaded or saved (`path`, its `.old` or `previous`): the ones newer than it are
+    moved aside first (reported through `say`, by default on stderr). Returns the final path.
+    Replaces an existing checkpoint at `path` only once the new one is complete; on any error
+    the partial directory is removed and `path` (or `.old`) is as it was.
     """
     path = Path(path)
+    previous = Path(previous) if previous is not None else None
+    verified = Path(verified) if verified is not None else None
+    say = say or (lambda message: print(message, file=sys.stderr, flush=True))
     tmp, _ = _siblings(path)
     extra_bytes = _serialise_extra(extra)  # every rank checks, so every rank fails alike
     world = dist.get_world_size() if _distributed() else 1
 
     def prepare() -> None:
-        remove_unfinished_save(path)
-        tmp.mkdir(parents=True)
+        for name in (path, *_siblings(path), previous):
+            if name is not None:
+                refuse_symlink(name, "a checkpoint name")
+        remove_unfinished_save(path, previous)
+        _settle(path, previous, verified, say)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
 
     _on_rank0(prepare)
     optimizers = [optimizer] if optimizer is not None else []
@@ -208,32 +311,29 @@ def save_checkpoint(
         _on_rank0(lambda: _commit(path, extra_bytes, world, previous))
     except BaseException:
         if is_rank0():
-            shutil.rmtree(tmp, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                remove_tree(tmp)
         raise
     return path
 
 
-def _commit(path: Path, extra_bytes: bytes, world: int, previous) -> None:
-    """Rank 0, once every rank has written: extra.pt, meta.json (with the sums), the renames."""
+def _commit(path: Path, extra_bytes: bytes, world: int, previous: Path | None) -> None:
+    """Rank 0, once every rank has written: extra.pt, meta.json (with the sums), the renames
+    (each one step a reader survives; see the module docstring)."""
     tmp, old = _siblings(path)
     atomic_write(tmp / _EXTRA, extra_bytes)
     meta = {"format": _FORMAT, "saved_by_world_size": world, "files": _file_sums(tmp)}
     atomic_write(tmp / _META, json.dumps(meta, indent=1).encode())
     fsync_dir(tmp)
-    if path.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        path.rename(old)
-    tmp.rename(path)
+    if _exists(path):
+        _rename(path, old)
+    _rename(tmp, path)
     fsync_dir(path.parent)
-    if old.exists():
+    if _exists(old):
         if previous is None:
-            shutil.rmtree(old)
-            return
-        previous = Path(previous)
-        if previous.exists():
-            shutil.rmtree(previous)
-        old.rename(previous)
+            _discard(old)
+        else:
+            _replace(old, previous)
         fsync_dir(path.parent)
 
 
@@ -247,9 +347,9 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     was interrupted between its two renames. FileNotFoundError if neither is complete."""
     path = Path(path)
     _, old = _siblings(path)
-    if (path / _META).is_file():
+    if is_complete(path):
         return path
-    if (old / _META).is_file():
+    if is_complete(old):
         warnings.warn(
             f"{path} is missing or incomplete; loading the previous checkpoint {old} "
             "(a save was interrupted)",
@@ -274,6 +374,12 @@ def _verify(where: Path) -> dict:
     files = meta.get("files")
     if not isinstance(files, dict) or ".metadata" not in files or _EXTRA not in files:
         raise CheckpointError(f"checkpoint {where}: {_META} does not list its files")
+    for name, expected in files.items():
+        if not (_plain_name(name) and isinstance(expected, list) and len(expected) == 2
+                and all(_count(x) for x in expected)):
+            raise CheckpointError(f"checkpoint {where}: {_META} has a malformed entry "
+                                  f"{name!r}: {expected!r} (expected a file name and [size, "
+                                  "CRC-32], two integers >= 0)")
     actual = _file_sums(where)
     for name, expected in files.items():
         if name not in actual:
@@ -281,9 +387,19 @@ def _verify(where: Path) -> dict:
         if actual[name] != list(expected):
             raise CheckpointError(
                 f"checkpoint {where} is corrupt: {name} has size {actual[name][0]} and CRC-32 "
-                f"{actual[name][1]:08x}, {_META} says {expected[0]} and {int(expected[1]):08x}"
+                f"{actual[name][1]:08x}, {_META} says {expected[0]} and {expected[1]:08x}"
             )
     return meta
+
+
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _plain_name(name) -> bool:
+    """A file name inside the checkpoint folder: no separator, no `..`, not absolute."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
+            and "\\" not in name and os.sep not in name and "\0" not in name)
 
 
 def _open(path: str | os.PathLike) -> Path:
@@ -434,10 +550,25 @@ class _SafeReader(FileSystemReader):
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"{path} is not valid DCP metadata (it holds a "
                                   f"{type(metadata).__name__})")
+        _check_storage(path, metadata)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def _check_storage(path: Path, metadata: Metadata) -> None:
+    """Every piece the metadata points at lies in a file of this folder: a crafted
+    `../ckpt.prev/__0_0.distcp` would load another checkpoint's tensors unchecked."""
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise CheckpointError(f"{path} is not valid DCP metadata (no storage table)")
+    for info in storage.values():
+        name = getattr(info, "relative_path", None)
+        if not _plain_name(name) or not all(_count(getattr(info, k, None))
+                                            for k in ("offset", "length")):
+            raise CheckpointError(f"{path} points outside its checkpoint folder or is "
+                                  f"malformed: storage entry {name!r}")
 
 
 class _SafeLoadPlanner(DefaultLoadPlanner):

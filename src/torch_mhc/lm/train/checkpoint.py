@@ -3,20 +3,23 @@
 A run writes `out_dir/ckpt/`, a torch_mhc.lm.parallel checkpoint directory (DCP layout: the
 tensors in `*.distcp` files, `.metadata`, the run's own state in `extra.pt`, CRC-32 sums of
 every file in `meta.json`); the checkpoint it replaces becomes `out_dir/ckpt.prev/`. Any
-layout resumes any other: one process, DDP, FSDP2 or a pipeline, at any world size.
+layout resumes any other: one process, DDP, FSDP2 or a pipeline, at any world size. A save
+stopped mid-rotation can leave the newest complete checkpoint at `ckpt.old`: readers try
+`ckpt`, `ckpt.old`, `ckpt.prev`, newest first (`CANDIDATES`).
 
 The run's state (`extra.pt`) holds: format, model_config, train_config, step, scheduler, rng
 (torch, numpy, python), sampler, spike (the policy's window) and the histories. Loading reads
 no pickled code (see torch_mhc.lm.parallel.checkpoint), checks the sums first and the
-configuration second, and only then reads tensors. A checkpoint that fails the sums or cannot
-be read falls back to `ckpt.prev` with a message; one made for another model is refused.
+configuration second, and only then reads tensors. A checkpoint that fails the sums, holds
+malformed state or whose tensors cannot be read falls back to the next candidate with a message;
+one made for another model is refused. The run then saves with `verified` = the checkpoint it
+resumed from, so that the failed newer ones are moved aside (`ckpt.corrupt-<n>`) instead of
+the good one being rotated out.
 """
 
 from __future__ import annotations
 
-import errno
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -24,9 +27,17 @@ import torch
 from torch_mhc.lm import parallel as par
 from torch_mhc.lm.config import TrainConfig, resolve_device
 from torch_mhc.lm.model import LM, ModelConfig
-from torch_mhc.lm.train.errors import CheckpointError, DiskFullError, is_disk_full
+from torch_mhc.lm.parallel.checkpoint import is_complete
+from torch_mhc.lm.train.errors import (
+    CheckpointError,
+    DiskFullError,
+    storage_errno,
+    storage_problem,
+)
+from torch_mhc.runtime.files import remove_tree
 
 __all__ = [
+    "CANDIDATES",
     "CHECKPOINT_FORMAT",
     "LAST_CHECKPOINT",
     "PREVIOUS_CHECKPOINT",
@@ -42,44 +53,51 @@ __all__ = [
 CHECKPOINT_FORMAT = 2  # of the run's state in extra.pt; 2: the DCP layout for every run
 LAST_CHECKPOINT = "ckpt"
 PREVIOUS_CHECKPOINT = "ckpt.prev"
+# where a run folder may hold a complete checkpoint, newest first (ckpt.old: a stopped rotation)
+CANDIDATES = (LAST_CHECKPOINT, "ckpt.old", PREVIOUS_CHECKPOINT)
 _RUN_STATE_KEYS = ("format", "model_config", "train_config", "step")
 _RESUME_KEYS = ("sampler", "rng", "history", "spike")
 
 
 def save_checkpoint(out_dir: str | os.PathLike, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None, state: dict,
-                    keep_previous: bool = True) -> Path:
+                    keep_previous: bool = True, verified: str | os.PathLike | None = None,
+                    say=None) -> Path:
     """Write out_dir/ckpt (every rank calls it); the checkpoint it replaces becomes ckpt.prev.
 
     model: what the step runs (bare, DDP, FSDP2, a pipeline's module). state: the run's own
     plain values and tensors. keep_previous=False: the checkpoints already there belong to
     another run (an overwritten one): both are deleted once the new one is complete, so
-    ckpt and ckpt.prev are always of one run. A full disk is a DiskFullError; the previous
-    checkpoint is then untouched and no partial one is left.
+    ckpt and ckpt.prev are always of one run. verified: the checkpoint the run resumed from
+    or last saved; the newer ones (which failed to load) are moved aside, reported through
+    `say`. A write the storage refuses (full disk, quota, file-size limit) is a
+    DiskFullError; the previous checkpoint is then untouched and no partial one is left.
     """
     out = Path(out_dir)
-    had_one = (out / LAST_CHECKPOINT).exists()
+    had_one = os.path.lexists(out / LAST_CHECKPOINT)
     try:
         path = par.save_checkpoint(out / LAST_CHECKPOINT, model, optimizer, extra=state,
-                                   previous=out / PREVIOUS_CHECKPOINT if keep_previous else None)
+                                   previous=out / PREVIOUS_CHECKPOINT if keep_previous else None,
+                                   verified=verified if keep_previous else None, say=say)
     except BaseException as e:
-        if isinstance(e, KeyboardInterrupt) or not is_disk_full(e):
+        code = None if isinstance(e, KeyboardInterrupt) else storage_errno(e)
+        if code is None:
             raise
-        if had_one and keep_previous:
-            kept = ("this run's previous checkpoint there is intact (free space, then "
-                    "mhc train --resume continues from it)")
-        elif had_one:
-            kept = ("the earlier run's checkpoint there is left as it was (free space, then "
-                    "run again)")
-        else:
-            kept = "this run has no checkpoint yet (free space, then run again)"
-        raise DiskFullError(
-            errno.ENOSPC, f"no space left on the device writing the checkpoint "
-            f"{out / LAST_CHECKPOINT}; {kept}"
-        ) from None
-    if not keep_previous and par.is_rank0() and (out / PREVIOUS_CHECKPOINT).exists():
-        shutil.rmtree(out / PREVIOUS_CHECKPOINT)
+        raise DiskFullError(code, f"{storage_problem(code)} writing the checkpoint "
+                            f"{out / LAST_CHECKPOINT}; {_what_is_kept(had_one, keep_previous)}"
+                            ) from None
+    if not keep_previous and par.is_rank0():
+        remove_tree(out / PREVIOUS_CHECKPOINT)
     return path
+
+
+def _what_is_kept(had_one: bool, keep_previous: bool) -> str:
+    if had_one and keep_previous:
+        return ("this run's previous checkpoint there is intact (free space, then "
+                "mhc train --resume continues from it)")
+    if had_one:
+        return "the earlier run's checkpoint there is left as it was (free space, then run again)"
+    return "this run has no checkpoint yet (free space, then run again)"
 
 
 def find_checkpoint(path: str | os.PathLike) -> Path:
@@ -91,7 +109,7 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
             f"{path} is a file; torch-mhc checkpoints are folders (a run's out_dir/"
             f"{LAST_CHECKPOINT}) in the DCP layout, single-file .pt checkpoints are no longer "
             "read")
-    for candidate in (path, path / LAST_CHECKPOINT, path / PREVIOUS_CHECKPOINT):
+    for candidate in (path, *(path / name for name in CANDIDATES)):
         if _is_checkpoint(candidate):
             return candidate
     raise CheckpointError(f"no checkpoint at {path} (neither a checkpoint folder nor a run "
@@ -106,23 +124,24 @@ def _is_checkpoint(path: Path) -> bool:
     return True
 
 
-def open_for_resume(cfg: TrainConfig, say=print) -> tuple[Path, dict]:
+def open_for_resume(cfg: TrainConfig, say=print, failed: tuple[tuple[Path, str], ...] = ()
+                    ) -> tuple[Path, dict]:
     """(checkpoint, its run state) that cfg.resume names, checked to fit cfg, no tensor read.
 
-    resume = True: out_dir/ckpt, falling back to ckpt.prev (with a message through `say`)
-    when ckpt is missing, corrupt or unreadable. A path: that checkpoint or run folder.
+    resume = True: out_dir's newest checkpoint that reads (`CANDIDATES`), falling back with a
+    message through `say` past any missing, corrupt or unreadable one. A path: that
+    checkpoint or run folder (a run folder's `ckpt` falls back alike). failed: (checkpoint,
+    error) pairs already tried (e.g. whose tensors did not load): skipped, named in the message.
     """
     if isinstance(cfg.resume, str):
         path = find_checkpoint(cfg.resume)
-        candidates = [path]
-        if path.name == LAST_CHECKPOINT:
-            candidates.append(path.with_name(PREVIOUS_CHECKPOINT))
+        candidates = _fallbacks(path)
     else:
-        out = Path(cfg.out_dir)
-        candidates = [out / LAST_CHECKPOINT, out / PREVIOUS_CHECKPOINT]
-    errors = []
+        candidates = [Path(cfg.out_dir) / name for name in CANDIDATES]
+    tried = {Path(p) for p, _ in failed}
+    errors = [message for _, message in failed]
     for candidate in candidates:
-        if not _is_checkpoint(candidate):
+        if candidate in tried or not is_complete(candidate):
             continue
         try:
             state = read_run_state(candidate)
@@ -139,15 +158,32 @@ def open_for_resume(cfg: TrainConfig, say=print) -> tuple[Path, dict]:
     raise CheckpointError(f"no checkpoint to resume from: {candidates[0]} does not exist")
 
 
+def _fallbacks(path: Path) -> list[Path]:
+    """`path`, then, for a run folder's ckpt, the older checkpoints beside it."""
+    if path.name not in CANDIDATES:
+        return [path]
+    return [path] + [path.with_name(name) for name in CANDIDATES[CANDIDATES.index(path.name) + 1:]]
+
+
 def read_run_state(path: Path) -> dict:
-    """The run's own state in a checkpoint (sums checked), without reading any tensor."""
+    """The run's own state in a checkpoint (sums checked, types checked), without reading
+    any tensor."""
     state = par.read_extra(path)
     missing = [k for k in _RUN_STATE_KEYS if k not in state]
     if missing:
         raise CheckpointError(f"{path} is not a torch-mhc training checkpoint (no {missing})")
     if state["format"] != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{path} has checkpoint format {state['format']}, this version "
-                              f"reads {CHECKPOINT_FORMAT}")
+        raise CheckpointError(f"{path} has checkpoint format {state['format']!r}, this "
+                              f"version reads {CHECKPOINT_FORMAT}")
+    step = state["step"]
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{path} holds an invalid step {step!r} (an integer >= 0)")
+    for key in ("model_config", "train_config", *_RESUME_KEYS):
+        if key in state and not isinstance(state[key], dict | list | tuple):
+            raise CheckpointError(f"{path} holds an invalid {key!r} state "
+                                  f"({type(state[key]).__name__})")
+    if not isinstance(state.get("history", {}), dict):
+        raise CheckpointError(f"{path} holds an invalid 'history' state")
     return state
 
 
@@ -193,12 +229,10 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", say=print) -> LM:
     """The LM saved in a checkpoint, in eval mode, for generation. A run folder's ckpt falls
-    back to its ckpt.prev (with a message through `say`) when ckpt is damaged."""
+    back to its ckpt.old and ckpt.prev (with a message through `say`) when ckpt is damaged."""
     device = resolve_device(device) if isinstance(device, str) else device
     path = find_checkpoint(path)
-    candidates = [path]
-    if path.name == LAST_CHECKPOINT and _is_checkpoint(path.with_name(PREVIOUS_CHECKPOINT)):
-        candidates.append(path.with_name(PREVIOUS_CHECKPOINT))
+    candidates = [path] + [p for p in _fallbacks(path)[1:] if is_complete(p)]
     for i, candidate in enumerate(candidates):
         try:
             model = LM(_model_config(read_run_state(candidate), candidate))

@@ -8,14 +8,21 @@ releases a flock when its process ends, however it ends (exit, exception, kill -
 of a dead process is stale by construction: the file stays, but the next run locks it at once
 (and says whose pid it replaces). A refused run opens the file without truncating it and writes
 nothing. Where fcntl does not exist (Windows) runs are not locked.
+
+The file is opened with O_NOFOLLOW and must be a regular file with one link: a symbolic or
+hard link at `.lock` (in a shared folder, planted by someone else) is refused with a
+RunLockedError, since taking the lock truncates the file.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from pathlib import Path
 
 from torch_mhc.lm.train.errors import RunLockedError
+from torch_mhc.runtime.files import NOFOLLOW
 
 try:
     import fcntl
@@ -39,7 +46,7 @@ class RunLock:
         if fcntl is None or self.fd is not None:
             return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        fd = self._open()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -59,6 +66,27 @@ class RunLock:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self.fd = fd
         return self
+
+    def _open(self) -> int:
+        """The lock file's descriptor: never through a link, never anything but a plain file
+        (O_NONBLOCK: a FIFO planted there must not hang the open)."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | NOFOLLOW | os.O_NONBLOCK, 0o666)
+        except OSError as e:
+            if e.errno == errno.ELOOP or self.path.is_symlink():
+                raise RunLockedError(self._refusal("is a symbolic link")) from None
+            raise
+        st = os.fstat(fd)
+        problem = ("is not a regular file" if not stat.S_ISREG(st.st_mode) else
+                   f"has {st.st_nlink} hard links" if st.st_nlink != 1 else None)
+        if problem:
+            os.close(fd)
+            raise RunLockedError(self._refusal(problem))
+        return fd
+
+    def _refusal(self, problem: str) -> str:
+        return (f"the lock {self.path} {problem}: refusing to use it (taking the lock rewrites "
+                "the file); remove it or choose another out_dir")
 
     def release(self) -> None:
         if self.fd is None:

@@ -23,8 +23,8 @@ from tqdm import tqdm
 
 from torch_mhc.lm.config import ConfigError, TrainConfig
 from torch_mhc.lm.parallel import is_rank0
-from torch_mhc.lm.train.errors import DiskFullError, is_disk_full
-from torch_mhc.runtime.files import atomic_write
+from torch_mhc.lm.train.errors import DiskFullError, storage_errno, storage_problem
+from torch_mhc.runtime.files import NOFOLLOW, atomic_write
 
 __all__ = ["METRICS_FILE", "MetricsLog", "PeakMemory", "Printer", "progress_bar"]
 
@@ -46,7 +46,8 @@ class MetricsLog:
                               "of that name (move the folder away or choose another out_dir)")
         self._rewrite(start_step)
         try:
-            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | NOFOLLOW,
+                              0o666)
         except OSError as e:
             raise ConfigError(f"cannot open {self.path} for writing: {e.strerror}") from None
         if cfg.tensorboard:
@@ -98,8 +99,9 @@ def _write_or_disk_full(write, path: Path) -> None:
     try:
         write()
     except OSError as e:
-        if is_disk_full(e):
-            raise DiskFullError(e.errno, f"no space left on the device writing {path}") from None
+        code = storage_errno(e)
+        if code is not None:
+            raise DiskFullError(code, f"{storage_problem(code)} writing {path}") from None
         raise
 
 

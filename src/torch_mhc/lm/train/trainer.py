@@ -54,13 +54,16 @@ from torch_mhc.lm.train.steps import (
     train_step,
     wrap_model,
 )
-from torch_mhc.runtime.files import remove_stale_temp_files
+from torch_mhc.runtime.files import SymlinkRefused, refuse_symlink, remove_stale_temp_files
 
 __all__ = ["TrainResult", "Trainer", "load_training_corpus", "train"]
 
 _HISTORIES = ("loss_history", "grad_norm_history", "lr_history", "val_history", "gain_history")
 # checkpoints of older versions that a fresh run must not silently replace either
 _OLD_CHECKPOINTS = ("last.pt", "prev.pt")
+# every name the run writes, renames or removes in out_dir: none may be a symbolic link
+_RUN_FILES = (*ckpt.CANDIDATES, "ckpt.partial", "ckpt.deleting", "ckpt.old.deleting",
+              "ckpt.prev.deleting", "metrics.jsonl", "tb")
 
 
 @dataclass
@@ -168,6 +171,7 @@ class Trainer:
         self.step_times: list[float] = []
         self.interrupt = _InterruptFlag()
         self.saved_step: int | None = None  # the step of the checkpoint on disk
+        self.verified: Path | None = None  # the checkpoint last loaded or saved
 
     # --- the run, in order ---------------------------------------------------------------
 
@@ -189,6 +193,10 @@ class Trainer:
             try:
                 with self.interrupt.installed():
                     self._loop(start)
+                    # a signal during the last step or the final save still ends the run as
+                    # interrupted (its checkpoint is already written)
+                    if self.interrupt.requested(self.info):
+                        raise self._interrupted()
             finally:
                 self.bar.close()
                 self.printer.bar = None
@@ -235,8 +243,13 @@ class Trainer:
         if cfg.out_dir is None:
             return
         out = Path(cfg.out_dir)
+        try:
+            for name in _RUN_FILES:
+                refuse_symlink(out / name, "the run writes there")
+        except SymlinkRefused as e:
+            raise ConfigError(e.strerror) from None
         if cfg.resume is False and not cfg.overwrite:
-            for name in (ckpt.LAST_CHECKPOINT, ckpt.PREVIOUS_CHECKPOINT, *_OLD_CHECKPOINTS):
+            for name in (*ckpt.CANDIDATES, *_OLD_CHECKPOINTS):
                 if (out / name).exists():
                     raise ConfigError(
                         f"{out / name} exists: pass resume to continue that run, or overwrite "
@@ -244,7 +257,8 @@ class Trainer:
                     )
         if par.is_rank0():
             stale = remove_stale_temp_files(out)
-            partial = par.remove_unfinished_save(out / ckpt.LAST_CHECKPOINT)
+            partial = par.remove_unfinished_save(out / ckpt.LAST_CHECKPOINT,
+                                                 out / ckpt.PREVIOUS_CHECKPOINT)
             for p in stale + ([partial] if partial else []):
                 self.printer(f"removed {p.name}, left by an earlier run that stopped mid-write")
         par.barrier()
@@ -253,17 +267,13 @@ class Trainer:
         if self.cfg.resume is False:
             return None, None
 
-        def warn(message: str) -> None:  # shown even with quiet: the run changed course
-            if par.is_rank0():
-                print(message, file=sys.stderr, flush=True)
-
-        return ckpt.open_for_resume(self.cfg, say=warn)
+        return ckpt.open_for_resume(self.cfg, say=_warn)
 
     def _build(self) -> None:
         """Model (wrapped for the layout), optimizer, schedule, spike policy, sampler, result."""
         cfg, info = self.cfg, self.info
         seed_everything(cfg.seed)
-        self.model = model = build_model(cfg, self.device)
+        self.model = model = _build_model(cfg, self.device)
         model.train()
         n_params, n_conn_params = model.num_params(), model.connection_params()
         if cfg.parallel == "ddp":
@@ -300,24 +310,40 @@ class Trainer:
         )
 
     def _restore(self, path: Path | None, state: dict | None) -> int:
-        """Load the checkpoint's tensors and the run's state; return the step to start at."""
+        """Load the checkpoint's tensors and the run's state; return the step to start at. A
+        checkpoint whose tensors or state do not load falls back to the next older one."""
         if path is None:
             return 0
+        failed: list[tuple[Path, str]] = []
+        while True:
+            try:
+                self._restore_from(path, state)
+                break
+            except ckpt.CheckpointError as e:
+                failed.append((path, str(e)))
+                path, state = ckpt.open_for_resume(self.cfg, say=_warn, failed=tuple(failed))
+        self.result.steps = self.saved_step = int(state["step"])
+        self.result.checkpoint = str(path)
+        self.verified = path
+        return self.result.steps
+
+    def _restore_from(self, path: Path, state: dict) -> None:
         ckpt.restore(path, self.saved_model, self.optimizer)
         try:
             self.sampler.load_state_dict(state["sampler"])
             self.ctx.guard.load_state_dict(state["spike"])
             set_rng_state(state["rng"])
-        except (ValueError, KeyError, TypeError, RuntimeError) as e:
+            histories = {key: list(state["history"].get(key, [])) for key in _HISTORIES}
+            last_val = histories["val_history"][-1] if histories["val_history"] else None
+            if last_val is not None:
+                val_loss, val_bpb = float(last_val["val_loss"]), float(last_val["val_bpb"])
+        except (ValueError, KeyError, TypeError, RuntimeError, AttributeError,
+                IndexError) as e:
             raise ckpt.CheckpointError(f"checkpoint {path} does not fit this run: {e}") from None
-        for key in _HISTORIES:
-            setattr(self.result, key, list(state["history"].get(key, [])))
-        if self.result.val_history:
-            self.result.val_loss = self.result.val_history[-1]["val_loss"]
-            self.result.val_bpb = self.result.val_history[-1]["val_bpb"]
-        self.result.steps = self.saved_step = int(state["step"])
-        self.result.checkpoint = str(path)
-        return self.result.steps
+        for key, values in histories.items():
+            setattr(self.result, key, values)
+        if last_val is not None:
+            self.result.val_loss, self.result.val_bpb = val_loss, val_bpb
 
     def _announce(self, start: int, resume_path: Path | None) -> None:
         cfg, r, info = self.cfg, self.result, self.info
@@ -436,9 +462,9 @@ class Trainer:
         # a fresh run's first save replaces what an overwritten run left, ckpt.prev included
         own = self.saved_step is not None
         path = ckpt.save_checkpoint(self.cfg.out_dir, self.saved_model, self.optimizer, state,
-                                    keep_previous=own)
+                                    keep_previous=own, verified=self.verified, say=_warn)
         self.result.checkpoint = str(path)
-        self.saved_step = step
+        self.saved_step, self.verified = step, path
 
     # --- endings ---------------------------------------------------------------------------
 
@@ -463,7 +489,8 @@ class Trainer:
             saved = "nothing saved (no out_dir)" if self.cfg.out_dir is None else "no checkpoint"
         message = f"interrupted after step {r.steps}; {saved}"
         self.metrics.write({"kind": "stopped", "step": r.steps, "reason": "interrupted"})
-        return RunInterrupted(message, r.steps, r.checkpoint, r)
+        return RunInterrupted(message, r.steps, r.checkpoint, r,
+                              signum=self.interrupt.signum or signal.SIGINT)
 
     def _finish(self) -> None:
         """Fill in the summary numbers of the result (also for a stopped run)."""
@@ -487,6 +514,40 @@ class Trainer:
         )
 
 
+def _warn(message: str) -> None:
+    """Shown even with quiet (the run changed course), by rank 0."""
+    if par.is_rank0():
+        print(message, file=sys.stderr, flush=True)
+
+
+def _build_model(cfg: TrainConfig, device: torch.device):
+    """build_model, with a model that does not fit in memory as one ConfigError."""
+    try:
+        return build_model(cfg, device)
+    except (MemoryError, RuntimeError) as e:
+        if not is_out_of_memory(e):
+            raise
+        m = cfg.model
+        raise ConfigError(
+            f"model too large for memory: dim {m.dim}, n_layers {m.n_layers}, n_streams "
+            f"{m.n_streams}, vocab {m.vocab_size} on {device} ({_first_line(e)})") from None
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """An allocation the memory (CPU or GPU) could not serve."""
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(k in text for k in (
+        "can't allocate memory", "out of memory", "Cannot allocate memory",
+        "not enough memory"))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:200]
+
+
 class _InterruptFlag:
     """SIGINT / SIGTERM set a flag that the loop reads at each step boundary (so no step is
     cut in half); a second Ctrl-C interrupts at once. In a distributed run the ranks agree
@@ -494,6 +555,7 @@ class _InterruptFlag:
 
     def __init__(self):
         self.flag = False
+        self.signum: int | None = None  # the first signal received
 
     @contextlib.contextmanager
     def installed(self):
@@ -506,6 +568,7 @@ class _InterruptFlag:
             if self.flag and signum == signal.SIGINT:
                 raise KeyboardInterrupt  # the second Ctrl-C: stop now
             self.flag = True
+            self.signum = self.signum or signum
 
         for s in previous:
             signal.signal(s, handler)
