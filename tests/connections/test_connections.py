@@ -378,3 +378,17 @@ def test_eps_options_are_numbers():
     assert (conn.norm_eps, conn.pre_eps, conn.sinkhorn_eps) == (float(np.float32(1e-5)), 0.0,
                                                                  1e-6)
     assert torch.isfinite(conn(torch.zeros(2, 4, 8))).all()  # an all-zero token stays finite
+
+
+def test_flags_gates_and_iterations_are_checked():
+    # values a hand-edited config could carry: a string flag is truthy, a bool is an int
+    with pytest.raises(TypeError, match="HyperConnection expects dynamic to be True or False, "
+                                        "got 'false'"):
+        make_connection("hc", 8, 4, 0, nn.Identity(), dynamic="false")
+    with pytest.raises(TypeError, match="expects check_finite to be True or False, got 1"):
+        make_connection("mhc", 8, 4, 0, nn.Identity(), check_finite=1)
+    with pytest.raises(TypeError, match="expects sinkhorn_iters to be an int, got True"):
+        make_connection("mhc", 8, 4, 0, nn.Identity(), sinkhorn_iters=True)
+    for kind in ("mhc", "mhc-lite", "kromhc", "mhc-static-res"):
+        with pytest.raises(ValueError, match="expects a finite gate_init, got inf"):
+            make_connection(kind, 8, 4, 0, nn.Identity(), gate_init=float("inf"))

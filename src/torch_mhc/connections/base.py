@@ -40,7 +40,8 @@ from torch_mhc import ops as _ops
 from torch_mhc.runtime import diagnostics as _diag
 from torch_mhc.runtime import recompute as _recompute
 
-__all__ = ["Connection", "assign_parameter", "check_count", "check_eps", "pre_bias", "res_bias"]
+__all__ = ["Connection", "assign_parameter", "check_count", "check_eps", "check_flag",
+           "check_gate", "pre_bias", "res_bias"]
 
 
 def check_count(value, owner: str, name: str, least: int) -> int:
@@ -70,6 +71,26 @@ def check_eps(value, owner: str, name: str, positive: bool) -> float:
     return value
 
 
+def check_flag(value, owner: str, name: str) -> bool:
+    """value if it is a bool, else a TypeError (a saved option "false" is a truthy string)."""
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{owner} expects {name} to be True or False, got {value!r} ({type(value).__name__})"
+        )
+    return value
+
+
+def check_gate(value, owner: str) -> float:
+    """gate_init as a finite float, else a clear error (an inf or NaN gate poisons the maps)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{owner} expects gate_init to be a float, got {value!r} ({type(value).__name__})"
+        )
+    if not math.isfinite(value):
+        raise ValueError(f"{owner} expects a finite gate_init, got {value!r}")
+    return float(value)
+
+
 class Connection(nn.Module):
     """Shared checks and the branch call; subclasses define `maps`."""
 
@@ -89,7 +110,7 @@ class Connection(nn.Module):
         if not callable(branch):
             raise TypeError(f"{type(self).__name__} expects a callable branch, got {branch!r}")
         self.dim, self.streams, self.branch = dim, streams, branch
-        self.check_finite = check_finite
+        self.check_finite = check_flag(check_finite, type(self).__name__, "check_finite")
         # Op implementation (torch_mhc.ops): "auto" picks by device and dtype at each call.
         self.impl = _ops.check_impl_name(impl)
 

@@ -9,7 +9,13 @@ import torch
 from torch import nn
 
 from torch_mhc import ops as _ops
-from torch_mhc.connections.base import Connection, assign_parameter, check_count, check_eps
+from torch_mhc.connections.base import (
+    Connection,
+    assign_parameter,
+    check_count,
+    check_eps,
+    check_flag,
+)
 
 __all__ = ["HyperConnection"]
 
@@ -38,6 +44,7 @@ class HyperConnection(Connection):
         n = self.streams
         layer_index = check_count(layer_index, "HyperConnection", "layer_index", 0)
         norm_eps = check_eps(norm_eps, "HyperConnection", "norm_eps", positive=True)
+        dynamic = check_flag(dynamic, "HyperConnection", "dynamic")
         self.layer_index, self.dynamic, self.norm_eps = layer_index, dynamic, norm_eps
         self.static_pre = nn.Parameter(torch.empty(n))
         self.static_post = nn.Parameter(torch.empty(n))

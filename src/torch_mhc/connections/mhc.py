@@ -14,6 +14,7 @@ from torch_mhc.connections.base import (
     assign_parameter,
     check_count,
     check_eps,
+    check_gate,
     pre_bias,
     res_bias,
 )
@@ -48,6 +49,10 @@ class ManifoldHyperConnection(Connection):
         impl: str = "auto",
     ):
         super().__init__(dim, streams, branch, check_finite, impl)
+        if isinstance(sinkhorn_iters, bool):  # an int to isinstance, not a count
+            raise TypeError(
+                f"{type(self).__name__} expects sinkhorn_iters to be an int, got {sinkhorn_iters!r}"
+            )
         if not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 1:
             raise ValueError(f"sinkhorn_iters must be >= 1, got {sinkhorn_iters!r}")
         n = self.streams
@@ -56,6 +61,7 @@ class ManifoldHyperConnection(Connection):
         norm_eps = check_eps(norm_eps, owner, "norm_eps", positive=True)
         pre_eps = check_eps(pre_eps, owner, "pre_eps", positive=False)
         sinkhorn_eps = check_eps(sinkhorn_eps, owner, "sinkhorn_eps", positive=False)
+        gate_init = check_gate(gate_init, owner)
         if res_init_diag is None:
             res_init_diag = 0.5 + 0.5 / n  # I / 2 + J / (2n)
         if not 0.0 < res_init_diag < 1.0 and n > 1:

@@ -57,6 +57,7 @@ from torch_mhc.connections.base import (
     assign_parameter,
     check_count,
     check_eps,
+    check_gate,
     pre_bias,
 )
 from torch_mhc.functional.maps import read_write_maps
@@ -97,6 +98,7 @@ class MhcResVariant(Connection):
         r = self.res_count(n)
         layer_index = check_count(layer_index, type(self).__name__, "layer_index", 0)
         norm_eps = check_eps(norm_eps, type(self).__name__, "norm_eps", positive=True)
+        gate_init = check_gate(gate_init, type(self).__name__)
         self.layer_index, self.norm_eps, self.gate_init = layer_index, norm_eps, float(gate_init)
         self.phi = nn.Parameter(torch.empty(n * self.dim, 2 * n + r))
         self.alpha = nn.Parameter(torch.empty(3 if r else 2))
