@@ -329,3 +329,115 @@ def test_unreadable_connection_file(tmp_path):
     with pytest.raises(ValueError, match=r"mhc_connections.safetensors: expected a safetensors "
                                          r"file, cannot read it"):
         mhc_hf.from_pretrained(folder)
+
+
+# ------------------------------------------------------------------------------------------
+# Values checked on load
+
+
+def _rewrite_connections(folder: Path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / CONNECTIONS_FILE))
+    edit(tensors)
+    save_file(tensors, str(folder / CONNECTIONS_FILE))
+
+
+def _set(key, value):
+    def edit(tensors):
+        tensors[key] = value(tensors[key])
+    return edit
+
+
+def _with(t: torch.Tensor, index: int, value: float) -> torch.Tensor:
+    t = t.clone()
+    t.view(-1)[index] = value
+    return t
+
+
+@pytest.mark.parametrize("edit,message", [
+    (_set("model.layers.0.mhc_attn.phi", lambda t: _with(t, 5, float("nan"))),
+     r"mhc_attn.phi holds 1 NaN and 0 infinite values of 1440; expected finite values"),
+    (_set("model.layers.1.mhc_mlp.b_res", lambda t: _with(_with(t, 0, float("inf")), 1,
+                                                         -float("inf"))),
+     r"mhc_mlp.b_res holds 0 NaN and 2 infinite values of 9; expected finite values"),
+    (_set("model.layers.0.mhc_attn.alpha", lambda t: t.to(torch.int32)),
+     r"mhc_attn.alpha has dtype torch.int32; expected a floating-point tensor .*torch.float32"),
+    (_set("model.layers.0.mhc_mlp.b_pre", lambda t: t > 0),
+     r"mhc_mlp.b_pre has dtype torch.bool; expected a floating-point tensor"),
+    (_set("model.layers.0.mhc_mlp.b_pre", lambda t: t[:2]),
+     r"mhc_mlp.b_pre has shape \(2,\), the recorded conversion .* expects \(3,\)"),
+])
+def test_connection_tensors_must_be_finite_floats_of_the_right_shape(tmp_path, edit, message):
+    folder = mhc_hf.save_pretrained(_converted(), tmp_path / "ckpt")
+    _rewrite_connections(folder, edit)
+    with pytest.raises(ValueError, match=rf"ckpt.*: model.layers.\d.{message}"):
+        mhc_hf.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("record,message", [
+    ({"kind": "mhc", "streams": 3, "options": {"norm_eps": -1}},
+     r"ManifoldHyperConnection expects norm_eps to be a finite number > 0, got -1.0"),
+    ({"kind": "mhc", "streams": 3, "options": {"norm_eps": 0}}, r"norm_eps .*> 0, got 0.0"),
+    ({"kind": "mhc", "streams": 3, "options": {"sinkhorn_eps": float("inf")}},
+     r"sinkhorn_eps to be a finite number >= 0, got inf"),
+    ({"kind": "mhc", "streams": 3, "options": {"pre_eps": float("nan")}},
+     r"pre_eps to be a finite number >= 0, got nan"),
+    ({"kind": "mhc", "streams": 3, "options": {"sinkhorn_iters": 0}},
+     r"sinkhorn_iters must be >= 1, got 0"),
+    ({"kind": "mhc", "streams": 3, "options": {"sinkhorn_iters": True}},
+     r"sinkhorn_iters to be an int, got True"),
+    ({"kind": "mhc", "streams": 3, "options": {"norm_eps": "1e-6"}},
+     r"norm_eps to be a float, got '1e-6'"),
+    ({"kind": "hc", "streams": 3, "options": {"dynamic": "false"}},
+     r"dynamic to be True or False, got 'false'"),
+    ({"kind": "mhc", "streams": True, "options": {}}, r"streams >= 1 \(an int\), got True"),
+    ({"kind": "mhc", "streams": 0, "options": {}}, r"streams >= 1 \(an int\), got 0"),
+    ({"kind": "mhcc", "streams": 3, "options": {}}, r"unknown connection kind 'mhcc'"),
+    ({"kind": "mhc", "streams": 3, "options": {"norm": 1}}, r"unknown connection option"),
+])
+def test_conversion_record_values_are_checked(tmp_path, monkeypatch, record, message):
+    folder = mhc_hf.save_pretrained(_converted(), tmp_path / "ckpt")
+    config = json.loads((folder / "config.json").read_text())
+    config["mhc_conversion"] = record
+    (folder / "config.json").write_text(json.dumps(config))  # inf and nan as Infinity, NaN
+    # refused before transformers loads the weights
+    monkeypatch.setattr(transformers.LlamaForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("loaded a refused checkpoint"))
+    with pytest.raises(ValueError, match=r"ckpt/config.json: 'mhc_conversion' records a "
+                                         rf"conversion that cannot be rebuilt: .*{message}"):
+        mhc_hf.from_pretrained(folder)
+
+
+# ------------------------------------------------------------------------------------------
+# Models sharing one config object
+
+
+def test_converting_one_of_two_models_built_from_one_config(tmp_path):
+    config = transformers.LlamaConfig(**COMMON)
+    torch.manual_seed(0)
+    first, second = (transformers.LlamaForCausalLM(config).eval() for _ in range(2))
+    mhc_hf.convert(first, "mhc", streams=3)
+    assert first.config is not config and getattr(config, "mhc_conversion", None) is None
+    assert getattr(second.config, "mhc_conversion", None) is None  # still plain
+    with pytest.raises(ValueError, match="is not converted"):
+        mhc_hf.save_pretrained(second, tmp_path / "plain")
+    # inside the converted model every module holds the copy: a setting still reaches them
+    assert first.model.config is first.config
+    assert first.model.layers[0].self_attn.config is first.config
+    mhc_hf.convert(second, "hc", streams=2)  # converting the other one differently works
+    for model, name in ((first, "first"), (second, "second")):
+        _perturb_connections(model)
+        ids, mask = _batch()
+        loaded = mhc_hf.from_pretrained(mhc_hf.save_pretrained(model, tmp_path / name))
+        assert loaded.config.mhc_conversion["kind"] == model.config.mhc_conversion["kind"]
+        torch.testing.assert_close(_logits(loaded, ids, mask), _logits(model, ids, mask),
+                                   rtol=0, atol=0)
+
+
+def test_a_plain_model_whose_config_records_a_conversion_is_not_saved(tmp_path):
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON))
+    model.config.mhc_conversion = {"kind": "mhc", "streams": 3, "options": {}}
+    with pytest.raises(ValueError, match=r"records a conversion .* but its layers are plain"):
+        mhc_hf.save_pretrained(model, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()

@@ -13,9 +13,10 @@ turns `.mhc_mlp.` into `.mhc.block_sparse_moe.`, its pattern `.mlp.` having unes
 Checkpoints of the earlier format, whose connection tensors sit in the transformers weight files,
 still load.
 
-Loading builds the architecture named in config.json with transformers (its weights, dtype,
-single-device device_map handling), converts it with the recorded options, then loads the
-connections' tensors, checking that each is present and has the shape the conversion gives.
+Loading checks the recorded options as convert would (before any weight is read), builds the
+architecture named in config.json with transformers (its weights, dtype, single-device
+device_map handling), converts it with those options, then loads the connections' tensors,
+checking that each is present, floating point, finite and of the shape the conversion gives.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ import torch
 from torch import nn
 
 from torch_mhc import __version__
-from torch_mhc.integrations.hf.convert import CONFIG_KEY, conversion_of, convert
+from torch_mhc.integrations.hf.convert import CONFIG_KEY, check_options, conversion_of, convert
+from torch_mhc.integrations.hf.layers import is_converted
 from torch_mhc.runtime.files import fsync_dir
 
 __all__ = ["save_pretrained", "from_pretrained"]
@@ -97,6 +99,12 @@ def _check_saveable(model: nn.Module, kwargs: dict) -> None:
         raise ValueError(
             f"{type(model).__name__} is not converted (its config has no {CONFIG_KEY!r}); "
             "use model.save_pretrained for a plain model"
+        )
+    if not any(is_converted(m) for m in model.modules()):
+        raise ValueError(
+            f"{type(model).__name__}'s config records a conversion ({conversion_of(model)}) but "
+            "its layers are plain (a config object shared with a model that was converted?); "
+            "expected a model converted with torch_mhc.hf.convert"
         )
     if kwargs.get("push_to_hub"):
         raise ValueError(
@@ -245,6 +253,13 @@ def _conversion_record(config, tensors: dict[str, torch.Tensor], path: Path) -> 
             f"{path}/config.json: {CONFIG_KEY!r} is damaged: expected {{'kind': str, "
             f"'streams': int, 'options': dict}} as save_pretrained writes it, got {conversion!r}"
         )
+    try:  # before the model is loaded: the values every connection constructor checks
+        check_options(conversion["kind"], conversion["streams"], conversion.get("options", {}))
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"{path}/config.json: {CONFIG_KEY!r} records a conversion that cannot be rebuilt: "
+            f"{e} (got {conversion!r})"
+        ) from None
     return conversion
 
 
@@ -356,12 +371,32 @@ def _load_connections(model: nn.Module, tensors: dict[str, torch.Tensor], path: 
             f", unexpected {unexpected[:4]}{' ...' if len(unexpected) > 4 else ''}"
         )
     for key, target in wanted.items():
-        got = tensors[key]
-        if got.shape != target.shape:
-            raise ValueError(
-                f"{path}: {key} has shape {tuple(got.shape)}, the recorded conversion "
-                f"{conversion_of(model)} expects {tuple(target.shape)}"
-            )
+        _check_tensor(model, path, key, tensors[key], target)
     with torch.no_grad():
         for key, target in wanted.items():
             target.copy_(tensors[key])
+
+
+def _check_tensor(model: nn.Module, path: Path, key: str, got: torch.Tensor,
+                  target: torch.Tensor) -> None:
+    """A loaded connection tensor must be floating point, of the converted model's shape and
+    finite: copy_ would cast integers and booleans silently and carry NaN or Inf into every
+    forward pass."""
+    where = f"{path}/{CONNECTIONS_FILE}" if (path / CONNECTIONS_FILE).is_file() else str(path)
+    if not got.is_floating_point():
+        raise ValueError(
+            f"{where}: {key} has dtype {got.dtype}; expected a floating-point tensor (as "
+            f"save_pretrained writes the connections, here {target.dtype})"
+        )
+    if got.shape != target.shape:
+        raise ValueError(
+            f"{path}: {key} has shape {tuple(got.shape)}, the recorded conversion "
+            f"{conversion_of(model)} expects {tuple(target.shape)}"
+        )
+    finite = torch.isfinite(got)
+    if not bool(finite.all()):
+        nan = int(torch.isnan(got).sum())
+        raise ValueError(
+            f"{where}: {key} holds {nan} NaN and {int((~finite).sum()) - nan} infinite values "
+            f"of {got.numel()}; expected finite values (a checkpoint of a diverged run?)"
+        )

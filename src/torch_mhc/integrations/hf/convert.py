@@ -11,11 +11,14 @@ from its branches, so the converted model computes the original model's function
 (up to float rounding), same greedy generations.
 
 The conversion is recorded in `model.config.mhc_conversion` ({"kind", "streams", "options"}),
-which save_pretrained writes to config.json and torch_mhc.hf.from_pretrained reads back.
+which save_pretrained writes to config.json and torch_mhc.hf.from_pretrained reads back. The
+record goes into a copy of the config that the converted model owns (_own_config), never into
+a config object other models may share.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 from collections.abc import Iterator
@@ -80,7 +83,9 @@ def _check_not_dispatched(model: nn.Module) -> None:
         )
 
 
-def _check_options(kind: str, streams: int, options: dict) -> None:
+def check_options(kind: str, streams: int, options: dict) -> None:
+    """Raise a ValueError or TypeError unless convert(model, kind, streams, **options) would
+    build its connections (every constructor check, on a probe of width 8)."""
     if not isinstance(streams, int) or isinstance(streams, bool) or streams < 1:
         raise ValueError(f"convert expects streams >= 1 (an int), got {streams!r}")
     try:
@@ -123,7 +128,7 @@ def convert(model: nn.Module, kind: str = "mhc", streams: int = 4, **connection_
     The connections take the device and dtype of the layer they are put in.
     """
     _check_model(model)
-    _check_options(kind, streams, connection_kwargs)
+    check_options(kind, streams, connection_kwargs)
     layers, specs = find_decoder_layers(model)
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
         else model.config
@@ -140,11 +145,32 @@ def convert(model: nn.Module, kind: str = "mhc", streams: int = 4, **connection_
     # device_map="auto" must not split a layer from its connections (names, not classes).
     for name in sorted({type(layer).__name__ for layer in layers}):
         model._no_split_modules = with_no_split(model, name)
+    _own_config(model)
     setattr(model.config, CONFIG_KEY, {
         "kind": kind, "streams": n, "options": dict(connection_kwargs),
         "torch_mhc_version": __version__,
     })
     return model
+
+
+def _own_config(model: nn.Module) -> None:
+    """Give the model a copy of its config before the conversion is recorded in it.
+
+    Models built from one config object share it (transformers keeps the object it is given),
+    so the record written into it would mark the other models converted too: their save would
+    write a checkpoint that from_pretrained refuses. Inside the model every module that held
+    the config (or one of its sub-configs, e.g. a text_config) gets the copy, so a setting
+    changed on model.config still reaches them all.
+    """
+    from transformers import PretrainedConfig
+
+    memo: dict[int, object] = {}
+    new = copy.deepcopy(model.config, memo)
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, PretrainedConfig) and id(value) in memo:
+                setattr(module, name, memo[id(value)])
+    model.config = new
 
 
 def with_no_split(model: nn.Module, name: str):
