@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from torch_mhc.functional import maps as reference
+from torch_mhc.ops import checks
 
 # Imported here, outside any torch.compile trace: importing `cpu` registers its custom ops
 # (its native library is built or loaded by the first native op, ops/cpu/native.py).
@@ -184,6 +185,28 @@ def get_impl(
     return ops if ops is not None else _load(resolved)
 
 
+def _checked_reference() -> dict:
+    """The reference's map ops behind the scalar checks of the other implementations
+    (ops/checks.py; functional.maps, the definition, stays as written)."""
+
+    def mhc_maps(x, phi, alpha, b_pre, b_post, b_res, sinkhorn_iters=20, norm_eps=1e-6,
+                 sinkhorn_eps=0.0, pre_eps=0.0):
+        checks.check_maps_scalars("mhc_maps", sinkhorn_iters, norm_eps, sinkhorn_eps, pre_eps)
+        return reference.mhc_maps(x, phi, alpha, b_pre, b_post, b_res, sinkhorn_iters,
+                                  norm_eps, sinkhorn_eps, pre_eps)
+
+    def hc_maps(x, w, s_alpha, s_beta, static_pre, static_post, static_res, norm_eps=1e-6):
+        checks.check_hc_scalars("hc_maps", norm_eps)
+        return reference.hc_maps(x, w, s_alpha, s_beta, static_pre, static_post, static_res,
+                                 norm_eps)
+
+    def sinkhorn(logits, iters=20, *, eps=0.0):
+        checks.check_sinkhorn_scalars("sinkhorn", iters, eps)
+        return reference.sinkhorn(logits, iters, eps=eps)
+
+    return dict(mhc_maps=mhc_maps, hc_maps=hc_maps, sinkhorn=sinkhorn)
+
+
 def _load(resolved: str) -> Ops:
     """Import implementation `resolved` and keep its Ops (traceable by Dynamo: no importlib)."""
     if resolved == "triton" and not _triton_available():
@@ -192,17 +215,20 @@ def _load(resolved: str) -> Ops:
             "(pip install 'torch-mhc[triton]'); use impl='cpu' or 'reference' without it"
         )
     module = _MODULES[resolved]()
+    fns = {name: getattr(module, name) for name in ("mhc_maps", "hc_maps", "sinkhorn")}
+    if resolved == "reference":
+        fns = _checked_reference()
     ops = Ops(
         name=resolved,
-        mhc_maps=module.mhc_maps,
+        mhc_maps=fns["mhc_maps"],
         mhc_maps_pre=getattr(module, "mhc_maps_pre", None)
-        or _composed_maps_pre(module, module.mhc_maps),
-        hc_maps=module.hc_maps,
+        or _composed_maps_pre(module, fns["mhc_maps"]),
+        hc_maps=fns["hc_maps"],
         hc_maps_pre=getattr(module, "hc_maps_pre", None)
-        or _composed_maps_pre(module, module.hc_maps),
+        or _composed_maps_pre(module, fns["hc_maps"]),
         pre_aggregate=module.pre_aggregate,
         post_merge=module.post_merge,
-        sinkhorn=module.sinkhorn,
+        sinkhorn=fns["sinkhorn"],
         fused_dx=getattr(module, "FUSED_DX", False),
     )
     _loaded[resolved] = ops

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from torch_mhc.functional import maps as _ref
+from torch_mhc.ops.checks import check_hc_scalars, check_maps_scalars, check_sinkhorn_scalars
 
 __all__ = ["hc_maps", "mhc_maps", "mhc_maps_pre", "post_merge", "pre_aggregate", "sinkhorn"]
 
@@ -38,9 +39,32 @@ def _compile(fn):
     return torch.compile(fn, fullgraph=True, dynamic=None)
 
 
-mhc_maps = _compile(_ref.mhc_maps)
-mhc_maps_pre = _compile(_maps_pre)
-hc_maps = _compile(_ref.hc_maps)
+_mhc_maps, _mhc_maps_pre = _compile(_ref.mhc_maps), _compile(_maps_pre)
+_hc_maps, _sinkhorn_compiled = _compile(_ref.hc_maps), _compile(_sinkhorn)
 pre_aggregate = _compile(_ref.pre_aggregate)
 post_merge = _compile(_ref.post_merge)
-sinkhorn = _compile(_sinkhorn)
+
+
+# The scalar checks run before the compiled graphs (ops/checks.py says why they exist).
+def mhc_maps(x, phi, alpha, b_pre, b_post, b_res, sinkhorn_iters=20, norm_eps=1e-6,
+             sinkhorn_eps=0.0, pre_eps=0.0):
+    check_maps_scalars("mhc_maps", sinkhorn_iters, norm_eps, sinkhorn_eps, pre_eps)
+    return _mhc_maps(x, phi, alpha, b_pre, b_post, b_res, sinkhorn_iters, norm_eps,
+                     sinkhorn_eps, pre_eps)
+
+
+def mhc_maps_pre(x, phi, alpha, b_pre, b_post, b_res, sinkhorn_iters=20, norm_eps=1e-6,
+                 sinkhorn_eps=0.0, pre_eps=0.0):
+    check_maps_scalars("mhc_maps_pre", sinkhorn_iters, norm_eps, sinkhorn_eps, pre_eps)
+    return _mhc_maps_pre(x, phi, alpha, b_pre, b_post, b_res, sinkhorn_iters, norm_eps,
+                         sinkhorn_eps, pre_eps)
+
+
+def hc_maps(x, w, s_alpha, s_beta, static_pre, static_post, static_res, norm_eps=1e-6):
+    check_hc_scalars("hc_maps", norm_eps)
+    return _hc_maps(x, w, s_alpha, s_beta, static_pre, static_post, static_res, norm_eps)
+
+
+def sinkhorn(logits, iters=20, *, eps=0.0):
+    check_sinkhorn_scalars("sinkhorn", iters, eps)
+    return _sinkhorn_compiled(logits, iters, eps=eps)

@@ -47,6 +47,7 @@ import torch
 from torch_mhc.functional import maps as _ref
 from torch_mhc.functional.sinkhorn import compute_dtype as _maps_dtype
 from torch_mhc.functional.sinkhorn import sinkhorn_backward, sinkhorn_forward
+from torch_mhc.ops.checks import check_hc_scalars, check_maps_scalars, check_sinkhorn_scalars
 from torch_mhc.ops.cpu import native as _native
 
 __all__ = ["mhc_maps", "mhc_maps_pre", "hc_maps", "hc_maps_pre", "pre_aggregate", "post_merge",
@@ -106,9 +107,8 @@ def sinkhorn(logits: torch.Tensor, iters: int = 20, *, eps: float = 0.0) -> torc
     """Same as torch_mhc.sinkhorn(logits, iters, eps=eps), computed token-last."""
     if logits.dim() < 2 or logits.shape[-1] != logits.shape[-2]:
         raise ValueError(f"sinkhorn expects matrices [..., n, n], got {tuple(logits.shape)}")
-    if not isinstance(iters, int) or iters < 1:
-        raise ValueError(f"sinkhorn expects iters >= 1, got {iters!r}")
-    return _Sinkhorn.apply(logits, iters, float(eps))
+    check_sinkhorn_scalars("sinkhorn", iters, eps)
+    return _Sinkhorn.apply(logits, int(iters), float(eps))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,6 +323,7 @@ def mhc_maps(
     pre_eps: float = 0.0,
 ):
     """Same contract as functional.maps.mhc_maps."""
+    check_maps_scalars("mhc_maps", sinkhorn_iters, norm_eps, sinkhorn_eps, pre_eps)
     lead, (n, c) = x.shape[:-2], x.shape[-2:]
     h_pre, h_post, h_res = _MhcMaps.apply(
         x.reshape(-1, n, c), phi, alpha, b_pre, b_post, b_res,
@@ -350,6 +351,7 @@ def mhc_maps_pre(
     fused_dx=True appends x_for_merge (x's values) to pass to post_merge(x_for_merge, ...,
     fused_dx=True) in place of x: the merge's share of x's gradient then joins the same single dx.
     """
+    check_maps_scalars("mhc_maps_pre", sinkhorn_iters, norm_eps, sinkhorn_eps, pre_eps)
     params = (phi, alpha, b_pre, b_post, b_res)
     if _no_autograd(x, *params) and _use_native(x):
         # Decoding: the maps in x's leading shape straight from the native loops; x_for_merge
@@ -518,6 +520,7 @@ def hc_maps(
     _HC_NATIVE_MIN_TOKENS tokens on and the reference's few torch ops below (the rows
     kernels' fixed cost: one token's maps take 78 us on them and 49 us on the reference's
     ops, 16 tokens 87 and 97 us; n = 4, C = 512, measured without autograd)."""
+    check_hc_scalars("hc_maps", norm_eps)
     args = (w, s_alpha, s_beta, static_pre, static_post, static_res)
     if _hc_native(x, w, 1) and _no_autograd(x, *args):
         return _hc_inference(x, args, norm_eps, False)
@@ -614,6 +617,7 @@ def hc_maps_pre(
     mhc_maps_pre does, or None where no single node was made (the merge then runs on x with
     its own dx).
     """
+    check_hc_scalars("hc_maps_pre", norm_eps)
     args = (w, s_alpha, s_beta, static_pre, static_post, static_res)
     native = _hc_native(x, w, 1)
     if native and _no_autograd(x, *args):  # decoding

@@ -44,6 +44,24 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# Compiled for a GPU: PTX's cvt.rna rounds to TF32; in Triton's interpreter (no inline
+# assembly) the same rounding by its bits.
+_RNA_ASM: tl.constexpr = tl.constexpr(not triton.knobs.runtime.interpret)
+
+
+@triton.jit
+def _tf32(v):
+    """fp32 v rounded to TF32 (10 mantissa bits; to nearest, ties away from zero), so that a
+    tf32 tl.dot, which reads only those bits (truncating), gets the rounded value."""
+    if _RNA_ASM:
+        r = tl.inline_asm_elementwise("cvt.rna.tf32.f32 $0, $1;", "=r,r", [v],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        u = v.to(tl.uint32, bitcast=True)
+        r = tl.where(tl.abs(v) < float("inf"),
+                     ((u + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True), v)
+    return r
+
 # ---------------------------------------------------------------------------------------------
 # Helpers: phi's column of each tile position, Sinkhorn forward and backward
 # ---------------------------------------------------------------------------------------------
@@ -350,6 +368,9 @@ def mhc_maps_bwd_kernel(
     coef = -(tl.sum(dl_res * l_res, axis=1) + tl.sum(dl_pp * l_pp, axis=1)) / (K * r * r)
     dz_res = dl_res / r[:, None]
     dz_pp = dl_pp / r[:, None]
+    if PRECISION == "tf32":  # dz feeds tf32 dots here and in mhc_dphi_kernel: round it once
+        dz_res = _tf32(dz_res)
+        dz_pp = _tf32(dz_pp)
     tl.store(dz_ptr + t[:, None] * M + res_col[None, :], dz_res, mask=m_res)
     tl.store(dz_ptr + t[:, None] * M + p[None, :], dz_pp, mask=m_pp)
 

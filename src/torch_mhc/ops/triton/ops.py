@@ -12,8 +12,24 @@ The public functions below have the contracts of functional.maps (same shapes, m
 float32, aggregation and merge in the streams' dtype) and flatten the leading dimensions
 into T tokens. The kernels compute in float32 whatever the storage dtype (fp32, fp16, bf16):
 H_pre and H_post are not rounded to the streams' dtype as the reference's matmuls round
-them. The map kernels' matmuls are exact fp32 for fp32 streams and TF32 for fp16/bf16
-streams (whose values TF32 holds exactly; phi is rounded to TF32's 10-bit mantissa).
+them.
+
+TF32, deliberately: the map kernels' matmuls are "ieee" (exact fp32, FMA units) for fp32
+streams, whose reference is fp32. For fp16/bf16 streams they run on tensor cores, where a
+tf32 mma reads the top 10 mantissa bits of each fp32 register: it truncates. x is exact in
+TF32 (fp16 and bf16 fit). The forward's phi: exact too when fp16/bf16; when fp32 (autocast,
+mixed precision) the forward uses tf32x3 (`_fwd_precision`), so the logits are fp32-accurate:
+alpha's gradient, a sum over tokens with cancellation, exceeded the GPU tolerance even with
+phi rounded to nearest (2.5e-3 of max|reference| at one of 40 emulated cases), and by more
+when truncated. The backward's dots (dx = dz phi^T, dphi = x^T dz) are single tf32 with every
+operand rounded to nearest first: phi on the host (`tf32_operand`), dz in the kernel by
+cvt.rna.tf32.f32, stored rounded for the dphi kernel. Emulated on the CPU over 20 seeds
+(tests/ops/test_triton.py, test_tf32_rounding_stays_within_the_gpu_tolerance), x's and phi's
+gradients differ from the fp32 reference by at most about 5e-4 of their max|reference| (the
+GPU tests allow 2e-3 for phi, 1.6e-2 for bf16 x; truncating gave 1.2e-3 in x's gradient);
+maps and the other gradients are as fp32. The ahead-of-time check (ops/triton/aot.py)
+asserts that fp32 launches contain no tf32 mma and that the backward rounds (cvt.rna) before
+its tf32 mma.
 
 The kernels need CUDA tensors, or CPU tensors when triton.kernels was imported with
 TRITON_INTERPRET=1 (Triton's interpreter; how the tests run without a GPU).
@@ -29,6 +45,7 @@ and dtypes, and the other implementations to select.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -37,12 +54,18 @@ from torch import Tensor
 
 from torch_mhc.functional import maps as _ref
 from torch_mhc.functional.sinkhorn import LINEAR_RANGE
+from torch_mhc.ops.checks import check_hc_scalars, check_maps_scalars, check_sinkhorn_scalars
 from torch_mhc.ops.triton import kernels as _k
 
 __all__ = ["Launch", "PLANS", "hc_maps", "interpreted", "mhc_maps", "post_merge", "pre_aggregate",
            "sinkhorn"]
 
-hc_maps = _ref.hc_maps  # HC's maps stay in torch; its aggregation and merge use the kernels
+
+def hc_maps(x, w, s_alpha, s_beta, static_pre, static_post, static_res, norm_eps=1e-6):
+    """HC's maps stay in torch (functional.maps); its aggregation and merge use the kernels."""
+    check_hc_scalars("hc_maps", norm_eps)
+    return _ref.hc_maps(x, w, s_alpha, s_beta, static_pre, static_post, static_res, norm_eps)
+
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _F32 = torch.float32
@@ -69,7 +92,33 @@ def _pp_width(n: int) -> int:
 
 
 def _precision(dtype: torch.dtype) -> str:
+    """The map kernels' tl.dot precision for streams of `dtype` (module docstring: TF32)."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _fwd_precision(dtype: torch.dtype, phi_dtype: torch.dtype) -> str:
+    """The forward's: tf32x3 (phi split in two TF32 parts; x is exact in TF32) for fp32 phi
+    beside half streams, so that the logits, which every map and alpha's gradient (a sum with
+    cancellation over tokens) take, are as fp32."""
+    if _precision(dtype) == "tf32" and phi_dtype == _F32:
+        return "tf32x3"
+    return _precision(dtype)
+
+
+def round_tf32(t: Tensor) -> Tensor:
+    """fp32 t rounded to TF32 (10 mantissa bits), to nearest with ties away from zero as PTX's
+    cvt.rna.tf32.f32; infinities and NaN unchanged."""
+    bits = t.contiguous().view(torch.int32)
+    rounded = ((bits + 0x1000) & -0x2000).view(torch.float32)
+    return torch.where(torch.isfinite(t), rounded, t)
+
+
+def tf32_operand(phi: Tensor, stream_dtype: torch.dtype) -> Tensor:
+    """phi as the map kernels read it: rounded to TF32 where their dots run in TF32 (half
+    streams) and phi is fp32 (autocast, mixed precision), as tf32 mma truncates what it gets."""
+    if _precision(stream_dtype) == "tf32" and phi.dtype == _F32:
+        return round_tf32(phi)
+    return phi
 
 
 def _device(t: Tensor):
@@ -89,15 +138,27 @@ class Launch:
     num_warps: int = 4
     num_stages: int = 3
     maxnreg: int | None = None  # ptxas register cap (None: ptxas decides)
+    # Multiply-adds contracted to FMAs (one rounding each), as the tolerances of the tests were
+    # measured with; passed explicitly so that Triton's default (an environment variable,
+    # TRITON_DEFAULT_FP_FUSION, whose unset value changes in Triton 3.10) cannot change the
+    # compiled code between installs. The interpreter ignores it (numpy rounds each step).
+    enable_fp_fusion: bool = True
 
     @property
     def name(self) -> str:
         return getattr(self.kernel, "__name__", None) or self.kernel.fn.__name__
 
-    def run(self) -> None:
+    @property
+    def options(self) -> dict:
+        """The compile options, as keyword arguments of a launch."""
         extra = {} if self.maxnreg is None else {"maxnreg": self.maxnreg}
-        self.kernel[self.grid](*self.args, **self.constexprs, num_warps=self.num_warps,
-                               num_stages=self.num_stages, **extra)
+        return dict(num_warps=self.num_warps, num_stages=self.num_stages,
+                    enable_fp_fusion=self.enable_fp_fusion, **extra)
+
+    def run(self) -> None:
+        if 0 in self.grid:  # no tokens (an empty batch): nothing to launch
+            return
+        self.kernel[self.grid](*self.args, **self.constexprs, **self.options)
 
 
 _ENV_VAR = "TORCH_MHC_IMPL"
@@ -119,10 +180,67 @@ def _run(op: str, launches: list[Launch], *inputs: Tensor) -> None:
                 ) from err
 
 
-def kernel_config(kernel: str, n: int, dtype: torch.dtype) -> dict:
-    """Launch parameters of one kernel for n streams of `dtype`: chosen with the ahead-of-time
-    compile check (ops/triton/aot.py, table in benchmarks/README.md) so that no kernel spills
-    on sm_80 or sm_90 and registers stay well below 255.
+# Shared memory one block may use (bytes: the opt-in maximum per block) by compute capability:
+# A100 (sm_80) 163 KiB, consumer Ampere and Ada (sm_86, sm_89) 99 KiB, H100/H200 (sm_90)
+# 227 KiB. Without a device to ask (meta tensors, the interpreter) the plans assume the smallest.
+SMEM_PER_BLOCK = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}
+SMEM_DEFAULT = min(SMEM_PER_BLOCK.values())
+
+
+@functools.cache
+def _device_smem(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    optin = getattr(props, "shared_memory_per_block_optin", None)
+    if optin:
+        return int(optin)
+    cc = props.major * 10 + props.minor
+    if cc in SMEM_PER_BLOCK:
+        return SMEM_PER_BLOCK[cc]
+    return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
+
+
+def smem_limit(device: torch.device) -> int:
+    """Shared memory per block on `device` (asked once per GPU); SMEM_DEFAULT off a GPU."""
+    if device.type != "cuda":
+        return SMEM_DEFAULT
+    return _device_smem(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def maps_smem(kernel: str, n: int, block_t: int, block_k: int, num_stages: int,
+              x_bytes: int, phi_bytes: int) -> int:
+    """An upper estimate of the shared memory of a map kernel (bytes), fitted to what the
+    compiled kernels use (ops/triton/aot.py): num_stages - 1 buffers of each pipelined tile
+    (phi's [BLOCK_K, NP*NP + PW] columns and x's [BLOCK_T, BLOCK_K]), one more x tile of slack,
+    the backward's dz operand [BLOCK_T, NP*NP + PW] (fp32), dphi's [BLOCK_K, NP*NP] result."""
+    cols = _padded(n) ** 2 + _pp_width(n)
+    bufs = max(1, num_stages - 1)
+    x_tile = block_t * block_k * x_bytes
+    if kernel == "dphi":
+        return max(bufs * (x_tile + block_t * cols * 4), block_k * _padded(n) ** 2 * 4) + x_tile
+    est = bufs * (block_k * cols * phi_bytes + x_tile) + x_tile
+    return est + (block_t * cols * 4 if kernel == "maps_bwd" else 0)
+
+
+def _fit_smem(kernel: str, n: int, cfg: dict, x_bytes: int, phi_bytes: int, limit: int) -> dict:
+    """cfg with BLOCK_K and num_stages lowered until maps_smem fits in `limit` (fewer stages
+    before a K tile under 32: a shorter K step costs more than one less load in flight)."""
+    bk = cfg["BLOCK_K"]
+    tries = [(bk, 3), (bk // 2, 3), (bk // 2, 2), (bk // 4, 3), (bk // 4, 2), (16, 1)]
+    for block_k, stages in tries:
+        if block_k < 16:
+            continue
+        if maps_smem(kernel, n, cfg["BLOCK_T"], block_k, stages, x_bytes, phi_bytes) <= limit:
+            return {**cfg, "BLOCK_K": block_k, "num_stages": stages}
+    return {**cfg, "BLOCK_K": 16, "num_stages": 1}  # the ahead-of-time check reports it
+
+
+def kernel_config(kernel: str, n: int, dtype: torch.dtype, param_dtype: torch.dtype | None = None,
+                  smem: int = SMEM_DEFAULT) -> dict:
+    """Launch parameters of one kernel for n streams of `dtype` and parameters (phi) of
+    `param_dtype` (default: dtype; fp32 under autocast or mixed precision) on a GPU giving a
+    block `smem` bytes of shared memory: chosen with the ahead-of-time compile check
+    (ops/triton/aot.py, table in benchmarks/README.md) so that no kernel spills or needs more
+    shared memory than sm_80, sm_86/89 and sm_90 give, and registers stay below 255.
 
     kernel: maps_fwd, maps_bwd, dphi (BLOCK_T, BLOCK_K); sinkhorn_fwd, sinkhorn_bwd (BLOCK_T);
     pre_fwd, pre_bwd, merge_fwd, merge_bwd (TILE: elements per [BLOCK_T, NP, BLOCK_C] tile);
@@ -138,10 +256,13 @@ def kernel_config(kernel: str, n: int, dtype: torch.dtype) -> dict:
         # holds [BLOCK_T, 256]-wide tiles, so fewer tokens per program.
         cap = {"maps_fwd": not fp32 or np_ >= 16, "maps_bwd": np_ >= 8,
                "dphi": np_ >= 8}[kernel]
-        return dict(BLOCK_T=32 if np_ <= 8 else 16,
-                    BLOCK_K=32 if (fp32 and np_ >= 16) else 64,
-                    num_warps=8 if (np_ >= 8 or fp32) else 4, num_stages=3,
-                    maxnreg=255 if cap else None)
+        cfg = dict(BLOCK_T=32 if np_ <= 8 else 16,
+                   BLOCK_K=32 if (fp32 and np_ >= 16) else 64,
+                   num_warps=8 if (np_ >= 8 or fp32) else 4, num_stages=3,
+                   maxnreg=255 if cap else None)
+        # Shared memory grows with phi's element size: fp32 phi beside half streams (autocast)
+        # doubles phi's pipelined tiles.
+        return _fit_smem(kernel, n, cfg, dtype.itemsize, (param_dtype or dtype).itemsize, smem)
     if kernel in ("sinkhorn_fwd", "sinkhorn_bwd"):
         return dict(BLOCK_T=32 if np_ <= 8 else 16, num_warps=4 if np_ <= 4 else 8, num_stages=3,
                     maxnreg=255 if (kernel == "sinkhorn_bwd" and np_ >= 16) else None)
@@ -184,20 +305,23 @@ def _check(name: str, *tensors: Tensor) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def plan_maps_fwd(x, phi, alpha, b_pre, b_post, b_res, iters, norm_eps, sk_eps, pre_eps):
-    """Outputs and launches of mhc_maps_fwd (any device, meta included: nothing runs)."""
+def plan_maps_fwd(x, phi, alpha, b_pre, b_post, b_res, iters, norm_eps, sk_eps, pre_eps,
+                  smem=None):
+    """Outputs and launches of mhc_maps_fwd (any device, meta included: nothing runs); smem:
+    the target's shared memory per block (default: that of x's GPU)."""
     t, n, c = x.shape
     m = n * n + 2 * n
     h_pre, h_post = x.new_empty((t, n), dtype=_F32), x.new_empty((t, n), dtype=_F32)
     h_res = x.new_empty((t, n, n), dtype=_F32)
     logits, r = x.new_empty((t, m), dtype=_F32), x.new_empty((t,), dtype=_F32)
-    cfg = kernel_config("maps_fwd", n, x.dtype)
+    cfg = kernel_config("maps_fwd", n, x.dtype, phi.dtype, smem or smem_limit(x.device))
     launch = Launch(
         _k.mhc_maps_fwd_kernel, (triton.cdiv(t, cfg["BLOCK_T"]),),
-        (x, phi, alpha, b_pre, b_post, b_res, h_pre, h_post, h_res, logits, r,
-         t, n * c, norm_eps, sk_eps, pre_eps, LINEAR_RANGE),
+        (x, phi, alpha, b_pre, b_post, b_res, h_pre, h_post, h_res, logits, r, t, n * c,
+         norm_eps, sk_eps, pre_eps, LINEAR_RANGE),
         dict(N=n, NP=_padded(n), PW=_pp_width(n), ITERS=iters, LOG_OK=sk_eps == 0.0,
-             BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], PRECISION=_precision(x.dtype)),
+             BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"],
+             PRECISION=_fwd_precision(x.dtype, phi.dtype)),
         **_opts(cfg),
     )
     return [launch], (h_pre, h_post, h_res, logits, r)
@@ -226,26 +350,29 @@ def _(x, phi, alpha, b_pre, b_post, b_res, iters, norm_eps, sk_eps, pre_eps):
 
 
 def plan_maps_bwd(x, phi, alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post, g_res, iters,
-                  sk_eps):
+                  sk_eps, smem=None):
     """Launches of mhc_maps_bwd and its buffers (dx, dgate, dphi parts)."""
     t, n, c = x.shape
     k, m, np_ = n * c, n * n + 2 * n, _padded(n)
-    cfg, dcfg = kernel_config("maps_bwd", n, x.dtype), kernel_config("dphi", n, x.dtype)
+    smem = smem or smem_limit(x.device)
+    cfg = kernel_config("maps_bwd", n, x.dtype, phi.dtype, smem)
+    dcfg = kernel_config("dphi", n, x.dtype, phi.dtype, smem)
     dx = torch.empty_like(x)
     dgate = x.new_empty((t, m), dtype=_F32)
     dz = x.new_empty((t, m), dtype=_F32)
     scratch = x.new_empty((t, 2 * iters, np_), dtype=_F32)  # Sinkhorn's normalisers
-    # dphi = x^T dz over T: split the tokens so that about 512 programs run, then sum.
+    # dphi = x^T dz over T: split the tokens so that about 512 programs run, then sum. No
+    # tokens: one split of zeros (the kernel still writes it), so dphi is zero, not empty.
     k_blocks = triton.cdiv(k, dcfg["BLOCK_K"])
-    splits = max(1, min(triton.cdiv(t, dcfg["BLOCK_T"]), 512 // k_blocks))
-    per_split = triton.cdiv(triton.cdiv(t, splits), dcfg["BLOCK_T"]) * dcfg["BLOCK_T"]
-    splits = triton.cdiv(t, per_split)
+    splits = max(1, min(triton.cdiv(t, dcfg["BLOCK_T"]), 512 // max(1, k_blocks)))
+    per_split = max(1, triton.cdiv(triton.cdiv(t, splits), dcfg["BLOCK_T"])) * dcfg["BLOCK_T"]
+    splits = max(1, triton.cdiv(t, per_split))
     dphi_parts = x.new_empty((splits, k, m), dtype=_F32)
     shape = dict(N=n, NP=np_, PW=_pp_width(n))
     launches = [
         Launch(_k.mhc_maps_bwd_kernel, (triton.cdiv(t, cfg["BLOCK_T"]),),
-               (x, phi, alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post, g_res,
-                dx, dgate, dz, scratch, t, k, sk_eps, LINEAR_RANGE),
+               (x, tf32_operand(phi, x.dtype), alpha, b_pre, b_post, b_res, logits, r, g_pre,
+                g_post, g_res, dx, dgate, dz, scratch, t, k, sk_eps, LINEAR_RANGE),
                dict(**shape, ITERS=iters, LOG_OK=sk_eps == 0.0, BLOCK_T=cfg["BLOCK_T"],
                     BLOCK_K=cfg["BLOCK_K"], PRECISION=_precision(x.dtype)),
                **_opts(cfg)),
@@ -328,6 +455,7 @@ def mhc_maps(
 ):
     """Same contract as functional.maps.mhc_maps; one kernel for all three maps."""
     _check("mhc_maps", x, phi)
+    check_maps_scalars("mhc_maps", sinkhorn_iters, norm_eps, sinkhorn_eps, pre_eps)
     lead, (n, c) = x.shape[:-2], x.shape[-2:]
     m = n * n + 2 * n
     if tuple(phi.shape) != (n * c, m):
@@ -573,10 +701,9 @@ def sinkhorn(logits: Tensor, iters: int = 20, *, eps: float = 0.0) -> Tensor:
     _check("sinkhorn", logits)
     if logits.dim() < 2 or logits.shape[-1] != logits.shape[-2]:
         raise ValueError(f"sinkhorn expects matrices [..., n, n], got {tuple(logits.shape)}")
-    if not isinstance(iters, int) or iters < 1:
-        raise ValueError(f"sinkhorn expects iters >= 1, got {iters!r}")
+    check_sinkhorn_scalars("sinkhorn", iters, eps)
     n = logits.shape[-1]
-    out = _sinkhorn_fwd(logits.reshape(-1, n, n).contiguous(), iters, float(eps))
+    out = _sinkhorn_fwd(logits.reshape(-1, n, n).contiguous(), int(iters), float(eps))
     return out.reshape(logits.shape)
 
 
