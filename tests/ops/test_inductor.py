@@ -63,7 +63,7 @@ def test_connection_with_inductor_ops_equals_reference():
 
 
 def test_bench_sinkhorn_compares_the_inductor_ops():
-    from torch_mhc.tools.bench.suite import bench_sinkhorn
+    from torch_mhc.tools.bench.sinkhorn import bench_sinkhorn
 
     result = bench_sinkhorn(tokens=8, sizes=(3,), iters=3, repeats=1, inductor=True)
     entry = result["results"][0]["entries"]["ops.inductor"]

@@ -8,7 +8,7 @@ import torch_mhc as tm
 from tests.helpers.branches import MLP, Attention, perturb
 from torch_mhc.lm.model import LM, ModelConfig
 from torch_mhc.runtime.recompute import optimal_interval, recompute_streams
-from torch_mhc.tools.bench.suite import saved_bytes
+from torch_mhc.tools.bench.workloads import saved_bytes
 
 
 @pytest.mark.parametrize("impl", ["reference", "cpu"])

@@ -14,8 +14,8 @@ import torch
 
 from torch_mhc.tools.bench import suite as bench
 from torch_mhc.tools.bench import workloads
-from torch_mhc.tools.bench.suite import saved_bytes, summarize, time_interleaved
-from torch_mhc.tools.bench.timing import medians, time_ms
+from torch_mhc.tools.bench.timing import medians, summarize, time_interleaved, time_ms
+from torch_mhc.tools.bench.workloads import saved_bytes
 from torch_mhc.tools.cli import main
 
 
@@ -81,8 +81,8 @@ def test_saved_bytes_counts_distinct_storages_and_excludes():
 
 def test_lucidrains_model_reuses_the_residual_lm_blocks():
     pytest.importorskip("hyper_connections")
-    ours = bench.build_model("residual", 32, 2, 4, 16)
-    theirs = bench.build_model("lucidrains_mhc", 32, 2, 4, 16)
+    ours = workloads.build_model("residual", 32, 2, 4, 16)
+    theirs = workloads.build_model("lucidrains_mhc", 32, 2, 4, 16)
     # Same seed, same construction order: the wrapped branches hold the residual LM's weights.
     for i, block in enumerate(ours.blocks):
         for mine, wrapped in ((block.attn.branch, theirs.attn[i].branch),
@@ -93,8 +93,8 @@ def test_lucidrains_model_reuses_the_residual_lm_blocks():
                 torch.testing.assert_close(q, p, rtol=0, atol=0)
     torch.testing.assert_close(theirs.tok_emb.weight, ours.tok_emb.weight, rtol=0, atol=0)
     # It trains: every parameter, the wrappers' own included, receives a gradient.
-    idx = bench.random_tokens(2, 17)
-    bench.train_step(theirs, idx)()  # runs, drops the gradients
+    idx = workloads.random_tokens(2, 17)
+    workloads.train_step(theirs, idx)()  # runs, drops the gradients
     _, loss = theirs(idx[:, :-1], idx[:, 1:])
     loss.backward()
     assert all(p.grad is not None for p in theirs.parameters())
