@@ -237,6 +237,31 @@ def test_trains_with_transformers_trainer(tmp_path):
     assert len(moved) == len(before)  # every connection parameter was trained
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_trainer_default_optimizer_decays_what_param_groups_decays(tmp_path, family):
+    """exclude_from_weight_decay: Trainer's own optimizer, built by create_optimizer(), has the
+    decay and no-decay groups of torch_mhc.param_groups (the connections' static maps and
+    gates and 1-D parameters without decay), for every kind with parameters."""
+    pytest.importorskip("accelerate")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), weight_decay=0.1,
+                                          report_to=[], use_cpu=True, save_strategy="no")
+    for kind in ("hc", "mhc", "mhc-lite"):
+        model = mhc_hf.convert(_model(family), kind, streams=4)
+        trainer = mhc_hf.exclude_from_weight_decay(transformers.Trainer(model=model, args=args))
+        groups = trainer.create_optimizer().param_groups
+        decay, no_decay = torch_mhc.param_groups(model, weight_decay=0.1)
+        assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+        assert [{id(p) for p in g["params"]} for g in groups] == [
+            {id(p) for p in decay["params"]}, {id(p) for p in no_decay["params"]}]
+        exempt = {id(getattr(c, name)) for c in model.modules()
+                  if isinstance(c, torch_mhc.Connection) for name in c.no_weight_decay()}
+        assert exempt and exempt <= {id(p) for p in groups[1]["params"]}
+    with pytest.raises(ValueError, match="already has its optimizer; call it before train"):
+        mhc_hf.exclude_from_weight_decay(trainer)
+    with pytest.raises(TypeError, match="expects a transformers.Trainer, got Linear"):
+        mhc_hf.exclude_from_weight_decay(torch.nn.Linear(2, 2))
+
+
 def test_train_only_connections():
     model = mhc_hf.convert(_model("gpt2").train(), "mhc", streams=4)
     trainable = mhc_hf.train_only_connections(model)

@@ -8,6 +8,7 @@ Models are built from tiny configs (hidden 32) with random weights; nothing is d
 
 from __future__ import annotations
 
+import copy
 import inspect
 import io
 import subprocess
@@ -332,6 +333,25 @@ def test_a_dispatched_model_is_refused_and_converting_first_works(tmp_path):
     assert torch.equal(_logits(model, ids, mask), ref)
 
 
+def test_a_deep_copied_connection_calls_the_model_s_layer():
+    """A connection copied alone (as PEFT's modules_to_save copies it) runs the model's own
+    layer, so a change to the layer's sublayers reaches it; a copied model runs its copy."""
+    model = mhc_hf.convert(_llama(), "mhc", streams=4)
+    ids, mask = _batch()
+    layer = model.model.layers[0]
+    twin = copy.deepcopy(layer.mhc_attn)
+    assert twin.branch.layer is layer and twin.phi is not layer.mhc_attn.phi
+    whole = copy.deepcopy(model)
+    assert whole.model.layers[0].mhc_attn.branch.layer is whole.model.layers[0]
+    layer.mhc_attn = twin
+    ref = _logits(model, ids, mask)
+    assert torch.equal(_logits(whole, ids, mask), ref)
+    with torch.no_grad():
+        layer.self_attn.o_proj.weight.mul_(2)  # seen by the copied connection
+    assert _rel(_logits(model, ids, mask), ref) > 1e-2
+    assert torch.equal(_logits(whole, ids, mask), ref)  # the copied model keeps its own layer
+
+
 def test_converted_model_pickles(tmp_path):
     model = mhc_hf.convert(_llama(), "mhc", streams=4)
     _perturb_connections(model)
@@ -343,7 +363,7 @@ def test_converted_model_pickles(tmp_path):
     loaded = torch.load(buf, weights_only=False)
     assert type(loaded.model.layers[0]) is type(model.model.layers[0])
     layer = loaded.model.layers[1]
-    assert layer.mhc_mlp.branch.__self__ is layer  # the branch is this layer's, not a copy's
+    assert layer.mhc_mlp.branch.layer is layer  # the branch is this layer's, not a copy's
     assert torch.equal(_logits(loaded, ids, mask), ref)
 
     # in a fresh interpreter, where no conversion has built the layer class yet

@@ -28,6 +28,7 @@ from torch_mhc.integrations.hf.convert import (
     train_only_connections,
 )
 from torch_mhc.integrations.hf.layers import ConversionError
+from torch_mhc.integrations.hf.training import exclude_from_weight_decay
 
 __all__ = [
     "CONFIG_KEY",
@@ -35,6 +36,7 @@ __all__ = [
     "accelerate_deepseek_v4",
     "connection_parameters",
     "convert",
+    "exclude_from_weight_decay",
     "from_pretrained",
     "save_pretrained",
     "train_only_connections",

@@ -29,6 +29,7 @@ from torch_mhc import __version__
 from torch_mhc.connections import Connection, make_connection
 from torch_mhc.integrations.hf.layers import (
     ConversionError,
+    branches,
     converted_class,
     find_decoder_layers,
     is_converted,
@@ -138,8 +139,9 @@ def convert(model: nn.Module, kind: str = "mhc", streams: int = 4, **connection_
         p = next(layer.parameters())
         layer.__class__ = converted_class(type(layer))
         layer._mhc_spec, layer._mhc_first, layer._mhc_last = spec, i == 0, i == len(layers) - 1
-        attn = make_connection(kind, dim, n, 2 * i, layer._mhc_attn_branch, **connection_kwargs)
-        mlp = make_connection(kind, dim, n, 2 * i + 1, layer._mhc_mlp_branch, **connection_kwargs)
+        attn_branch, mlp_branch = branches(layer)
+        attn = make_connection(kind, dim, n, 2 * i, attn_branch, **connection_kwargs)
+        mlp = make_connection(kind, dim, n, 2 * i + 1, mlp_branch, **connection_kwargs)
         layer.mhc_attn = attn.to(device=p.device, dtype=p.dtype)
         layer.mhc_mlp = mlp.to(device=p.device, dtype=p.dtype)
     # device_map="auto" must not split a layer from its connections (names, not classes).

@@ -45,7 +45,8 @@ from torch import nn
 
 from torch_mhc.connections import expand_streams, reduce_streams
 
-__all__ = ["LayerSpec", "find_decoder_layers", "converted_class", "ConversionError"]
+__all__ = ["LayerSpec", "LayerBranch", "branches", "find_decoder_layers", "converted_class",
+           "ConversionError"]
 
 
 class ConversionError(TypeError):
@@ -502,8 +503,39 @@ def _layer_specs(layers: nn.ModuleList) -> list[LayerSpec]:
 # The converted layer
 
 
-# The branches are named as the class attributes they become: a connection holds its branch as
-# a bound method, which pickle saves as getattr(layer, <function name>).
+class LayerBranch:
+    """One sublayer of a converted layer as a connection's branch: calls
+    layer.<method>(h, ...), looking the sublayer up on the layer at every call.
+
+    It is not a bound method because copy.deepcopy copies a bound method's layer: a connection
+    copied on its own (PEFT's modules_to_save copies each one) would then run a hidden copy of
+    the layer, which LoRA never reaches. A deep copy keeps this layer, unless the layer is
+    copied in the same deepcopy (the whole model is), then it takes the layer's copy. Pickle
+    saves the layer by reference, so an unpickled connection calls the unpickled layer."""
+
+    __slots__ = ("layer", "method")
+
+    def __init__(self, layer: nn.Module, method: str):
+        self.layer, self.method = layer, method
+
+    def __call__(self, h: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return getattr(self.layer, self.method)(h, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> LayerBranch:
+        # copy.deepcopy enters a copied object in memo before copying its state, so the layer
+        # that holds this connection is already there when the whole layer is copied.
+        return LayerBranch(memo.get(id(self.layer), self.layer), self.method)
+
+    def __reduce__(self):
+        return LayerBranch, (self.layer, self.method)
+
+    def __repr__(self) -> str:
+        return f"LayerBranch({type(self.layer).__name__}.{self.method})"
+
+
+def branches(layer: nn.Module) -> tuple[LayerBranch, LayerBranch]:
+    """The attention and MLP branches of a converted layer."""
+    return LayerBranch(layer, "_mhc_attn_branch"), LayerBranch(layer, "_mhc_mlp_branch")
 
 
 def _mhc_attn_branch(self, h: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -539,8 +571,8 @@ def _converted_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> to
 def _reduce_ex(self, protocol: int):
     # pickle finds a class by its module and name, and the generated class is in no module
     # until a conversion in this process builds it: pickle the (importable) base class and
-    # rebuild the subclass from it. The state comes third so that the connections' bound
-    # branches can refer back to this layer.
+    # rebuild the subclass from it. The state comes third so that the connections' branches
+    # can refer back to this layer.
     return _unpickle_converted, (type(self)._mhc_base,), self.__getstate__()
 
 
