@@ -402,9 +402,9 @@ def test_checkpoint_without_conversion_record(tmp_path):
     with pytest.raises(ValueError, match="is not a converted checkpoint"):
         mhc_hf.from_pretrained(tmp_path / "plain")
     # loaded as a plain model, the recorded conversion stops a second, different conversion
-    config["mhc_conversion"] = {"kind": "mhc", "streams": 4, "options": {}}
-    (path / "config.json").write_text(json.dumps(config))
-    plain = transformers.AutoModelForCausalLM.from_pretrained(path)
+    base = transformers.LlamaConfig.from_dict(config["base_config"])
+    base.mhc_conversion = {"kind": "mhc", "streams": 4, "options": {}}
+    plain = transformers.LlamaForCausalLM.from_pretrained(path, config=base)
     with pytest.raises(ValueError, match="loaded from a converted checkpoint without conversion"):
         mhc_hf.convert(plain, "mhc", streams=4)
 

@@ -24,6 +24,7 @@ from tests.helpers.hf_cases import batch as _batch  # noqa: E402
 from tests.helpers.hf_cases import logits as _logits  # noqa: E402
 from tests.helpers.hf_cases import perturb_connections as _perturb_connections  # noqa: E402
 from torch_mhc.integrations.hf.checkpoint import CONNECTIONS_FILE  # noqa: E402
+from torch_mhc.integrations.hf.portable import CODE_FILES  # noqa: E402
 
 
 def _converted(cls=transformers.LlamaForCausalLM, config=None, seed: int = 0, streams: int = 3):
@@ -63,9 +64,9 @@ def test_save_keeps_other_files_and_removes_stale_weights(tmp_path):
     (folder / "notes" / "run.txt").write_text("lr 1e-4\n")
 
     assert mhc_hf.save_pretrained(model, folder) == folder  # one file now: the shards go
-    assert sorted(p.name for p in folder.iterdir()) == [
+    assert sorted(p.name for p in folder.iterdir()) == sorted([
         "README.md", "config.json", "generation_config.json", CONNECTIONS_FILE,
-        "model.safetensors", "notes", "tokenizer.json"]
+        "model.safetensors", "notes", "tokenizer.json", *CODE_FILES])
     assert (folder / "tokenizer.json").read_text() == '{"version": "1.0"}'
     assert (folder / "README.md").read_text() == "# my model\n"
     assert (folder / "notes" / "run.txt").read_text() == "lr 1e-4\n"
@@ -91,9 +92,9 @@ def test_save_into_the_working_directory_and_relative_paths(tmp_path, monkeypatc
     ref = _logits(model, ids, mask)
 
     assert mhc_hf.save_pretrained(model, ".") == Path(".")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([
         "config.json", "generation_config.json", CONNECTIONS_FILE, "model.safetensors",
-        "train.py"]  # no temporary folder left, the user's file kept
+        "train.py", *CODE_FILES])  # no temporary folder left, the user's file kept
     assert (tmp_path / "train.py").read_text() == "print('train')\n"
     assert torch.equal(_logits(mhc_hf.from_pretrained("."), ids, mask), ref)
 
@@ -194,13 +195,13 @@ def test_mixtral_round_trip(tmp_path):
 
 
 def test_earlier_format_still_loads(tmp_path):
-    """Checkpoints whose connection tensors are in transformers' weight files (what
-    model.save_pretrained writes for a converted model), one file or sharded."""
+    """Checkpoints whose connection tensors are in transformers' weight files (what the base
+    class's save_pretrained writes for a converted model), one file or sharded."""
     model = _converted()
     ids, mask = _batch()
     ref = _logits(model, ids, mask)
     for name, kwargs in (("single", {}), ("sharded", {"max_shard_size": "20KB"})):
-        model.save_pretrained(tmp_path / name, **kwargs)
+        type(model).save_pretrained(model, tmp_path / name, **kwargs)
         assert not (tmp_path / name / CONNECTIONS_FILE).exists()
         assert torch.equal(_logits(mhc_hf.from_pretrained(tmp_path / name), ids, mask), ref)
 
@@ -229,7 +230,7 @@ def test_model_class_comes_from_the_config(tmp_path):
     config_file = tmp_path / "cls" / "config.json"
     for architectures in (["NoSuchModelForCausalLM"], None):
         config = json.loads(config_file.read_text())
-        config["architectures"] = architectures
+        config["base_config"]["architectures"] = architectures
         config_file.write_text(json.dumps(config))
         with pytest.raises(ValueError, match=r"expected 'architectures' to name the transformers"
                                              r" model class .*, got "

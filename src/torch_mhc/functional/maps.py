@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from torch_mhc.functional.sinkhorn import compute_dtype as _maps_dtype
-from torch_mhc.functional.sinkhorn import sinkhorn
+from .sinkhorn import compute_dtype as _maps_dtype
+from .sinkhorn import sinkhorn
 
 
 def mhc_maps(

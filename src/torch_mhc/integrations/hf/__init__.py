@@ -20,6 +20,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 from torch_mhc.integrations.hf.accelerate import accelerate_deepseek_v4
+from torch_mhc.integrations.hf.auto import TorchMHCForCausalLM, register
 from torch_mhc.integrations.hf.checkpoint import from_pretrained, save_pretrained
 from torch_mhc.integrations.hf.convert import (
     CONFIG_KEY,
@@ -28,6 +29,7 @@ from torch_mhc.integrations.hf.convert import (
     train_only_connections,
 )
 from torch_mhc.integrations.hf.layers import ConversionError
+from torch_mhc.integrations.hf.portable import TorchMHCConfig
 from torch_mhc.integrations.hf.training import exclude_from_weight_decay
 
 __all__ = [
@@ -40,4 +42,8 @@ __all__ = [
     "from_pretrained",
     "save_pretrained",
     "train_only_connections",
+    "TorchMHCConfig",
+    "TorchMHCForCausalLM",
 ]
+
+register()  # AutoConfig / AutoModelForCausalLM read a portable checkpoint without remote code

@@ -1,17 +1,22 @@
 """Saving a converted model and loading it back.
 
-    torch_mhc.hf.save_pretrained(model, "out/")     # a transformers checkpoint + the connections
+    torch_mhc.hf.save_pretrained(model, "out/")     # or model.save_pretrained("out/")
     model = torch_mhc.hf.from_pretrained("out/")    # the same converted model
 
-A converted checkpoint is an ordinary transformers checkpoint of the original architecture
-(config.json, model.safetensors or shards with their index) whose config carries
-`mhc_conversion` = {"kind", "streams", "options"}, plus `mhc_connections.safetensors`: the
-connections' tensors under the converted model's own state-dict keys
-(`model.layers.<i>.mhc_attn.phi` etc.). They are kept out of transformers' weight files because
-transformers renames keys on save with per-model regexes, and some of them rewrite ours (Mixtral
-turns `.mhc_mlp.` into `.mhc.block_sparse_moe.`, its pattern `.mlp.` having unescaped dots).
-Checkpoints of the earlier format, whose connection tensors sit in the transformers weight files,
-still load.
+A converted checkpoint is a transformers checkpoint of the original architecture's weights
+(model.safetensors or shards with their index) with a portable config.json (model_type
+"torch_mhc", the base model's config inside it, `mhc_conversion` = {"kind", "streams",
+"options"}; see portable.py), the code that loads it with transformers alone, and
+`mhc_connections.safetensors`: the connections' tensors under the converted model's own
+state-dict keys (`model.layers.<i>.mhc_attn.phi` etc.). They are kept out of transformers'
+weight files because transformers renames keys on save with per-model regexes, and some of
+them rewrite ours (Mixtral turns `.mhc_mlp.` into `.mhc.block_sparse_moe.`, its pattern
+`.mlp.` having unescaped dots). Checkpoints of the earlier formats still load: a config.json
+of the base architecture carrying `mhc_conversion`, with the connections in their own file or
+in the transformers weight files.
+
+convert() makes a converted model's own save_pretrained (hence transformers.Trainer's
+checkpoints and push_to_hub) write this same checkpoint.
 
 Loading checks the recorded options as convert would (before any weight is read), builds the
 architecture named in config.json with transformers (its weights, dtype, single-device
@@ -27,14 +32,22 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from torch_mhc import __version__
-from torch_mhc.integrations.hf.convert import CONFIG_KEY, check_options, conversion_of, convert
+from torch_mhc.integrations.hf.convert import (
+    CONFIG_KEY,
+    ON_CONVERT,
+    check_options,
+    conversion_of,
+    convert,
+)
 from torch_mhc.integrations.hf.layers import is_converted
+from torch_mhc.integrations.hf.portable import TorchMHCConfig, is_portable, write_portable
 from torch_mhc.runtime.files import fsync_dir
 
 __all__ = ["save_pretrained", "from_pretrained"]
@@ -52,6 +65,31 @@ def _is_connection(key: str) -> bool:
     return any(m in key for m in _MARK)
 
 
+# The model whose transformers save_pretrained _write_checkpoint is running in this thread: its
+# own save_pretrained (ModelSave) then writes transformers' files only.
+_INNER = threading.local()
+
+
+class ModelSave:
+    """A converted model's own save_pretrained (an attribute of the instance, so that
+    transformers' callers, Trainer and push_to_hub, reach it): this module's save_pretrained."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, save_directory, **kwargs):
+        if getattr(_INNER, "model", None) is self.model:
+            return type(self.model).save_pretrained(self.model, save_directory, **kwargs)
+        return save_pretrained(self.model, save_directory, **kwargs)
+
+
+def _install_save(model: nn.Module) -> None:
+    model.save_pretrained = ModelSave(model)
+
+
+ON_CONVERT.append(_install_save)
+
+
 # ------------------------------------------------------------------------------------------
 # Saving
 
@@ -63,6 +101,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, **kwargs) -> Path
     transformers, files in the folder that the save does not write (a tokenizer, a README)
     stay; the checkpoint's files are replaced, and weight files of an earlier save that this
     one does not overwrite (model*.safetensors, index files, pytorch_model*.bin) are removed.
+    is_main_process=False (transformers.Trainer's other processes) writes nothing.
 
     The checkpoint is first written completely into a temporary folder inside `path` and its
     connection keys read back; only then is each file renamed into `path` (a rename replaces a
@@ -75,6 +114,8 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, **kwargs) -> Path
     """
     _check_saveable(model, kwargs)
     target = Path(path)
+    if kwargs.pop("is_main_process", True) is False:  # another process writes the folder
+        return target
     if target.exists() and not target.is_dir():
         raise FileExistsError(f"save_pretrained expects a folder path, {target} is a file")
     created = not target.exists()
@@ -127,8 +168,13 @@ def _write_checkpoint(model: nn.Module, folder: Path, kwargs: dict) -> None:
             f"the connection tensors {offloaded[:4]} are on the meta device (offloaded?); "
             "expected a model whose connections are in memory"
         )
-    model.save_pretrained(folder, state_dict={k: v for k, v in state.items()
-                                              if k not in connections}, **kwargs)
+    _INNER.model = model
+    try:
+        model.save_pretrained(folder, state_dict={k: v for k, v in state.items()
+                                                  if k not in connections}, **kwargs)
+    finally:
+        _INNER.model = None
+    write_portable(model, folder)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in connections.items()}
     save_file(tensors, str(folder / CONNECTIONS_FILE),
               metadata={"format": "pt", "torch_mhc_version": __version__})
@@ -186,7 +232,8 @@ def _fsync(path: Path) -> None:
 def from_pretrained(path: str | os.PathLike, **kwargs) -> nn.Module:
     """Load a converted checkpoint (a local folder) written by save_pretrained.
 
-    The model class is the one the checkpoint was saved from (config.json's architectures).
+    The model class is the one the checkpoint was saved from (the architectures of its base
+    config).
     kwargs go to transformers' from_pretrained: dtype, a single-device device_map ("cpu",
     "cuda:0", {"": 0}), config attributes (output_hidden_states=True), ... A device_map that
     spreads the model over several devices or offloads it is refused: load it onto one device,
@@ -201,8 +248,11 @@ def from_pretrained(path: str | os.PathLike, **kwargs) -> nn.Module:
             "as keyword arguments (e.g. output_hidden_states=True) or edit config.json"
         )
     path = _checkpoint_folder(path)
-    config = AutoConfig.from_pretrained(path)
     tensors = _connection_tensors(path)
+    if is_portable(_config_dict(path)):
+        config, kwargs = _portable_config(path, kwargs)
+    else:
+        config = AutoConfig.from_pretrained(path)
     conversion = _conversion_record(config, tensors, path)
     cls = _model_class(config, path)
     _check_device_map(kwargs.get("device_map"))
@@ -230,6 +280,32 @@ def _checkpoint_folder(path: str | os.PathLike) -> Path:
             f"from_pretrained expects {expected}"
         )
     return path
+
+
+def _config_dict(path: Path) -> dict:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}/config.json cannot be read: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}/config.json holds {type(config).__name__}, expected an object")
+    return config
+
+
+def _portable_config(path: Path, kwargs: dict) -> tuple:
+    """(the base config with the conversion recorded, the kwargs for the base class's
+    from_pretrained, config= included): kwargs naming base config attributes set them."""
+    import inspect
+
+    from transformers import PreTrainedModel
+
+    config = TorchMHCConfig.from_pretrained(path)
+    named = inspect.signature(PreTrainedModel.from_pretrained).parameters
+    try:
+        base, unused = config.base(**{k: v for k, v in kwargs.items() if k not in named})
+    except ValueError as e:
+        raise ValueError(f"{path}/config.json: {e}") from None
+    return base, {**{k: v for k, v in kwargs.items() if k in named}, **unused, "config": base}
 
 
 def _conversion_record(config, tensors: dict[str, torch.Tensor], path: Path) -> dict:

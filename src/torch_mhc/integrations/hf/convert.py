@@ -38,6 +38,9 @@ from torch_mhc.integrations.hf.layers import (
 __all__ = ["convert", "connection_parameters", "train_only_connections", "CONFIG_KEY"]
 
 CONFIG_KEY = "mhc_conversion"  # the attribute of model.config that records the conversion
+# Called with every converted model: checkpoint.py adds the hook that makes the model's own
+# save_pretrained write the portable checkpoint (it imports this module, so not the reverse).
+ON_CONVERT: list = []
 
 
 def _check_model(model: nn.Module) -> None:
@@ -152,6 +155,8 @@ def convert(model: nn.Module, kind: str = "mhc", streams: int = 4, **connection_
         "kind": kind, "streams": n, "options": dict(connection_kwargs),
         "torch_mhc_version": __version__,
     })
+    for hook in ON_CONVERT:
+        hook(model)
     return model
 
 

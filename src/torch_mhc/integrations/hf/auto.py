@@ -1,0 +1,56 @@
+"""transformers' Auto classes know a portable checkpoint once torch_mhc.hf is imported.
+
+    import torch_mhc.hf
+    model = AutoModelForCausalLM.from_pretrained("out/")    # no trust_remote_code needed
+
+AutoConfig reads config.json (model_type "torch_mhc") as a TorchMHCConfig and
+AutoModelForCausalLM hands the folder to torch_mhc.hf.from_pretrained, which returns the
+converted base model on torch-mhc's connections and ops (e.g. a LlamaForCausalLM instance), the
+same model torch_mhc.hf.from_pretrained(path) returns. With trust_remote_code=True transformers
+runs the code saved in the folder instead (the plain-torch reference connections).
+"""
+
+from __future__ import annotations
+
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from torch_mhc.integrations.hf.checkpoint import from_pretrained
+from torch_mhc.integrations.hf.portable import MODEL_TYPE, TorchMHCConfig
+from torch_mhc.integrations.hf.remote.configuration_torch_mhc import PASSED_ON
+
+__all__ = ["TorchMHCForCausalLM", "register"]
+
+# what AutoModelForCausalLM adds to the kwargs of the class's from_pretrained
+_AUTO_ONLY = ("trust_remote_code", "adapter_kwargs", "code_revision")
+
+
+class TorchMHCForCausalLM(PreTrainedModel):
+    """The Auto classes' entry for model_type "torch_mhc"; it is never built itself."""
+
+    config_class = TorchMHCConfig
+    base_model_prefix = "model"
+
+    def __init__(self, config, *args, **kwargs):
+        raise TypeError("a torch-mhc converted model is built from its checkpoint: "
+                        "torch_mhc.hf.from_pretrained(path) or "
+                        "AutoModelForCausalLM.from_pretrained(path)")
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, **kwargs):
+        if model_args:
+            raise TypeError(f"{cls.__name__}.from_pretrained takes no positional model "
+                            f"arguments, got {len(model_args)}")
+        kwargs = {k: v for k, v in kwargs.items() if k not in _AUTO_ONLY}
+        for key, default in PASSED_ON.items():  # what AutoModel put on the config it read
+            if config is not None and getattr(config, key, default) != default:
+                kwargs.setdefault(key, getattr(config, key))
+        return from_pretrained(pretrained_model_name_or_path, **kwargs)
+
+    @classmethod
+    def _from_config(cls, config, **kwargs):
+        return cls(config)
+
+
+def register() -> None:
+    AutoConfig.register(MODEL_TYPE, TorchMHCConfig, exist_ok=True)
+    AutoModelForCausalLM.register(TorchMHCConfig, TorchMHCForCausalLM, exist_ok=True)

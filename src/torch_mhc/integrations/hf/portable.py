@@ -1,0 +1,85 @@
+"""The portable form of a converted checkpoint: an architecture of its own to transformers.
+
+A converted model's config.json is written with model_type "torch_mhc" and an auto_map that
+points transformers at the code saved beside the weights (remote/ and three files of
+torch_mhc.functional), so that
+
+    AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+
+loads the converted model where torch-mhc is not installed, and plain transformers without
+trust_remote_code refuses the folder (it cannot know model_type "torch_mhc") instead of loading
+the base model without its connections. config.json holds:
+
+    model_type: "torch_mhc";  architectures: ["TorchMHCForCausalLM"];  auto_map
+    base_model_type: e.g. "llama";  base_config: the base model's config.json, as transformers
+        writes it (its architectures name the class to build, e.g. LlamaForCausalLM)
+    mhc_conversion: {kind, streams, options, torch_mhc_version}, as convert records it
+    mhc_layers: {path: the ModuleList of decoder layers, e.g. "model.layers", specs: each
+        layer's norm1, attn, norm2, mlp submodule names and forward's argument names}
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from torch import nn
+
+from torch_mhc.integrations.hf.convert import CONFIG_KEY
+from torch_mhc.integrations.hf.layers import is_converted
+from torch_mhc.integrations.hf.remote.configuration_torch_mhc import MODEL_TYPE, TorchMHCConfig
+
+__all__ = ["CODE_FILES", "MODEL_TYPE", "TorchMHCConfig", "is_portable", "write_portable"]
+
+_REMOTE = Path(__file__).resolve().parent / "remote"
+_FUNCTIONAL = Path(__file__).resolve().parents[2] / "functional"
+# the remote code, by its name in the folder
+CODE_FILES = {
+    "configuration_torch_mhc.py": _REMOTE / "configuration_torch_mhc.py",
+    "modeling_torch_mhc.py": _REMOTE / "modeling_torch_mhc.py",
+    **{name: _FUNCTIONAL / name for name in ("sinkhorn.py", "maps.py", "successors.py")},
+}
+AUTO_MAP = {
+    "AutoConfig": "configuration_torch_mhc.TorchMHCConfig",
+    "AutoModelForCausalLM": "modeling_torch_mhc.TorchMHCForCausalLM",
+}
+
+
+def is_portable(config_dict: dict) -> bool:
+    return config_dict.get("model_type") == MODEL_TYPE
+
+
+def layers_record(model: nn.Module) -> dict:
+    """mhc_layers: the path of the ModuleList of converted layers and each layer's spec."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) \
+                and all(is_converted(layer) for layer in module):
+            specs = [layer._mhc_spec for layer in module]
+            return {"path": name, "specs": [
+                {"norm1": s.norm1, "attn": s.attn, "norm2": s.norm2, "mlp": s.mlp,
+                 "arg_names": list(s.arg_names)} for s in specs]}
+    raise ValueError(f"{type(model).__name__} has no nn.ModuleList of converted decoder layers")
+
+
+def write_portable(model: nn.Module, folder: Path) -> None:
+    """Rewrite the base model's config.json in folder into the portable one and copy the code
+    files beside it."""
+    path = folder / "config.json"
+    base = json.loads(path.read_text())
+    conversion = base.pop(CONFIG_KEY)
+    config = {
+        "model_type": MODEL_TYPE,
+        "architectures": ["TorchMHCForCausalLM"],
+        "auto_map": dict(AUTO_MAP),
+        "base_model_type": base["model_type"],
+        "base_config": base,
+        CONFIG_KEY: conversion,
+        "mhc_layers": layers_record(model),
+    }
+    for key in ("dtype", "transformers_version"):
+        if key in base:
+            config[key] = base[key]
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for name, source in CODE_FILES.items():
+        shutil.copyfile(source, folder / name)

@@ -1,0 +1,53 @@
+"""The configuration of a model converted by torch-mhc (Manifold-Constrained Hyper-Connections).
+
+A converted model is an architecture of its own to transformers (model_type "torch_mhc"): this
+config records the model it was converted from (base_model_type, and base_config as that
+model's config.json holds it) and the conversion (mhc_conversion: kind, streams, options;
+mhc_layers: where the decoder layers are and which of each layer's submodules are the two
+branches). modeling_torch_mhc builds the base model from base_config and converts it.
+"""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+MODEL_TYPE = "torch_mhc"
+# the keys this config adds to a transformers config
+OWN_KEYS = ("base_model_type", "base_config", "mhc_conversion", "mhc_layers")
+# settings a load may pass (AutoModel puts them on this config), with their defaults: a value
+# other than the default reaches the base config
+PASSED_ON = {"output_hidden_states": False, "return_dict": True, "output_attentions": False}
+
+
+class TorchMHCConfig(PretrainedConfig):
+    model_type = MODEL_TYPE
+
+    def __init__(self, base_model_type=None, base_config=None, mhc_conversion=None,
+                 mhc_layers=None, **kwargs):
+        self.base_model_type = base_model_type
+        self.base_config = base_config
+        self.mhc_conversion = mhc_conversion
+        self.mhc_layers = mhc_layers
+        super().__init__(**kwargs)
+
+    def base(self, **kwargs):
+        """(the base model's config with the conversion recorded, kwargs it did not take).
+
+        kwargs that name attributes of the base config set them, as transformers'
+        from_pretrained does with its config's kwargs."""
+        if (not isinstance(self.base_config, dict) or self.base_model_type not in CONFIG_MAPPING
+                or self.base_config.get("model_type") != self.base_model_type):
+            raise ValueError(
+                f"config.json of model_type {MODEL_TYPE!r} needs base_model_type (a model type "
+                f"transformers knows) and base_config (a dict of that model type), got "
+                f"{self.base_model_type!r} and {type(self.base_config).__name__}"
+            )
+        base = dict(self.base_config)
+        for key, default in PASSED_ON.items():
+            if getattr(self, key, default) != default:
+                base[key] = getattr(self, key)
+        config_class = CONFIG_MAPPING[self.base_model_type]
+        config, unused = config_class.from_dict(base, return_unused_kwargs=True, **kwargs)
+        config.mhc_conversion = self.mhc_conversion
+        return config, unused

@@ -1,0 +1,239 @@
+"""The portable checkpoint: transformers alone loads a converted model (trust_remote_code=True).
+
+Every family the converter supports is converted (with a different connection kind each), its
+connections perturbed so that they matter, and saved twice: by torch_mhc.hf.save_pretrained
+and by the model's own save_pretrained (transformers.Trainer's path). One subprocess, in
+which `import torch_mhc` fails, loads every folder with AutoModelForCausalLM: refused without
+trust_remote_code, and with it the same logits (within hf_cases.REL) and the same greedy
+generation; it also loads damaged folders, each refused with one line. Here, with torch-mhc
+imported, plain AutoModelForCausalLM.from_pretrained loads the library's model. No load
+changes a byte of a folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import torch_mhc.hf as mhc_hf  # noqa: E402
+from tests.helpers.hf_cases import COMMON, REL, V  # noqa: E402
+from tests.helpers.hf_cases import batch as _batch  # noqa: E402
+from tests.helpers.hf_cases import logits as _logits  # noqa: E402
+from tests.helpers.hf_cases import perturb_connections as _perturb  # noqa: E402
+from torch_mhc.integrations.hf.checkpoint import CONNECTIONS_FILE  # noqa: E402
+
+# family: (model, connection kind, streams, options)
+FAMILIES = {
+    "llama": (lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)),
+              "mhc", 3, {"sinkhorn_iters": 7}),
+    "mistral": (lambda: transformers.MistralForCausalLM(
+        transformers.MistralConfig(**COMMON, sliding_window=6)), "hc", 2, {}),
+    "qwen2": (lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON)),
+              "mhc-lite", 3, {}),
+    "qwen3": (lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON,
+                                                                             head_dim=8)),
+              "kromhc", 4, {}),
+    "gpt2": (lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64, initializer_range=0.2,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)), "mhc", 4, {}),
+}
+GEN = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+
+# Runs with torch_mhc unimportable: loads every folder of cases.json, writes results.json.
+WORKER = r"""
+import json, sys
+sys.modules["torch_mhc"] = None
+try:
+    import torch_mhc  # noqa: F401
+    sys.exit("torch_mhc was importable")
+except ImportError:
+    pass
+import torch
+from transformers import AutoModelForCausalLM
+
+cases = json.load(open("cases.json"))
+out = {}
+for folder, case in cases["good"].items():
+    try:
+        AutoModelForCausalLM.from_pretrained(folder)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    ref = torch.load(case["ref"])
+    with torch.no_grad():
+        logits = model(ref["ids"], attention_mask=ref["mask"]).logits
+    tokens = model.generate(ref["prompt"], attention_mask=ref["prompt_mask"], **cases["gen"])
+    rel = ((logits - ref["logits"]).abs().max() / ref["logits"].abs().max()).item()
+    out[folder] = {"refused": refused, "rel": rel, "same_tokens": torch.equal(tokens,
+                   ref["tokens"]), "class": type(model).__name__,
+                   "layer": type(model.get_submodule(case["layer"])).__name__}
+for folder in cases["bad"]:
+    try:
+        AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+        out[folder] = None
+    except Exception as e:
+        out[folder] = f"{type(e).__name__}: {e}"
+json.dump(out, open("results.json", "w"))
+"""
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _save_family(name: str, root: Path) -> tuple[list[Path], dict]:
+    build, kind, streams, options = FAMILIES[name]
+    torch.manual_seed(0)
+    model = build().eval()
+    mhc_hf.convert(model, kind, streams=streams, **options)
+    _perturb(model)
+    ids, mask = _batch()
+    prompt, prompt_mask = ids[:2, :8], mask[:2, :8]
+    ref = {"ids": ids, "mask": mask, "logits": _logits(model, ids, mask), "prompt": prompt,
+           "prompt_mask": prompt_mask,
+           "tokens": model.generate(prompt, attention_mask=prompt_mask, **GEN)}
+    torch.save(ref, root / f"{name}.pt")
+    lib, own = root / f"{name}-lib", root / f"{name}-own"
+    mhc_hf.save_pretrained(model, lib)
+    model.save_pretrained(own)  # the model's own save (transformers.Trainer's path)
+    layer = next(n for n, m in model.named_modules() if hasattr(m, "mhc_attn"))
+    return [lib, own], {"ref": str(root / f"{name}.pt"), "layer": layer}
+
+
+def _rewrite_connections(folder: Path, change) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / CONNECTIONS_FILE))
+    change(tensors)
+    save_file(tensors, str(folder / CONNECTIONS_FILE))
+
+
+def _rewrite_config(folder: Path, change) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    change(config)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+PHI = "model.layers.0.mhc_attn.phi"
+# name: (damage, what the message says, with torch-mhc and with the remote code alone)
+BAD = {
+    "missing": (lambda f: _rewrite_connections(f, lambda t: t.pop(PHI)),
+                r"do not match.*missing \['model.layers.0.mhc_attn.phi'\]"),
+    "extra": (lambda f: _rewrite_connections(
+        f, lambda t: t.update({"model.layers.0.mhc_attn.gamma": torch.ones(2)})),
+        r"do not match.*unexpected \['model.layers.0.mhc_attn.gamma'\]"),
+    "shape": (lambda f: _rewrite_connections(f, lambda t: t.update({PHI: t[PHI][:-1]})),
+              r"model.layers.0.mhc_attn.phi has shape \(95, 15\).*expects \(96, 15\)"),
+    "dtype": (lambda f: _rewrite_connections(f, lambda t: t.update({PHI: t[PHI].int()})),
+              r"model.layers.0.mhc_attn.phi has dtype torch.int32; expected a floating"),
+    "nan": (lambda f: _rewrite_connections(f, lambda t: t[PHI].view(-1)[3:5].fill_(
+        float("nan"))), r"model.layers.0.mhc_attn.phi holds .*NaN"),
+    "option": (lambda f: _rewrite_config(f, lambda c: c["mhc_conversion"]["options"].update(
+        sinkhorn_iters=0)), r"sinkhorn_iters must be (>= 1|an int >= 1), got 0"),
+    "streams": (lambda f: _rewrite_config(f, lambda c: c["mhc_conversion"].update(
+        streams=-1)), r"streams >= 1 \(an int\), got -1|streams must be an int >= 1.*got -1"),
+    "kind": (lambda f: _rewrite_config(f, lambda c: c["mhc_conversion"].update(kind="mhcc")),
+             r"unknown connection kind 'mhcc'"),
+}
+
+
+def _bad_folders(source: Path, root: Path) -> dict[str, Path]:
+    folders = {}
+    for name, (damage, _) in BAD.items():
+        folders[name] = root / f"bad-{name}"
+        shutil.copytree(source, folders[name])
+        damage(folders[name])
+    return folders
+
+
+def test_portable_checkpoints_load_with_transformers_alone(tmp_path):
+    cases, folders = {}, []
+    for name in FAMILIES:
+        saved, case = _save_family(name, tmp_path)
+        folders += saved
+        cases.update({str(f): case for f in saved})
+    bad = _bad_folders(tmp_path / "llama-lib", tmp_path)
+    before = {f: _digest(f) for f in [*folders, *bad.values()]}
+    (tmp_path / "cases.json").write_text(json.dumps(
+        {"good": cases, "bad": [str(f) for f in bad.values()], "gen": GEN}))
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": ""}
+    run = subprocess.run([sys.executable, "-c", WORKER], cwd=tmp_path, env=env, text=True,
+                         capture_output=True, stdin=subprocess.DEVNULL, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+
+    for folder in folders:
+        got = results[str(folder)]
+        print(f"{folder.name}: max |logit diff| / max |logit| = {got['rel']:.1e}, "
+              f"greedy tokens equal: {got['same_tokens']}")
+        assert got["refused"] is not None and "trust_remote_code=True" in got["refused"]
+        assert "contains custom code which must be executed" in got["refused"]
+        assert got["rel"] <= REL, (folder.name, got["rel"])
+        assert got["same_tokens"], folder.name
+        assert got["layer"].startswith("MHC"), got
+    for name, folder in bad.items():
+        message = results[str(folder)]
+        assert message is not None, f"{name}: loaded"
+        assert message.startswith("ValueError: ") and "\n" not in message, (name, message)
+        assert re.search(BAD[name][1], message), (name, message)
+    assert {f: _digest(f) for f in before} == before
+
+
+def test_auto_classes_load_the_library_model_once_torch_mhc_hf_is_imported(tmp_path):
+    saved, case = _save_family("llama", tmp_path)
+    ref = torch.load(case["ref"])
+    for folder in saved:
+        before = _digest(folder)
+        config = json.loads((folder / "config.json").read_text())
+        assert config["model_type"] == "torch_mhc" and config["base_model_type"] == "llama"
+        assert config["auto_map"]["AutoModelForCausalLM"] == \
+            "modeling_torch_mhc.TorchMHCForCausalLM"
+        assert config["base_config"]["architectures"] == ["LlamaForCausalLM"]
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+        assert type(model) is transformers.LlamaForCausalLM
+        layer = model.model.layers[0]
+        assert type(layer.mhc_attn).__module__.startswith("torch_mhc.connections")
+        assert torch.equal(_logits(model, ref["ids"], ref["mask"]), ref["logits"])
+        # config attributes pass through the Auto class to the base config
+        hidden = transformers.AutoModelForCausalLM.from_pretrained(folder,
+                                                                   output_hidden_states=True)
+        with torch.no_grad():
+            assert len(hidden(ref["ids"]).hidden_states) == 3
+        loaded = mhc_hf.from_pretrained(folder)
+        assert torch.equal(_logits(loaded, ref["ids"], ref["mask"]), ref["logits"])
+        assert _digest(folder) == before
+
+
+def test_both_saves_write_the_same_folder(tmp_path):
+    (lib, own), _ = _save_family("gpt2", tmp_path)
+    assert _digest(lib) == _digest(own)
+    # a model loaded from it saves the same folder again, by either path
+    loaded = mhc_hf.from_pretrained(lib)
+    loaded.save_pretrained(tmp_path / "again")
+    assert _digest(tmp_path / "again") == _digest(lib)
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_folders_are_refused_by_the_library(tmp_path, name):
+    saved, _ = _save_family("llama", tmp_path)
+    folder = _bad_folders(saved[0], tmp_path)[name]
+    before = _digest(folder)
+    for load in (mhc_hf.from_pretrained, transformers.AutoModelForCausalLM.from_pretrained):
+        with pytest.raises(ValueError, match=BAD[name][1]) as info:
+            load(folder)
+        assert "\n" not in str(info.value)
+    assert _digest(folder) == before
