@@ -8,8 +8,10 @@ branch changes the residual stream substantially and a wrong connection shows in
 
 from __future__ import annotations
 
+import inspect
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -352,19 +354,44 @@ def test_unsupported_models_are_refused():
     neox = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
         vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=64, use_parallel_residual=True))
-    with pytest.raises(mhc_hf.ConversionError,
-                       match=r"cannot convert GPTNeoXForCausalLM: expected a causal LM .*"
-                             r"pre-norm decoder layers.*GPTNeoXLayer"):
-        mhc_hf.convert(neox)
+    e = _refusal(neox)
+    assert re.fullmatch(r"torch_mhc.hf cannot convert GPTNeoXForCausalLM: parallel residual: "
+                        r"self.attention and self.mlp both read the layer input \(GPTNeoXLayer"
+                        r".forward, modeling_gpt_neox.py:\d+\)", str(e)), str(e)
+    assert "pre-norm decoder layers" in e.details and "GPTNeoXLayer.forward calls the " \
+           "submodules ['input_layernorm', 'attention', 'post_attention_dropout'" in e.details
     gemma2 = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
         vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8))
-    with pytest.raises(mhc_hf.ConversionError, match=r"Gemma2DecoderLayer.forward calls"):
-        mhc_hf.convert(gemma2)  # sandwich norms
+    e = _refusal(gemma2)
+    assert re.fullmatch(r"torch_mhc.hf cannot convert Gemma2ForCausalLM: sandwich norm: "
+                        r"self.self_attn's output is normalised before the residual add "
+                        r"\(Gemma2DecoderLayer.forward, modeling_gemma2.py:\d+\)", str(e)), str(e)
+    assert "`hidden_states = self.post_attention_layernorm(hidden_states)`) puts something " \
+           "else on the residual path" in e.details
+    olmo2 = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**COMMON))
+    assert "Olmo2ForCausalLM: sandwich norm: self.self_attn's output is normalised before the " \
+           "residual add (Olmo2DecoderLayer.forward, modeling_olmo2.py:" in str(_refusal(olmo2))
     phi3 = transformers.Phi3ForCausalLM(transformers.Phi3Config(**COMMON))
-    with pytest.raises(mhc_hf.ConversionError, match=r"Phi3DecoderLayer.forward calls the "
-                                                     r"submodules \[.*resid_attn_dropout"):
-        mhc_hf.convert(phi3)  # dropout modules on the residual path
+    e = _refusal(phi3)  # dropout modules on the residual path
+    assert "Phi3ForCausalLM: self.resid_attn_dropout is applied to self.self_attn's output " \
+           "before the residual add (Phi3DecoderLayer.forward, modeling_phi3.py:" in str(e)
+    assert "Phi3DecoderLayer.forward calls the submodules [" in e.details
+    # the line named is the line of the norm call that makes the layer sandwiched
+    lines, first = inspect.getsourcelines(type(gemma2.model.layers[0]).forward)
+    line = int(str(_refusal(gemma2)).rsplit(":", 1)[1].rstrip(")"))
+    assert "self.post_attention_layernorm(" in lines[line - first]
+
+
+def _refusal(model) -> mhc_hf.ConversionError:
+    """convert's refusal of model: one line under 200 characters; the long story in details."""
+    with pytest.raises(mhc_hf.ConversionError) as e:
+        mhc_hf.convert(model)
+    msg = str(e.value)
+    assert "\n" not in msg and len(msg) < 200, msg
+    assert len(e.value.details) > 100
+    assert not any(".mhc_" in n for n, _ in model.named_parameters())  # left as it was
+    return e.value
 
 
 def test_bad_arguments_and_converting_twice():

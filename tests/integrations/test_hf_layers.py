@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import inspect
 import io
+import re
 import subprocess
 import sys
 
@@ -131,21 +132,35 @@ class _InPlace(LlamaDecoderLayer):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-@pytest.mark.parametrize("cls, text", [
-    (_ScaledBranch, "0.5 *"), (_ScaledResidual, "2 * h"),
-    (_DropoutOnResidual, "dropout(h"), (_InPlace, "h.mul_(2)"),
+@pytest.mark.parametrize("cls, text, reason", [
+    (_ScaledBranch, "0.5 *", "scaled residual: a residual update multiplies the residual or a "
+                             "sublayer output"),
+    (_ScaledResidual, "2 * h", "scaled residual"),
+    (_DropoutOnResidual, "dropout(h", "dropout on the residual path"),
+    (_InPlace, "h.mul_(2)", "an in-place op changes the hidden states on the residual path"),
 ])
-def test_arithmetic_on_the_residual_path_is_refused(cls, text):
+def test_arithmetic_on_the_residual_path_is_refused(cls, text, reason):
     model = _with_layers(cls)
     line = _line_of(cls, text)
+    e = _refusal(model)
+    assert str(e).startswith(f"torch_mhc.hf cannot convert LlamaForCausalLM: {reason}"), str(e)
+    assert str(e).endswith(f" ({cls.__name__}.forward, test_hf_layers.py:{line})"), str(e)
+    assert f"{cls.__name__}.forward (test_hf_layers.py line {line}: `" in e.details
+    assert text in e.details.split(f"line {line}: ")[1].split("`")[1]  # that line's source
+    assert "puts something else on the residual path; " in e.details
+    assert "expected each residual update to be exactly `residual + <sublayer output>`" \
+           in e.details
+
+
+def _refusal(model) -> mhc_hf.ConversionError:
+    """convert's refusal of model: one line under 200 characters, the long story in details;
+    the model is left as it was."""
     with pytest.raises(mhc_hf.ConversionError) as e:
         mhc_hf.convert(model, "mhc", streams=4)
-    msg = str(e.value)
-    assert f"{cls.__name__}.forward (test_hf_layers.py line {line}: `" in msg, msg
-    assert text in msg.split(f"line {line}: ")[1].split("`")[1]  # that line's source is shown
-    assert "puts something else on the residual path; expected each residual update to be " \
-           "exactly `residual + <sublayer output>`" in msg
+    assert "\n" not in str(e.value) and len(str(e.value)) < 200, str(e.value)
+    assert len(e.value.details) > 100
     assert _is_plain(model)
+    return e.value
 
 
 class _ResidualAfterNorm(LlamaDecoderLayer):
@@ -158,14 +173,16 @@ class _ResidualAfterNorm(LlamaDecoderLayer):
 
 
 def test_residual_taken_after_the_norm_is_refused():
-    model = _with_layers(_ResidualAfterNorm)
-    line = _line_of(_ResidualAfterNorm, "return h +")
-    with pytest.raises(mhc_hf.ConversionError,
-                       match=rf"_ResidualAfterNorm.forward \(test_hf_layers.py line {line}: "
-                             r"`return h \+ .*`\) returns \(\(self.input_layernorm\(hidden_states"
-                             r"\) \+ self.self_attn\(self.input_layernorm\(hidden_states\)\)\[0\]"
-                             r"\) \+ self.mlp"):
-        mhc_hf.convert(model, "mhc", streams=4)
+    e = _refusal(_with_layers(_ResidualAfterNorm))
+    line = _line_of(_ResidualAfterNorm, "hidden_states = self.input_layernorm")
+    assert str(e) == ("torch_mhc.hf cannot convert LlamaForCausalLM: residual taken after the "
+                      "norm: self.input_layernorm's output is added (_ResidualAfterNorm.forward, "
+                      f"test_hf_layers.py:{line})")
+    ret = _line_of(_ResidualAfterNorm, "return h +")
+    assert re.search(rf"_ResidualAfterNorm.forward \(test_hf_layers.py line {ret}: "
+                     r"`return h \+ .*`\) returns \(\(self.input_layernorm\(hidden_states"
+                     r"\) \+ self.self_attn\(self.input_layernorm\(hidden_states\)\)\[0\]"
+                     r"\) \+ self.mlp", e.details), e.details
 
 
 class _ReturnsTuple(LlamaDecoderLayer):
@@ -183,15 +200,20 @@ class _ExtraCall(LlamaDecoderLayer):
 
 def test_tuple_returns_and_extra_calls_are_refused():
     line = _line_of(_ReturnsTuple, "return h")
-    with pytest.raises(mhc_hf.ConversionError, match=rf"_ReturnsTuple.forward \(test_hf_layers.py "
-                                                     rf"line {line}: .*\) returns a tuple"):
-        mhc_hf.convert(_with_layers(_ReturnsTuple), "mhc", streams=4)
+    e = _refusal(_with_layers(_ReturnsTuple))
+    assert str(e) == ("torch_mhc.hf cannot convert LlamaForCausalLM: the layer returns a tuple, "
+                      "not the hidden states alone (_ReturnsTuple.forward, "
+                      f"test_hf_layers.py:{line})")
+    assert re.search(rf"_ReturnsTuple.forward \(test_hf_layers.py line {line}: .*\) returns a "
+                     "tuple; expected forward to return the hidden states alone", e.details)
     # the calls are listed in the order they run, not the order they are written
-    model = _with_layers(_ExtraCall, drop=torch.nn.Dropout(0.1))
-    with pytest.raises(mhc_hf.ConversionError) as e:
-        mhc_hf.convert(model, "mhc", streams=4)
+    e = _refusal(_with_layers(_ExtraCall, drop=torch.nn.Dropout(0.1)))
+    line = _line_of(_ExtraCall, "self.drop(")
+    assert str(e) == ("torch_mhc.hf cannot convert LlamaForCausalLM: self.drop is applied to "
+                      "self.self_attn's output before the residual add (_ExtraCall.forward, "
+                      f"test_hf_layers.py:{line})")
     assert "_ExtraCall.forward calls the submodules ['input_layernorm', 'self_attn', 'drop', " \
-           "'post_attention_layernorm', 'mlp']; expected exactly four" in str(e.value)
+           "'post_attention_layernorm', 'mlp']; expected exactly four" in e.details
 
 
 def _granite():
@@ -221,27 +243,35 @@ def _falcon():
         new_decoder_architecture=False, parallel_attn=False, num_kv_heads=4))
 
 
-@pytest.mark.parametrize("build, message", [
-    (_granite, r"GraniteDecoderLayer.forward \(modeling_granite.py line \d+: `hidden_states = "
-               r"residual \+ hidden_states \* self.residual_multiplier`\) puts something else "
-               r"on the residual path"),
-    (_granite_moe, r"GraniteMoeDecoderLayer.forward \(modeling_granitemoe.py line \d+: "
-                   r"`hidden_states = residual \+ hidden_states \* self.residual_multiplier"),
-    (_minimax, r"MiniMaxDecoderLayer.forward \(modeling_minimax.py line \d+: `hidden_states = "
-               r"residual \* self.attn_alpha_factor \+ hidden_states \* self.attn_beta_factor`\)"
-               r" puts something else on the residual path"),
+@pytest.mark.parametrize("build, message, details", [
+    (_granite, r"scaled residual: .* \(GraniteDecoderLayer.forward, modeling_granite.py:\d+\)",
+     r"GraniteDecoderLayer.forward \(modeling_granite.py line \d+: `hidden_states = residual \+ "
+     r"hidden_states \* self.residual_multiplier`\) puts something else on the residual path"),
+    (_granite_moe, r"scaled residual: .* \(GraniteMoeDecoderLayer.forward, "
+                   r"modeling_granitemoe.py:\d+\)",
+     r"GraniteMoeDecoderLayer.forward \(modeling_granitemoe.py line \d+: "
+     r"`hidden_states = residual \+ hidden_states \* self.residual_multiplier"),
+    (_minimax, r"scaled residual: .* \(MiniMaxDecoderLayer.forward, modeling_minimax.py:\d+\)",
+     r"MiniMaxDecoderLayer.forward \(modeling_minimax.py line \d+: `hidden_states = "
+     r"residual \* self.attn_alpha_factor \+ hidden_states \* self.attn_beta_factor`\)"
+     r" puts something else on the residual path"),
     # Bloom's attention and MLP add the residual themselves
-    (_bloom, r"BloomBlock.forward \(modeling_bloom.py line \d+: .*\): self.self_attention is "
-             r"also given `residual`, which carries the hidden states"),
-    (_falcon, r"FalconDecoderLayer.forward \(modeling_falcon.py line \d+: `return output, "
-              r"attn_weights`\) returns a tuple"),
+    (_bloom, r"self.self_attention is also given `residual`, which carries the hidden states "
+             r"\(BloomBlock.forward, modeling_bloom.py:\d+\)",
+     r"BloomBlock.forward \(modeling_bloom.py line \d+: .*\): expected a sublayer to receive "
+     r"only its normed input"),
+    (_falcon, r"the layer returns a tuple, not the hidden states alone \(FalconDecoderLayer"
+              r".forward, modeling_falcon.py:\d+\)",
+     r"FalconDecoderLayer.forward \(modeling_falcon.py line \d+: `return output, "
+     r"attn_weights`\) returns a tuple"),
 ])
-def test_families_with_another_residual_are_refused(build, message):
+def test_families_with_another_residual_are_refused(build, message, details):
     torch.manual_seed(0)
     model = build().eval()
-    with pytest.raises(mhc_hf.ConversionError, match=message):
-        mhc_hf.convert(model, "mhc", streams=4)
-    assert _is_plain(model)
+    e = _refusal(model)
+    name = type(model).__name__
+    assert re.fullmatch(rf"torch_mhc.hf cannot convert {name}: {message}", str(e)), str(e)
+    assert re.search(details, e.details), e.details
 
 
 # ------------------------------------------------------------------------------------------

@@ -22,7 +22,9 @@ steps on its source:
 
 Anything else (sandwich norms, dropout or scaling on the residual path, a residual taken after
 the norm, parallel attention and MLP, a sublayer that is handed the residual, a layer that
-returns a tuple) is refused, because the connection would replace a different function.
+returns a tuple) is refused, because the connection would replace a different function. A
+refusal is a ConversionError whose message is one line, the structural reason and the file:line
+of the forward read, with what was expected and found in its `details`.
 The spec is read from every layer, since the layers of one model may hold different sublayers
 (Qwen3-Next: linear attention in some layers, full attention in others) or be of different
 classes (Jamba: Mamba layers and attention layers).
@@ -50,7 +52,15 @@ __all__ = ["LayerSpec", "LayerBranch", "branches", "find_decoder_layers", "conve
 
 
 class ConversionError(TypeError):
-    """The model (or one of its layers) does not have the structure convert() handles."""
+    """The model (or one of its layers) does not have the structure convert() handles.
+
+    The message is one line: the structural reason and, for a layer, the file:line of the
+    forward that was read. `details` says what was expected and what was found (the
+    submodules called, the source line, what the layer returns)."""
+
+    def __init__(self, message: str, details: str = ""):
+        super().__init__(message)
+        self.details = details
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,12 @@ class _Forward:
         line = self.lines[lineno - 1].strip()
         return f"{self.cls}.forward ({self.file} line {self.first_line + lineno - 1}: `{line}`)"
 
+    def refuse(self, reason: str, lineno: int | None, details: str) -> ConversionError:
+        """The refusal of this layer: "reason (Cls.forward, file.py:N)", N the file's line of
+        lineno in the parsed source (the def line when None)."""
+        line = self.first_line + (lineno or self.node.lineno) - 1
+        return ConversionError(f"{reason} ({self.cls}.forward, {self.file}:{line})", details)
+
 
 _FORWARDS: dict[tuple, _Forward] = {}  # by class and function: forward may be replaced
 
@@ -149,29 +165,38 @@ def _called_submodules(layer: nn.Module, forward: _Forward) -> list[str]:
 
 
 def layer_spec(layer: nn.Module) -> LayerSpec:
-    """The sublayer names of a pre-norm decoder layer, or ConversionError saying what differs."""
-    cls = type(layer).__name__
+    """The sublayer names of a pre-norm decoder layer, or a ConversionError naming the
+    structural reason it is not one and the line of forward that shows it."""
     forward = _forward_of(type(layer))
+    path = _residual_path(layer, forward)
     calls = _called_submodules(layer, forward)
-    if len(calls) != 4:
-        raise ConversionError(
-            f"{cls}.forward calls the submodules {calls}; expected exactly four: "
-            "norm, attention, norm, MLP"
-        )
+    called = (f"{forward.cls}.forward calls the submodules {calls}; expected exactly four: "
+              "norm, attention, norm, MLP")
+    problem = _structural_problem(layer, forward, path)
+    if problem is not None:
+        reason, line, details = problem
+        raise forward.refuse(reason, line, f"{details}; {called}")
+    reason = _call_order_problem(layer, calls)
+    if reason is not None:
+        raise forward.refuse(reason, None, called)
     norm1, attn, norm2, mlp = calls
-    for role, name in (("first", norm1), ("third", norm2)):
-        if not _is_norm(getattr(layer, name)):
-            raise ConversionError(
-                f"{cls}.forward's {role} submodule call is self.{name} "
-                f"({type(getattr(layer, name)).__name__}); expected a norm (pre-norm layer)"
-            )
-    if len({norm1, attn, norm2, mlp}) != 4 or _is_norm(getattr(layer, attn)):
-        raise ConversionError(f"{cls}.forward calls {calls}; expected norm, attention, norm, MLP")
     params = [p.name for p in inspect.signature(inspect.unwrap(type(layer).forward))
               .parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     spec = LayerSpec(norm1, attn, norm2, mlp, tuple(params[2:]))  # drop self, hidden_states
-    _check_residual_path(layer, forward, spec)
+    _check_returns(forward, path, spec)
     return spec
+
+
+def _call_order_problem(layer: nn.Module, calls: list[str]) -> str | None:
+    """Why the submodules called are not norm, attention, norm, MLP, or None."""
+    if len(calls) != 4:
+        return f"forward calls {len(calls)} submodules; expected 4: norm, attention, norm, MLP"
+    for role, name in (("first", calls[0]), ("third", calls[2])):
+        if not _is_norm(getattr(layer, name)):
+            return f"not pre-norm: the {role} submodule called, self.{name}, is not a norm"
+    if len(set(calls)) != 4 or _is_norm(getattr(layer, calls[1])):
+        return "expected the calls norm, attention, norm, MLP (four different submodules)"
+    return None
 
 
 # ------------------------------------------------------------------------------------------
@@ -256,6 +281,7 @@ class _ResidualPath:
     def __init__(self, layer: nn.Module, forward: _Forward):
         self.layer, self.forward = layer, forward
         self.returns: list[tuple[ast.Return, frozenset]] = []
+        self.call_lines: dict[tuple, int] = {}  # ("call", ...) value -> the line of its call
 
     # statements: each run returns the variables after them, or None when every path returns
 
@@ -369,15 +395,20 @@ class _ResidualPath:
             node.func)))
         for arg in [*node.args[1:], *(k.value for k in node.keywords if k.value is not main)]:
             if self.carries(arg, env):
-                raise ConversionError(
-                    f"{self.forward.where(node.lineno)}: self.{name} is also given "
-                    f"`{ast.unparse(arg)}`, which carries the hidden states; expected a "
-                    "sublayer to receive only its normed input (a sublayer that adds the "
-                    "residual itself cannot be a connection's branch)"
+                text = ast.unparse(arg)
+                raise self.forward.refuse(
+                    f"self.{name} is also given `{text if len(text) <= 30 else text[:27] + '...'}`"
+                    ", which carries the hidden states", node.lineno,
+                    f"{self.forward.where(node.lineno)}: expected a sublayer to receive only its "
+                    "normed input (a sublayer that adds the residual itself cannot be a "
+                    "connection's branch)"
                 )
         if main is None or isinstance(main, ast.Starred):
             return self.other(node, env)
-        return frozenset(("call", name, v) for v in self.eval(main, env))
+        values = frozenset(("call", name, v) for v in self.eval(main, env))
+        for value in values:
+            self.call_lines.setdefault(value, node.lineno)
+        return values
 
     def other(self, node: ast.AST, env: dict) -> frozenset:
         """("other", line) for a value computed from the hidden states in a way not followed;
@@ -435,30 +466,123 @@ def _first_other_line(value: tuple) -> tuple:
     return min(_other_lines(value), default=float("inf")), repr(value)
 
 
-def _check_residual_path(layer: nn.Module, forward: _Forward, spec: LayerSpec) -> None:
+def _residual_path(layer: nn.Module, forward: _Forward) -> _ResidualPath:
+    """forward run on symbolic values; refused when it never returns or returns a tuple."""
     path = _ResidualPath(layer, forward)
     try:
         path.run(forward.node.body, {forward.input_name: frozenset({_INPUT})})
     except _Unreachable:  # every path calls a missing submodule; returns reached before count
         pass
     if not path.returns:
-        raise ConversionError(f"{forward.cls}.forward never returns; {_PLAIN_UPDATE}")
+        raise forward.refuse("forward never returns", None, _PLAIN_UPDATE)
+    for ret, _ in path.returns:
+        if isinstance(ret.value, ast.Tuple):
+            raise forward.refuse(
+                "the layer returns a tuple, not the hidden states alone", ret.lineno,
+                f"{forward.where(ret.lineno)} returns a tuple; expected forward to return the "
+                "hidden states alone (a tensor), as transformers' Llama-style layers do"
+            )
+    return path
+
+
+def _terms(value: tuple) -> list[tuple]:
+    """The summands of a value: a + (b + c) -> [a, b, c]."""
+    return [*_terms(value[1]), *_terms(value[2])] if value[0] == "add" else [value]
+
+
+def _chain(value: tuple) -> tuple[list[tuple], tuple]:
+    """The submodule calls a summand goes through, outermost first, and what the innermost
+    one is given."""
+    calls = []
+    while value[0] in ("call", "item0"):
+        if value[0] == "call":
+            calls.append(value)
+        value = value[-1]
+    return calls, value
+
+
+# The structural reasons, most telling first: a parallel layer also puts dropout on its outputs,
+# but the parallel residual is why it cannot be two connections in a row.
+_PARALLEL, _SANDWICH, _WRAPPED, _AFTER_NORM, _OTHER = range(5)
+
+
+def _structural_problem(layer: nn.Module, forward: _Forward, path: _ResidualPath):
+    """(reason, line, details) for the first structural reason found in what forward returns
+    (by the order above, then line), or None."""
+    found = [(*f, ret, value) for ret, values in path.returns for value in values
+             for f in _findings(layer, forward, path, value)]
+    if not found:
+        return None
+    _, line, reason, ret, value = min(found, key=lambda f: f[:3])
+    return reason, line, (
+        f"{forward.where(line)} puts something else on the residual path; "
+        f"{forward.where(ret.lineno)} returns {_render(value, forward.input_name)}; "
+        f"{_PLAIN_UPDATE}")
+
+
+def _findings(layer: nn.Module, forward: _Forward, path: _ResidualPath, value: tuple) -> list:
+    """(kind, line, reason) of each structural reason one returned value shows."""
+    def norm(call: tuple) -> bool:
+        return _is_norm(getattr(layer, call[1]))
+
+    def line(call: tuple) -> int:
+        return path.call_lines.get(call, forward.node.lineno)
+
+    found, readers = [], []
+    for term in _terms(value):
+        calls, start = _chain(term)
+        subs = [c for c in calls if not norm(c)]
+        if subs and start == _INPUT:
+            readers.append(subs[-1])
+        if calls and subs and norm(calls[0]):
+            found.append((_SANDWICH, line(calls[0]), f"sandwich norm: self.{subs[0][1]}'s output "
+                                                     "is normalised before the residual add"))
+        elif len(subs) > 1 and calls[0] is subs[0]:
+            found.append((_WRAPPED, line(calls[0]), f"self.{subs[0][1]} is applied to "
+                                                     f"self.{subs[1][1]}'s output before the "
+                                                     "residual add"))
+        elif calls and not subs:
+            found.append((_AFTER_NORM, line(calls[0]), f"residual taken after the norm: "
+                                                        f"self.{calls[0][1]}'s output is added"))
+        other = _other_lines(term)
+        if other:
+            found.append((_OTHER, min(other), _other_reason(forward, min(other))))
+    if len(readers) > 1:
+        first, second = sorted(readers, key=line)[:2]
+        found.append((_PARALLEL, line(second), f"parallel residual: self.{first[1]} and "
+                                               f"self.{second[1]} both read the layer input"))
+    return found
+
+
+def _other_reason(forward: _Forward, lineno: int) -> str:
+    """What the line that puts something else on the residual path does, in a few words."""
+    nodes = [n for n in ast.walk(forward.node) if getattr(n, "lineno", None) == lineno]
+    called = [n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+              for n in nodes if isinstance(n, ast.Call)]
+    if any(isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Mult, ast.Div)) for n in nodes):
+        return "scaled residual: a residual update multiplies the residual or a sublayer output"
+    if any("dropout" in name.lower() for name in called):
+        return "dropout on the residual path"
+    if any(name.endswith("_") and not name.startswith("_") for name in called):
+        return "an in-place op changes the hidden states on the residual path"
+    return "the residual path is not a plain `residual + sublayer output`"
+
+
+def _check_returns(forward: _Forward, path: _ResidualPath, spec: LayerSpec) -> None:
+    """Refuse unless every path returns h + mlp(norm2(h)) with h = x + attn(norm1(x))."""
     expected = {v for h in _updates(_INPUT, spec.norm1, spec.attn)
                 for v in _updates(h, spec.norm2, spec.mlp)}
     for ret, values in path.returns:
-        if isinstance(ret.value, ast.Tuple):
-            raise ConversionError(
-                f"{forward.where(ret.lineno)} returns a tuple; expected forward to return "
-                "the hidden states alone (a tensor), as transformers' Llama-style layers do"
-            )
         wrong = sorted(values - expected, key=_first_other_line)
-        if wrong:  # the path whose first wrong line comes first
-            raise ConversionError(_mismatch(forward, ret, wrong[0]))
+        if wrong:
+            raise forward.refuse(
+                "it returns something other than h + mlp(norm(h)), h = x + attn(norm(x))",
+                ret.lineno, _mismatch(forward, ret, wrong[0]))
 
 
 def _mismatch(forward: _Forward, ret: ast.Return, value: tuple) -> str:
-    """The message for a path that returns something other than the pre-norm update: the first
-    line that puts something else on the residual path, or else what it returns."""
+    """The details for a path that returns something other than the pre-norm update: the
+    first line that puts something else on the residual path, or else what it returns."""
     lines = _other_lines(value)
     if lines:
         return (f"{forward.where(min(lines))} puts something else on the residual path; "
@@ -475,16 +599,21 @@ def find_decoder_layers(model: nn.Module) -> tuple[nn.ModuleList, list[LayerSpec
     """The base model's ModuleList of decoder layers and each layer's spec."""
     base = getattr(model, "base_model", model)
     candidates = [m for m in base.children() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    reasons = []
+    errors = []
     for layers in candidates:
         try:
             return layers, _layer_specs(layers)
         except ConversionError as e:
-            reasons.append(str(e))
-    found = "; ".join(reasons) if reasons else "no nn.ModuleList of layers found"
-    raise ConversionError(
-        f"torch_mhc.hf cannot convert {type(model).__name__}: expected {_EXPECTED}; {found}"
-    )
+            errors.append(e)
+    name = type(model).__name__
+    if not errors:
+        raise ConversionError(f"torch_mhc.hf cannot convert {name}: its base model holds no "
+                              "nn.ModuleList of layers", f"expected {_EXPECTED}")
+    # the list whose layers were read (a refusal with a file:line) is the decoder's
+    first = next((e for e in errors if e.details), errors[0])
+    found = "; ".join(e.details or str(e) for e in errors)
+    raise ConversionError(f"torch_mhc.hf cannot convert {name}: {first}",
+                          f"expected {_EXPECTED}; {found}")
 
 
 def _layer_specs(layers: nn.ModuleList) -> list[LayerSpec]:
@@ -495,7 +624,7 @@ def _layer_specs(layers: nn.ModuleList) -> list[LayerSpec]:
         try:
             specs.append(layer_spec(layer))
         except ConversionError as e:
-            raise ConversionError(f"layer {i}: {e}" if i else str(e)) from None
+            raise ConversionError(f"layer {i}: {e}" if i else str(e), e.details) from None
     return specs
 
 
