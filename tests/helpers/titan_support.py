@@ -63,3 +63,36 @@ def tokens(vocab: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 
 def logits(model, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return model(tok, pos, None)  # [B, T, vocab]; SDPA: causal, no mask object
+
+
+def hf_twin(family: str, cfg):
+    """An fp32 transformers causal LM (random weights) with the torchtitan debug config's
+    shapes, rotary embedding and norm eps: llama3's "llama" rope scaling, qwen3's q/k norms
+    and tied embeddings."""
+    attn, ffn = cfg.layers[0].attention, cfg.layers[0].feed_forward
+    rope = attn.rope
+    common = dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=ffn.w1.out_features,
+        num_hidden_layers=len(cfg.layers), num_attention_heads=attn.n_heads,
+        num_key_value_heads=attn.n_kv_heads or attn.n_heads, rms_norm_eps=cfg.norm.eps,
+        max_position_embeddings=rope.max_seq_len, tie_word_embeddings=cfg.enable_weight_tying,
+        attn_implementation="eager",
+    )
+    if family == "llama3":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        rope_parameters = {
+            "rope_type": "llama3", "rope_theta": float(rope.theta),
+            "factor": rope.scaling_factor, "low_freq_factor": rope.low_freq_factor,
+            "high_freq_factor": rope.high_freq_factor,
+            "original_max_position_embeddings": rope.original_max_position_embeddings,
+        }
+        config = LlamaConfig(rope_parameters=rope_parameters, **common)
+        model = LlamaForCausalLM(config)
+    else:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        config = Qwen3Config(head_dim=attn.head_dim, rope_parameters={
+            "rope_type": "default", "rope_theta": float(rope.theta)}, **common)
+        model = Qwen3ForCausalLM(config)
+    return model.float().eval()

@@ -193,3 +193,235 @@ def test_one_converted_block_compiles_in_one_graph():
         torch.testing.assert_close(grads_c[name], p.grad, rtol=1e-5, atol=1e-7,
                                    msg=lambda m, n=name: f"{n}: {m}")
     torch._dynamo.reset()
+
+
+# --- HF export ---------------------------------------------------------------------------
+
+
+def _perturbed(model, seed: int = 3):
+    """Connections moved away from their initial values (a wrong mapping then shows)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if CONNECTION_KEY.match(name):
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _adapter(family: str, cfg):
+    from torchtitan.models.llama3 import model_registry as llama3
+    from torchtitan.models.qwen3 import model_registry as qwen3
+
+    from torch_mhc.integrations.torchtitan import with_connections
+
+    base = (llama3 if family == "llama3" else qwen3)("debugmodel").state_dict_adapter
+    return with_connections(base)(cfg, None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+@pytest.mark.parametrize("kind", ["mhc", "hc"])
+def test_hf_export_keeps_connections_and_computes_the_same_logits(family, kind):
+    """to_hf of a converted debug model (connections perturbed) loads fully into the
+    transformers model of the same shapes converted by torch_mhc.hf.convert with
+    hf_conversion's arguments: same logits, within the tolerance of the module docstring
+    (measured: llama3 mHC 1.4e-6 against |logits| up to 4.7). from_hf gives back the
+    torchtitan state dict exactly."""
+    pytest.importorskip("transformers")
+    import torch_mhc.hf
+    from torch_mhc.integrations.torchtitan import hf_conversion
+
+    cfg = S.model_config(family, kind)
+    model = S.build(cfg)
+    tok, pos = S.tokens(cfg.vocab_size)
+    with torch.no_grad():
+        at_init = S.logits(model, tok, pos)
+        ref = S.logits(_perturbed(model), tok, pos)
+    adapter = _adapter(family, cfg)
+    hf_sd = adapter.to_hf(model.state_dict())
+    assert "model.layers.5.mhc_mlp." + ("phi" if kind == "mhc" else "static_res") in hf_sd
+    hf = S.hf_twin(family, cfg)
+    torch_mhc.hf.convert(hf, **hf_conversion(cfg))
+    result = hf.load_state_dict(hf_sd, strict=False)
+    tied = ["lm_head.weight"] if cfg.enable_weight_tying else []  # qwen3: the embedding
+    assert (result.missing_keys, result.unexpected_keys) == (tied, [])
+    with torch.no_grad():
+        got = hf(tok).logits
+    scale = ref.abs().max().item()
+    assert (ref - at_init).abs().max().item() > 1e-3 * scale  # the connections matter
+    torch.testing.assert_close(got, ref, rtol=0.0, atol=1e-5 * scale)
+    back = adapter.from_hf(dict(hf_sd))
+    own = model.state_dict()
+    assert set(back) == set(own)
+    assert all(torch.equal(back[k], own[k]) for k in own)
+
+
+def test_hf_import_into_an_unconverted_model_is_refused():
+    pytest.importorskip("transformers")
+    conv = S.model_config("llama3", "mhc")
+    base = S.model_config("llama3", None)
+    with torch.device("meta"):
+        hf_sd = _adapter("llama3", conv).to_hf(conv.build().state_dict())
+    with pytest.raises(ValueError, match=r"holds HC / mHC connections \(60 tensors, e\.g\. "
+                                         r"'model\.layers\.0\.mhc_attn\.alpha'\)"):
+        _adapter("llama3", base).from_hf(hf_sd)
+
+
+def test_hf_export_puts_connections_in_their_layers_safetensors_file():
+    """With the HF assets' index (fqn_to_index_mapping), every written key needs a file:
+    a connection goes to its layer's file."""
+    cfg = S.model_config("llama3", "mhc")
+    adapter = _adapter("llama3", cfg)
+    adapter.fqn_to_index_mapping = {f"model.layers.{i}.input_layernorm.weight": 1 + i // 3
+                                    for i in range(6)}
+    with torch.device("meta"):
+        adapter.to_hf(cfg.build().state_dict())
+    mapping = adapter.fqn_to_index_mapping
+    assert mapping["model.layers.1.mhc_attn.phi"] == 1
+    assert mapping["model.layers.4.mhc_mlp.b_res"] == 2
+
+
+# --- checkpoint loads through torchtitan's CheckpointManager ------------------------------
+
+
+def _saved(tmp_path, name: str, kind: str | None, streams: int = 4):
+    """A DCP checkpoint of a (meta-built, uninitialised) debug model's state dict: the keys
+    torchtitan's CheckpointManager writes for a model-only save."""
+    import torch.distributed.checkpoint as dcp
+
+    with torch.device("meta"):
+        model = S.model_config("llama3", kind, streams).build()
+    model.to_empty(device="cpu")
+    dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / name))
+    return tmp_path / name
+
+
+def _manager(model, load_path, **config):
+    """MhcCheckpointManager over `model` with an initial model-only load from load_path: its
+    load() is the trainer's (CheckpointManager._load -> dcp_load)."""
+    from torchtitan.models.llama3 import model_registry
+
+    from torch_mhc.integrations.torchtitan import MhcCheckpointManager
+
+    adapter = model_registry("debugmodel").state_dict_adapter
+    cfg = MhcCheckpointManager.Config(enable=True, folder="none",
+                                      initial_load_path=str(load_path), **config)
+    return cfg.build(dataloader=None, model_parts=[model], optimizers=None,
+                     lr_schedulers=None, states={}, sd_adapter=adapter(model.config, None),
+                     base_folder=str(load_path.parent))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize(
+    "saved, loading, message",
+    [
+        (None, "mhc", r"the model has HC / mHC connections \(e\.g\. 'layers\.0\.attention_hc"
+                      r"\.alpha': mHC, n = 4, 12 connections\) but checkpoint .* holds none"),
+        ("mhc", None, r"holds HC / mHC connection parameters \(60 tensors, .*mHC, n = 4, 12 "
+                      r"connections\) but the model has no connections"),
+        ("hc", "mhc", r"other HC / mHC connections than the model: checkpoint HC \(dynamic\), "
+                      r"n = 4, 12 connections, model mHC, n = 4, 12 connections"),
+        ("mhc2", "mhc", r"checkpoint mHC, n = 2, 12 connections, model mHC, n = 4, 12 conn"),
+    ],
+)
+def test_checkpoint_manager_refuses_a_checkpoint_of_another_kind(tmp_path, saved, loading,
+                                                                 message):
+    """The trainer's load of a checkpoint of another kind (unconverted, HC for mHC, other
+    streams) into a model: one line, before DCP (whose own errors would be a bare "Missing
+    key" or a size mismatch, or nothing at all for an unconverted model)."""
+    kind, streams = (saved[:-1], 2) if saved and saved[-1].isdigit() else (saved, 4)
+    path = _saved(tmp_path, "ckpt", kind, streams)
+    model = S.build(S.model_config("llama3", loading))
+    with pytest.raises(ValueError, match=message) as err:
+        _manager(model, path).load()
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_checkpoint_manager_loads_a_matching_checkpoint_and_fresh_connections(tmp_path):
+    """A converted model's checkpoint loads into another converted model (every tensor);
+    with fresh_connections, an unconverted model's checkpoint loads into a converted model
+    whose connections keep their initial values: the unconverted model's logits."""
+    import torch.distributed.checkpoint as dcp
+
+    source = _perturbed(S.build(S.model_config("llama3", "mhc"), seed=5))
+    dcp.save(source.state_dict(), checkpoint_id=str(tmp_path / "mhc"))
+    target = S.build(S.model_config("llama3", "mhc"))
+    assert _manager(target, tmp_path / "mhc").load()
+    own, want = target.state_dict(), source.state_dict()
+    assert all(torch.equal(own[k], want[k]) for k in want)
+
+    base = S.build(S.model_config("llama3", None), seed=7)
+    dcp.save(base.state_dict(), checkpoint_id=str(tmp_path / "base"))
+    conv = S.build(S.model_config("llama3", "mhc"))
+    assert _manager(conv, tmp_path / "base", fresh_connections=True).load()
+    tok, pos = S.tokens(base.config.vocab_size)
+    with torch.no_grad():
+        ref, got = S.logits(base, tok, pos), S.logits(conv, tok, pos)
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(got, ref, rtol=0.0, atol=1e-5 * scale)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_hf_checkpoints_keep_connections_through_the_checkpoint_manager(tmp_path):
+    """The trainer's HF export (dcp_save to_hf) writes the connections under torch_mhc.hf's
+    names; the trainer's HF load (from_hf) restores them; an unconverted model's HF export
+    offered to a converted model is refused in one line."""
+    pytest.importorskip("safetensors")
+    from safetensors import safe_open
+
+    source = _perturbed(S.build(S.model_config("llama3", "mhc"), seed=5))
+    export = tmp_path / "hf"
+    manager = _manager(source, export)
+    manager.dcp_save(manager.states["model"].state_dict(), str(export), async_mode="disabled",
+                     to_hf=True)
+    files = sorted(export.glob("*.safetensors"))
+    keys = {k for f in files for k in safe_open(str(f), "pt").keys()}
+    assert "model.layers.0.mhc_attn.phi" in keys and "model.layers.5.mhc_mlp.b_res" in keys
+    assert not any("attention_hc" in k or "ffn_hc" in k for k in keys)
+
+    target = S.build(S.model_config("llama3", "mhc"))
+    assert _manager(target, export, initial_load_in_hf=True).load()
+    own, want = target.state_dict(), source.state_dict()
+    assert all(torch.equal(own[k], want[k]) for k in want)
+
+    base = S.build(S.model_config("llama3", None))
+    plain = tmp_path / "hf_plain"
+    manager = _manager(base, plain)
+    manager.dcp_save(manager.states["model"].state_dict(), str(plain), async_mode="disabled",
+                     to_hf=True)
+    with pytest.raises(ValueError, match="saved by an unconverted model") as err:
+        _manager(S.build(S.model_config("llama3", "mhc")), plain,
+                 initial_load_in_hf=True).load()
+    assert "\n" not in str(err.value)
+
+
+def test_ready_configs_and_the_override_check_checkpoints():
+    """The ready configs, convert_trainer_config and the mhc_checkpoint override give the
+    checking manager and the connection-keeping HF adapter."""
+    from torchtitan.config.override import apply_overrides
+    from torchtitan.models.llama3 import config_registry
+
+    from torch_mhc.integrations.torchtitan import (
+        HyperLlama3StateDictAdapter,
+        MhcCheckpointManager,
+        convert_trainer_config,
+    )
+    from torch_mhc.integrations.torchtitan import config_registry as R
+
+    ready = R.qwen3_debugmodel_mhc()
+    assert isinstance(ready.checkpoint, MhcCheckpointManager.Config)
+    assert ready.model_spec.state_dict_adapter.__name__ == "HyperQwen3StateDictAdapter"
+    config = convert_trainer_config(config_registry.llama3_debugmodel(), "hc", 2,
+                                    fresh_connections=True)
+    assert config.checkpoint.fresh_connections and config.checkpoint.interval == 10
+    assert config.model_spec.state_dict_adapter is HyperLlama3StateDictAdapter
+    assert config.model_spec.model.layers[0].hc_kind == "hc"
+
+    config = config_registry.llama3_debugmodel()
+    config.override.imports = [
+        ("torch_mhc.integrations.torchtitan.converter.mhc_override", {"streams": 2}),
+        "torch_mhc.integrations.torchtitan.checkpoint.mhc_checkpoint"]
+    apply_overrides(config.override, config)
+    assert type(config.checkpoint) is MhcCheckpointManager.Config
+    assert not config.checkpoint.fresh_connections

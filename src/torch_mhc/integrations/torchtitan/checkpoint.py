@@ -3,55 +3,190 @@
 torchtitan loads a DCP checkpoint with the model's own keys as the plan: a checkpoint of a
 converted (HC / mHC) model loads into an unconverted model without complaint, the connections'
 parameters silently left behind, and a converted model asked to load an unconverted
-checkpoint stops on the first connection key with DCP's bare "Missing key". Call
-`check_checkpoint_keys` before loading (e.g. before `CheckpointManager.load`) for one clear
-error either way.
+checkpoint stops on the first connection key with DCP's bare "Missing key"; HC against mHC, or
+other stream counts, stop on a missing key or a size mismatch.
+
+`MhcCheckpointManager` is torchtitan's CheckpointManager that compares the connections first
+(kind, streams, layers) and refuses a mismatch with one line, for DCP and HF checkpoints, and
+that exports and imports HF checkpoints with the connections (adapter.py). The ready configs
+(config_registry) use it; `convert_trainer_config` or the `mhc_checkpoint` override put it
+into any other configuration. `check_checkpoint_keys` is the same comparison by hand.
 """
 
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 
+import torch
 from torch import nn
+from torchtitan.components.checkpoint import OPTIMIZER, CheckpointManager
+from torchtitan.config.override import override
+from torchtitan.tools.logging import logger
+
+from torch_mhc.integrations.torchtitan.adapter import (
+    ConnectionAdapterMixin,
+    hf_to_titan_key,
+    with_connections,
+)
 
 # Names of the connection modules a converted block adds (blocks.py).
 CONNECTION_MODULES = ("attention_hc", "ffn_hc")
+# A model-level connection tensor (optimizer states, stored under longer keys, excluded);
+# older layouts stored the model under a "model." prefix.
+CONNECTION_KEY = re.compile(r"(?:model\.)?(layers\.(\d+)\.(?:attention_hc|ffn_hc)\.(\w+))")
 
 
-def _connection_keys(keys) -> list[str]:
-    return sorted(k for k in keys if any(f".{m}." in f".{k}" for m in CONNECTION_MODULES))
+def connection_shapes(shapes: Mapping[str, tuple]) -> dict[str, tuple]:
+    """{key without a "model." prefix: shape} of the connection tensors among `shapes`."""
+    out = {}
+    for key, shape in shapes.items():
+        m = CONNECTION_KEY.fullmatch(key)
+        if m is not None:
+            out[m[1]] = tuple(shape)
+    return out
+
+
+def describe(connections: Mapping[str, tuple]) -> str:
+    """"mHC, n = 4, 12 connections": the kind and stream count the parameters imply."""
+    names = {key.rsplit(".", 1)[1]: shape for key, shape in connections.items()}
+    if "phi" in names:
+        kind, n = "mHC", names.get("b_pre", (0,))[0]
+    elif "static_res" in names:
+        kind = "HC (dynamic)" if "w" in names else "HC (static)"
+        n = names["static_pre"][0] if "static_pre" in names else 0
+    else:
+        kind, n = "unknown connections", 0
+    count = len({key.rsplit(".", 1)[0] for key in connections})
+    return f"{kind}, n = {n}, {count} connections"
+
+
+def compare_connections(stored: Mapping[str, tuple], model: Mapping[str, tuple],
+                        source: str) -> None:
+    """Raise a one-line ValueError unless checkpoint (`stored`) and model hold the same
+    connection tensors with the same shapes (both from connection_shapes)."""
+    stored, model = dict(stored), dict(model)
+    if stored and not model:
+        raise ValueError(
+            f"checkpoint {source} holds HC / mHC connection parameters ({len(stored)} tensors, "
+            f"e.g. {min(stored)!r}: {describe(stored)}) but the model has no connections: "
+            "convert the model with the same MhcConverter settings before loading, or its "
+            "function changes"
+        )
+    if model and not stored:
+        raise ValueError(
+            f"the model has HC / mHC connections (e.g. {min(model)!r}: {describe(model)}) but "
+            f"checkpoint {source} holds none: it was saved by an unconverted model. Load it "
+            "into the unconverted model, or start the converted model from it with its "
+            "connections freshly initialised (MhcCheckpointManager.Config(fresh_connections="
+            "True), a model-only load)"
+        )
+    if stored != model:
+        diff = sorted(set(stored) ^ set(model)) or sorted(
+            k for k in stored if stored[k] != model[k])
+        key = diff[0]
+        raise ValueError(
+            f"checkpoint {source} holds other HC / mHC connections than the model: checkpoint "
+            f"{describe(stored)}, model {describe(model)} (first difference {key!r}: "
+            f"checkpoint {stored.get(key, 'absent')}, model {model.get(key, 'absent')}); "
+            "convert the model with the checkpoint's MhcConverter settings"
+        )
+
+
+def model_shapes(state_dict: Mapping) -> dict[str, tuple]:
+    """{key: global shape} of the tensors of a (flattened) model state dict."""
+    return {k: tuple(v.shape) for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
+
+
+def stored_shapes(metadata) -> dict[str, tuple]:
+    """{key: shape} of the tensors a checkpoint's DCP Metadata lists."""
+    return {k: tuple(md.size) for k, md in metadata.state_dict_metadata.items()
+            if hasattr(md, "size")}
 
 
 def checkpoint_keys(checkpoint_dir: str | os.PathLike) -> set[str]:
     """The tensor keys stored in a DCP checkpoint folder (read from its metadata only)."""
+    return set(_dcp_metadata(checkpoint_dir).state_dict_metadata)
+
+
+def _dcp_metadata(checkpoint_dir):
     from torch.distributed.checkpoint import FileSystemReader
 
-    metadata = FileSystemReader(os.fspath(checkpoint_dir)).read_metadata()
-    return set(metadata.state_dict_metadata)
+    return FileSystemReader(os.fspath(checkpoint_dir)).read_metadata()
 
 
 def check_checkpoint_keys(checkpoint_dir: str | os.PathLike, model: nn.Module | list) -> None:
-    """Raise a ValueError if checkpoint and model disagree on having connections.
+    """Raise a ValueError if checkpoint and model disagree on their connections (present or
+    not, kind, streams, layers).
 
     model: the model or its pipeline parts (a list); keys are compared as torchtitan stores
     them (the model's state-dict keys, possibly under a "model." prefix in older layouts).
     """
     parts = model if isinstance(model, list | tuple) else [model]
-    model_keys = {k for part in parts for k in part.state_dict()}
-    stored = checkpoint_keys(checkpoint_dir)
-    stored_conn = _connection_keys(stored)
-    model_conn = _connection_keys(model_keys)
-    if stored_conn and not model_conn:
-        raise ValueError(
-            f"checkpoint {os.fspath(checkpoint_dir)!r} holds HC / mHC connection parameters "
-            f"({len(stored_conn)} tensors, e.g. {stored_conn[0]!r}) but the model has no "
-            "connections: convert the model with the same MhcConverter settings before "
-            "loading, or its function changes"
-        )
-    if model_conn and not stored_conn:
-        raise ValueError(
-            f"the model has HC / mHC connections (e.g. {model_conn[0]!r}) but checkpoint "
-            f"{os.fspath(checkpoint_dir)!r} holds none: it was saved by an unconverted model. "
-            "Load it into the unconverted model, or start the converted model from it with "
-            "its connections freshly initialised (a model-only load that skips their keys)"
-        )
+    shapes = {k: v for part in parts for k, v in model_shapes(part.state_dict()).items()}
+    stored = stored_shapes(_dcp_metadata(checkpoint_dir))
+    compare_connections(connection_shapes(stored), connection_shapes(shapes),
+                        repr(os.fspath(checkpoint_dir)))
+
+
+class MhcCheckpointManager(CheckpointManager):
+    """torchtitan's CheckpointManager; every load first compares the checkpoint's
+    connections with the model's (compare_connections), and the HF adapter keeps them."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):
+        fresh_connections: bool = False
+        """A model-only load of a checkpoint without connections (an unconverted model's)
+        into a converted model: the connections keep their initial values, so the converted
+        model starts from the checkpoint's function. Otherwise such a load is refused."""
+
+    def __init__(self, config: Config, *, sd_adapter=None, **kwargs):
+        self.fresh_connections = config.fresh_connections
+        if sd_adapter is not None and not isinstance(sd_adapter, ConnectionAdapterMixin):
+            sd_adapter = with_connections(type(sd_adapter))(sd_adapter.model_config,
+                                                            sd_adapter.hf_assets_path)
+        super().__init__(config, sd_adapter=sd_adapter, **kwargs)
+
+    def dcp_load(self, state_dict, checkpoint_id, from_hf: bool, from_quantized: bool) -> None:
+        model = connection_shapes(model_shapes(state_dict))
+        stored = self._stored_connections(checkpoint_id, from_hf, from_quantized)
+        if self.fresh_connections and model and not stored and OPTIMIZER not in state_dict:
+            logger.info(f"Checkpoint {checkpoint_id} has no HC / mHC connections: the "
+                        f"model's {len(model)} connection tensors keep their initial values.")
+            state_dict = {k: v for k, v in state_dict.items() if k not in model}
+        else:
+            compare_connections(stored, model, repr(checkpoint_id))
+        super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+
+    def _stored_connections(self, checkpoint_id, from_hf: bool, from_quantized: bool):
+        if from_hf:
+            reader = self.sd_adapter.get_hf_storage_reader(checkpoint_id, from_quantized)
+            shapes = stored_shapes(reader.read_metadata())
+            return {hf_to_titan_key(k): s for k, s in shapes.items() if hf_to_titan_key(k)}
+        return connection_shapes(stored_shapes(_dcp_metadata(checkpoint_id)))
+
+
+def mhc_checkpoint_config(config, fresh_connections: bool | None = None):
+    """`config` (a CheckpointManager.Config) as an MhcCheckpointManager.Config, every field
+    kept; fresh_connections set when given."""
+    if not isinstance(config, MhcCheckpointManager.Config):
+        if type(config) is not CheckpointManager.Config:
+            raise TypeError(
+                "the HC / mHC checkpoint checks extend torchtitan's CheckpointManager; got "
+                f"{type(config).__qualname__}"
+            )
+        values = {f.name: getattr(config, f.name) for f in fields(config) if f.init}
+        config = MhcCheckpointManager.Config(**values)
+    if fresh_connections is not None:
+        config.fresh_connections = bool(fresh_connections)
+    return config
+
+
+@override(target=CheckpointManager.Config,
+          description="connection checks on load, HF export with the connections")
+def mhc_checkpoint(config, fresh_connections: bool = False):
+    """MhcCheckpointManager as a torchtitan override (`--override.imports`), to pair with
+    mhc_override on an unchanged configuration."""
+    return mhc_checkpoint_config(config, fresh_connections)

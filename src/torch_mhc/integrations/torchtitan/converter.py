@@ -6,11 +6,16 @@
 
 or, on the command line of an unchanged configuration, the equivalent override:
 
-    --override.imports torch_mhc.integrations.torchtitan.mhc_override='{"streams": 4}'
+    --override.imports \
+        torch_mhc.integrations.torchtitan.converter.mhc_override='{"streams": 4}' \
+        torch_mhc.integrations.torchtitan.checkpoint.mhc_checkpoint
 
 The converter runs on the config tree before the model is built (as torchtitan's Float8 and
 LoRA converters do), so meta-device construction, parallelisation, initialisation and
-checkpointing all see the converted model.
+checkpointing all see the converted model. It sees only the model config: the checkpoint
+manager that checks connections on load and the HF adapter that keeps them are set on the
+trainer config, by `convert_trainer_config` (or `with_connection_checkpoints` after
+converting), by the ready configs, or by the `mhc_checkpoint` override.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ from torchtitan.config.override import override
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.protocols.model import ModelConfigConverter
 
+from torch_mhc.integrations.torchtitan.adapter import with_connections
 from torch_mhc.integrations.torchtitan.blocks import CONVERTIBLE, HYPER_CONFIGS
+from torch_mhc.integrations.torchtitan.checkpoint import mhc_checkpoint_config
 
 KINDS = ("hc", "mhc")
 
@@ -82,6 +89,26 @@ def convert_model_config(model_config, kind: str = "mhc", streams: int = 4,
             hc_last=i == n_layers - 1, hc_options=dict(options), hc_fp32=fp32,
         )
     return model_config
+
+
+def convert_trainer_config(config, kind: str = "mhc", streams: int = 4,
+                           options: dict | None = None, fp32: bool = True,
+                           fresh_connections: bool | None = None):
+    """A torchtitan Trainer.Config made HC / mHC, in place: its model converted
+    (convert_model_config), then with_connection_checkpoints; returns it."""
+    convert_model_config(config.model_spec.model, kind, streams, options, fp32)
+    return with_connection_checkpoints(config, fresh_connections)
+
+
+def with_connection_checkpoints(config, fresh_connections: bool | None = None):
+    """A Trainer.Config whose HF state-dict adapter keeps the connections (adapter.py) and
+    whose checkpoint manager compares them on every load (MhcCheckpointManager), in place;
+    fresh_connections: see MhcCheckpointManager.Config. Returns it."""
+    spec = config.model_spec
+    if spec.state_dict_adapter is not None:
+        spec.state_dict_adapter = with_connections(spec.state_dict_adapter)
+    config.checkpoint = mhc_checkpoint_config(config.checkpoint, fresh_connections)
+    return config
 
 
 def _check_block(i: int, layer) -> None:
