@@ -3,18 +3,19 @@
     mhc train    [--config run.toml] [--connection mhc --steps 2000 ...]
     mhc compare  --out DIR [--preset default|tiny|stress|shakespeare] [--config f.toml] [flags]
     mhc generate --checkpoint RUN_DIR [--prompt "def "] [--no-cache]
+    mhc export-hf RUN_DIR OUT_DIR [--kind K [--seed S]] [--overwrite]
     mhc cost     ...   (the analytic cost model: torch_mhc.tools.cost)
     mhc bench    ...   (the benchmark suite: torch_mhc.tools.bench.suite)
     mhc bench --gpu ...  (the GPU check: torch_mhc.tools.bench.gpu_check)
     mhc bench --aot ...  (the Triton ahead-of-time compile check of ops/triton/aot.py)
     mhc bench --ops ...  (the per-op benchmark: torch_mhc.tools.bench.ops)
 
-train, compare and generate are subparsers, each one `_add_<name>(subparsers)` function that
-builds its parser and sets `run`; `SUBCOMMANDS` lists them. cost and bench (`DELEGATED`) are
-parsed from their raw arguments, since bench's --gpu, --aot and --ops switch to another tool's
-options wherever they stand on the line (`BENCH_TOOLS`, `run_bench_tool`). The tools' modules
-only add their options to a parser given to them (`add_arguments(parser)`) and act on the
-parsed arguments (`run_command(args)`).
+train, compare, generate and export-hf are subparsers, each one `_add_<name>(subparsers)`
+function that builds its parser and sets `run`; `SUBCOMMANDS` lists them. cost and bench
+(`DELEGATED`) are parsed from their raw arguments, since bench's --gpu, --aot and --ops switch
+to another tool's options wherever they stand on the line (`BENCH_TOOLS`, `run_bench_tool`).
+The tools' modules only add their options to a parser given to them (`add_arguments(parser)`)
+and act on the parsed arguments (`run_command(args)`).
 
 Every error is one line on stderr, `mhc <command>: error: <what was expected and what came>`,
 with no traceback, and its own exit status (`EXIT_STATUS`, listed in `mhc train --help`):
@@ -26,8 +27,8 @@ training run writes a checkpoint first). `main` is the one boundary that does th
 benchmark tools keep argparse's usage line above a bad option's message.
 
 `train`, `compare` and `generate` need the `train` extra (numpy, tqdm; matplotlib for
-compare's figures); without it they say which extra to install. `cost` and `bench` need torch
-only.
+compare's figures), `export-hf` the `train` and `hf` extras; without them they say which extra
+to install. `cost` and `bench` need torch only.
 """
 
 from __future__ import annotations
@@ -284,6 +285,26 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# mhc export-hf
+# ---------------------------------------------------------------------------------------------
+
+
+def _add_export_hf(subparsers) -> None:
+    from torch_mhc.tools import export_hf
+
+    p = subparsers.add_parser(
+        "export-hf", help="write a run as a Hugging Face folder (remote code, safetensors)",
+        description="Write the model of a `mhc train` run, or of one kind of a `mhc compare` "
+        "folder, as a folder that transformers loads without torch_mhc: "
+        "AutoModelForCausalLM.from_pretrained(OUT_DIR, trust_remote_code=True) and "
+        "AutoTokenizer.from_pretrained(OUT_DIR). Its logits are checked against the run's "
+        "model before the folder is renamed into place.",
+    )
+    export_hf.add_arguments(p)
+    p.set_defaults(run=export_hf.run_command)
+
+
+# ---------------------------------------------------------------------------------------------
 # mhc cost, mhc bench: parsed from the raw arguments (bench's --gpu, --aot and --ops switch to
 # another tool's parser, wherever they stand on the line)
 # ---------------------------------------------------------------------------------------------
@@ -403,7 +424,8 @@ def run_bench_tool(switch: str, argv: list[str], prog: str = "mhc bench") -> int
         return _fail(prog, f"error: {e}", 2)
 
 
-SUBCOMMANDS: list[Callable] = [_add_train, _add_compare, _add_generate, _add_cost, _add_bench]
+SUBCOMMANDS: list[Callable] = [_add_train, _add_compare, _add_generate, _add_export_hf, _add_cost,
+                               _add_bench]
 DELEGATED: dict[str, Callable[[list[str]], int]] = {"cost": _run_cost, "bench": _run_bench}
 
 

@@ -1,0 +1,215 @@
+"""`mhc export-hf`: a run becomes a Hugging Face folder that transformers loads without
+torch_mhc, with the run's logits, its greedy generations and a byte-level tokenizer.
+
+One tiny run per connection kind is trained once for the module; every folder is then loaded
+in one fresh interpreter where `import torch_mhc` fails, and compared there with what the run's
+own model (torch_mhc.lm.load_model) computed here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+pytest.importorskip("numpy")
+
+from torch_mhc.lm import load_model  # noqa: E402
+from torch_mhc.tools.cli import main  # noqa: E402
+
+KINDS = ("residual", "hc", "mhc", "mhc-lite", "kromhc", "mhc-static-res")
+PROMPT = b"def f3(x):\n    return x"
+NEW_TOKENS = 6
+FILES = {"config.json", "generation_config.json", "model.safetensors",
+         "configuration_torch_mhc_lm.py", "modeling_torch_mhc_lm.py", "sinkhorn.py", "maps.py",
+         "successors.py", "tokenizer.json", "tokenizer_config.json"}
+
+
+def run(argv, capsys):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code, err, *needles):
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_config_under):
+    """{kind: run folder} of tiny runs (a high learning rate moves the connections' maps well
+    away from their initial values in a few steps)."""
+    from torch_mhc.lm.train import train
+
+    root = tmp_path_factory.mktemp("runs")
+    folders = {}
+    for kind in KINDS:
+        folders[kind] = root / kind
+        train(tiny_config_under(root, kind, steps=6, lr=3e-2, min_lr=3e-3,
+                                out_dir=str(folders[kind])))
+    return folders
+
+
+@pytest.fixture(scope="module")
+def exported(runs, tmp_path_factory):
+    """{kind: exported folder}, through the command."""
+    out = tmp_path_factory.mktemp("hf")
+    folders = {}
+    for kind, folder in runs.items():
+        folders[kind] = out / kind
+        assert main(["export-hf", str(folder), str(folders[kind])]) == 0
+    return folders
+
+
+def reference(run_dir) -> dict:
+    """The run's model on PROMPT: logits, its greedy continuation and the logits of every
+    generated step (the decoding path the exported model's cache must reproduce)."""
+    model = load_model(run_dir)
+    ids = torch.tensor([list(PROMPT)])  # [1, T0]
+    with torch.no_grad():
+        logits, _ = model(ids)
+        gen = model.generate(ids, NEW_TOKENS, temperature=0)  # [1, T0 + N]
+        steps, _ = model(gen[:, :-1])
+    return {"ids": ids, "logits": logits, "gen": gen, "steps": steps[:, ids.shape[1] - 1:]}
+
+
+CHECK = """
+import sys
+sys.modules["torch_mhc"] = None  # as if not installed
+try:
+    import torch_mhc  # noqa: F401
+except ImportError:
+    pass
+else:
+    raise SystemExit("torch_mhc is importable")
+import json, warnings
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+folders, refs = json.loads(sys.argv[1]), torch.load(sys.argv[2])
+report = {}
+for kind, folder in folders.items():
+    ref = refs[kind]
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    assert torch.equal(ids, ref["ids"]), (kind, ids)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids))
+        gen = model.generate(ids, max_new_tokens=NEW, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+        # a left-padded batch: the short row's logits match its own unpadded forward
+        batch = tok([PROMPT, PROMPT[-5:]], return_tensors="pt", padding=True,
+                    padding_side="left")
+        padded = model(**batch).logits[1, -5:]
+        alone = model(input_ids=ids[:, -5:]).logits[0]
+    text = pipeline("text-generation", model=folder, trust_remote_code=True)(
+        PROMPT, max_new_tokens=NEW, do_sample=False)[0]["generated_text"]
+    report[kind] = {
+        "logits": (out.logits - ref["logits"]).abs().max().item(),
+        "scale": ref["logits"].abs().max().item(),
+        "gen_equal": torch.equal(gen.sequences, ref["gen"]),
+        "steps": (torch.stack(gen.logits, 1) - ref["steps"]).abs().max().item(),
+        "padded": (padded - alone).abs().max().item(),
+        "text": text, "decoded": tok.decode(gen.sequences[0]),
+        "max_length": [model.config.max_position_embeddings, tok.model_max_length],
+        "special": [tok.eos_token_id, tok.pad_token_id, len(tok)],
+    }
+print(json.dumps(report))
+"""
+
+
+def test_exported_folders_load_without_torch_mhc(runs, exported, tmp_path):
+    for kind, folder in exported.items():
+        assert {p.name for p in folder.iterdir()} == FILES, kind
+        config = json.loads((folder / "config.json").read_text())
+        assert config["model_type"] == "torch_mhc_lm" and config["connection"] == kind
+        assert set(config["auto_map"]) == {"AutoConfig", "AutoModelForCausalLM"}
+        for name in ("maps.py", "sinkhorn.py", "successors.py", "modeling_torch_mhc_lm.py"):
+            imports = [line for line in (folder / name).read_text().splitlines()
+                       if line.startswith(("import ", "from "))]
+            assert not [line for line in imports if " torch_mhc" in line], (kind, name)
+    torch.save({kind: reference(folder) for kind, folder in runs.items()}, tmp_path / "ref.pt")
+    code = f"PROMPT = {PROMPT.decode()!r}\nNEW = {NEW_TOKENS}\n" + textwrap.dedent(CHECK)
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": ""}
+    done = subprocess.run(
+        [sys.executable, "-c", code, json.dumps({k: str(v) for k, v in exported.items()}),
+         str(tmp_path / "ref.pt")], capture_output=True, text=True, timeout=300, env=env,
+        cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    for kind, r in report.items():
+        # float32 rounding of the plain-torch maps against the library's fused CPU ops
+        assert r["logits"] <= 1e-5 * max(1.0, r["scale"]), (kind, r)
+        assert r["steps"] <= 1e-5 * max(1.0, r["scale"]), (kind, r)
+        assert r["padded"] <= 1e-5 * max(1.0, r["scale"]), (kind, r)
+        assert r["gen_equal"], (kind, r)
+        want = bytes(torch.load(tmp_path / "ref.pt")[kind]["gen"][0].tolist()).decode()
+        assert r["decoded"] == want and r["text"] == want, (kind, r)
+        assert r["max_length"] == [32, 32] and r["special"] == [0, 0, 256], (kind, r)
+
+
+def test_compare_folder_kind_and_seed(runs, tmp_path, capsys):
+    compare = tmp_path / "compare"
+    shutil.copytree(runs["mhc"], compare / "mhc")
+    shutil.copytree(runs["hc"], compare / "hc" / "seed0")
+    shutil.copytree(runs["hc"], compare / "hc" / "seed1")
+    code, out, err = run(["export-hf", compare, tmp_path / "a", "--kind", "mhc"], capsys)
+    assert code == 0, err
+    assert f"wrote {tmp_path / 'a'} (mhc" in out and "trust_remote_code=True" in out
+    code, _, err = run(["export-hf", compare, tmp_path / "b", "--kind", "hc", "--seed", "1"],
+                       capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["connection"] == "hc"
+    code, _, err = run(["export-hf", compare, tmp_path / "c"], capsys)
+    assert_one_line_error(code, err, "is a `mhc compare` folder: pass --kind", "hc, mhc")
+    code, _, err = run(["export-hf", compare, tmp_path / "c", "--kind", "hc"], capsys)
+    assert_one_line_error(code, err, "one run per seed (seed0, seed1): pass --seed")
+    code, _, err = run(["export-hf", compare, tmp_path / "c", "--kind", "kromhc"], capsys)
+    assert_one_line_error(code, err, "holds no 'kromhc' run (found: hc, mhc)")
+    code, _, err = run(["export-hf", compare, tmp_path / "c", "--kind", "mHC"], capsys)
+    assert_one_line_error(code, err, "--kind must be one of")
+    assert not (tmp_path / "c").exists()
+
+
+def test_refusals_leave_everything_as_it_was(runs, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    code, _, err = run(["export-hf", runs["mhc"], out], capsys)
+    assert_one_line_error(code, err, "exists and is not empty; pass --overwrite")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    code, _, err = run(["export-hf", runs["mhc"], out, "--overwrite"], capsys)
+    assert code == 0, err
+    assert {p.name for p in out.iterdir()} == FILES
+    code, _, err = run(["export-hf", tmp_path / "nowhere", tmp_path / "x"], capsys)
+    assert_one_line_error(code, err, "no run at", "does not exist")
+    code, _, err = run(["export-hf", tmp_path / "out", tmp_path / "x"], capsys)
+    assert_one_line_error(code, err, "no checkpoint at")
+    code, _, err = run(["export-hf", runs["mhc"], runs["mhc"], "--overwrite"], capsys)
+    assert_one_line_error(code, err, "holds the run being exported")
+    # a damaged checkpoint with nothing to fall back to
+    broken = tmp_path / "broken"
+    shutil.copytree(runs["mhc"], broken)
+    for name in ("ckpt.prev", "ckpt.old"):
+        shutil.rmtree(broken / name, ignore_errors=True)
+    shard = next((broken / "ckpt").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    code, _, err = run(["export-hf", broken, tmp_path / "x"], capsys)
+    assert_one_line_error(code, err)
+    assert not (tmp_path / "x").exists()
+    # nothing half-written is left beside the targets
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "out"]
