@@ -2,6 +2,7 @@
 
     mhc train    [--config run.toml] [--connection mhc --steps 2000 ...]
     mhc compare  --out DIR [--preset default|tiny|stress|shakespeare] [--config f.toml] [flags]
+    mhc sweep    --out DIR [--preset stability|smoke] [--kinds --depths --lrs --seeds] [--jobs N]
     mhc generate --checkpoint RUN_DIR [--prompt "def "] [--no-cache]
     mhc export-hf RUN_DIR OUT_DIR [--kind K [--seed S]] [--overwrite]
     mhc cost     ...   (the analytic cost model: torch_mhc.tools.cost)
@@ -207,6 +208,20 @@ def _run_compare(args: argparse.Namespace) -> int:
             print("\n".join(significance_lines(report["variants"])))
         print(f"report: {args.out}/report.md ({report['wall_time_s']:.1f} s)")
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# mhc sweep
+# ---------------------------------------------------------------------------------------------
+
+
+def _add_sweep(subparsers) -> None:
+    from torch_mhc.tools.sweep import command
+
+    p = subparsers.add_parser("sweep", help="find where each connection kind diverges: a grid "
+                              "of kind x depth x learning rate", description=command.DESCRIPTION)
+    command.add_arguments(p)
+    p.set_defaults(run=command.run_command)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -424,8 +439,8 @@ def run_bench_tool(switch: str, argv: list[str], prog: str = "mhc bench") -> int
         return _fail(prog, f"error: {e}", 2)
 
 
-SUBCOMMANDS: list[Callable] = [_add_train, _add_compare, _add_generate, _add_export_hf, _add_cost,
-                               _add_bench]
+SUBCOMMANDS: list[Callable] = [_add_train, _add_compare, _add_sweep, _add_generate, _add_export_hf,
+                               _add_cost, _add_bench]
 DELEGATED: dict[str, Callable[[list[str]], int]] = {"cost": _run_cost, "bench": _run_bench}
 
 
