@@ -320,6 +320,29 @@ def _add_export_hf(subparsers) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# mhc upcycle
+# ---------------------------------------------------------------------------------------------
+
+
+def _add_upcycle(subparsers) -> None:
+    from torch_mhc.tools.upcycle import run as upcycle
+
+    p = subparsers.add_parser(
+        "upcycle", help="convert a trained residual run to HC / mHC kinds and train on",
+        description=upcycle.__doc__.split("\n\n")[0].replace("`", ""), epilog=EXIT_STATUS,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    upcycle.add_arguments(p)
+    p.set_defaults(run=_run_upcycle)
+
+
+def _run_upcycle(args: argparse.Namespace) -> int:
+    _require_extra("compare")
+    from torch_mhc.tools.upcycle import run_command
+
+    return run_command(args)
+
+
+# ---------------------------------------------------------------------------------------------
 # mhc cost, mhc bench: parsed from the raw arguments (bench's --gpu, --aot and --ops switch to
 # another tool's parser, wherever they stand on the line)
 # ---------------------------------------------------------------------------------------------
@@ -440,7 +463,7 @@ def run_bench_tool(switch: str, argv: list[str], prog: str = "mhc bench") -> int
 
 
 SUBCOMMANDS: list[Callable] = [_add_train, _add_compare, _add_sweep, _add_generate, _add_export_hf,
-                               _add_cost, _add_bench]
+                               _add_cost, _add_bench, _add_upcycle]
 DELEGATED: dict[str, Callable[[list[str]], int]] = {"cost": _run_cost, "bench": _run_bench}
 
 
