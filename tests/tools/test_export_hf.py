@@ -29,8 +29,8 @@ KINDS = ("residual", "hc", "mhc", "mhc-lite", "kromhc", "mhc-static-res")
 PROMPT = b"def f3(x):\n    return x"
 NEW_TOKENS = 6
 FILES = {"config.json", "generation_config.json", "model.safetensors",
-         "configuration_torch_mhc_lm.py", "modeling_torch_mhc_lm.py", "sinkhorn.py", "maps.py",
-         "successors.py", "tokenizer.json", "tokenizer_config.json"}
+         "configuration_torch_mhc_lm.py", "modeling_torch_mhc_lm.py", "connections.py",
+         "sinkhorn.py", "maps.py", "successors.py", "tokenizer.json", "tokenizer_config.json"}
 
 
 def run(argv, capsys):
@@ -137,7 +137,8 @@ def test_exported_folders_load_without_torch_mhc(runs, exported, tmp_path):
         config = json.loads((folder / "config.json").read_text())
         assert config["model_type"] == "torch_mhc_lm" and config["connection"] == kind
         assert set(config["auto_map"]) == {"AutoConfig", "AutoModelForCausalLM"}
-        for name in ("maps.py", "sinkhorn.py", "successors.py", "modeling_torch_mhc_lm.py"):
+        for name in ("maps.py", "sinkhorn.py", "successors.py", "modeling_torch_mhc_lm.py",
+                     "connections.py"):
             imports = [line for line in (folder / name).read_text().splitlines()
                        if line.startswith(("import ", "from "))]
             assert not [line for line in imports if " torch_mhc" in line], (kind, name)

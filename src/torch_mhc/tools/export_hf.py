@@ -11,8 +11,9 @@ and `AutoTokenizer.from_pretrained(OUT_DIR)` where torch_mhc is not installed:
   sizes under transformers' names and the run's ModelConfig (`mhc_model_config`);
 - model.safetensors: the run's state dict under its own names (a tied LM head stored once);
 - generation_config.json;
-- configuration_torch_mhc_lm.py, modeling_torch_mhc_lm.py (from torch_mhc/lm/hf_export) and
-  sinkhorn.py, maps.py, successors.py: torch_mhc/functional as it is, its one import of the
+- configuration_torch_mhc_lm.py, modeling_torch_mhc_lm.py, connections.py (from
+  torch_mhc/integrations/hf/remote, shared with the portable checkpoints of converted models)
+  and sinkhorn.py, maps.py, successors.py: torch_mhc/functional as it is, its imports of the
   package made relative, so the maths has one source;
 - tokenizer.json, tokenizer_config.json: the 256 byte ids (byte-fallback tokens "<0x00>" to
   "<0xFF>", no merges): token id = UTF-8 byte, as the run was trained. The LM has no
@@ -232,10 +233,10 @@ def _set_modes(folder: Path) -> None:
 def _copy_code(folder: Path) -> None:
     """The remote-code templates and the functional files beside them, made relative."""
     import torch_mhc.functional as functional
-    from torch_mhc.lm.hf_export import FUNCTIONAL_FILES, TEMPLATE_DIR, TEMPLATE_FILES
+    from torch_mhc.integrations.hf.remote import FUNCTIONAL_FILES, LM_FILES, REMOTE_DIR
 
-    for name in TEMPLATE_FILES:
-        shutil.copyfile(TEMPLATE_DIR / name, folder / name)
+    for name in LM_FILES:
+        shutil.copyfile(REMOTE_DIR / name, folder / name)
     source = Path(functional.__file__).resolve().parent
     for name in FUNCTIONAL_FILES:
         text = (source / name).read_text(encoding="utf-8")

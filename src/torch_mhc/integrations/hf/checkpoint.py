@@ -38,7 +38,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from torch_mhc import __version__
 from torch_mhc.integrations.hf.convert import (
     CONFIG_KEY,
     ON_CONVERT,
@@ -176,8 +175,9 @@ def _write_checkpoint(model: nn.Module, folder: Path, kwargs: dict) -> None:
         _INNER.model = None
     write_portable(model, folder)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in connections.items()}
-    save_file(tensors, str(folder / CONNECTIONS_FILE),
-              metadata={"format": "pt", "torch_mhc_version": __version__})
+    # one metadata key: safetensors writes the metadata map in no fixed order, and a folder
+    # saved twice must be the same bytes (the version is in config.json's mhc_conversion)
+    save_file(tensors, str(folder / CONNECTIONS_FILE), metadata={"format": "pt"})
     _check_written(folder, set(connections))
 
 

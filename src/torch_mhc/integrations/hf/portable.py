@@ -1,7 +1,7 @@
 """The portable form of a converted checkpoint: an architecture of its own to transformers.
 
 A converted model's config.json is written with model_type "torch_mhc" and an auto_map that
-points transformers at the code saved beside the weights (remote/ and three files of
+points transformers at the code saved beside the weights (three files of remote/ and three of
 torch_mhc.functional), so that
 
     AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
@@ -28,17 +28,16 @@ from torch import nn
 
 from torch_mhc.integrations.hf.convert import CONFIG_KEY
 from torch_mhc.integrations.hf.layers import is_converted
+from torch_mhc.integrations.hf.remote import CONVERTED_FILES, FUNCTIONAL_FILES, REMOTE_DIR
 from torch_mhc.integrations.hf.remote.configuration_torch_mhc import MODEL_TYPE, TorchMHCConfig
 
 __all__ = ["CODE_FILES", "MODEL_TYPE", "TorchMHCConfig", "is_portable", "write_portable"]
 
-_REMOTE = Path(__file__).resolve().parent / "remote"
 _FUNCTIONAL = Path(__file__).resolve().parents[2] / "functional"
 # the remote code, by its name in the folder
 CODE_FILES = {
-    "configuration_torch_mhc.py": _REMOTE / "configuration_torch_mhc.py",
-    "modeling_torch_mhc.py": _REMOTE / "modeling_torch_mhc.py",
-    **{name: _FUNCTIONAL / name for name in ("sinkhorn.py", "maps.py", "successors.py")},
+    **{name: REMOTE_DIR / name for name in CONVERTED_FILES},
+    **{name: _FUNCTIONAL / name for name in FUNCTIONAL_FILES},
 }
 AUTO_MAP = {
     "AutoConfig": "configuration_torch_mhc.TorchMHCConfig",

@@ -1,8 +1,23 @@
-"""The code a portable checkpoint carries beside its weights (transformers' remote code).
+"""The code that folders loaded by transformers alone carry beside their weights (remote code).
 
-torch_mhc.hf.save_pretrained copies configuration_torch_mhc.py, modeling_torch_mhc.py and
-torch_mhc/functional/{sinkhorn,maps,successors}.py into the folder, so that transformers
-alone (with trust_remote_code=True) loads the converted model. The files import only torch,
-transformers (and its safetensors) and each other: the library imports the configuration
-module only, since modeling_torch_mhc imports the functional copies as its siblings.
+Two kinds of folder: a converted transformers model's portable checkpoint
+(torch_mhc.hf.save_pretrained: configuration_torch_mhc.py, modeling_torch_mhc.py) and an
+exported reference-LM run (`mhc export-hf`: configuration_torch_mhc_lm.py,
+modeling_torch_mhc_lm.py). Both also carry connections.py (the connection modules) and
+verbatim copies of torch_mhc/functional/{sinkhorn,maps,successors}.py (the maths), so that
+transformers loads them with trust_remote_code=True where torch-mhc is not installed. The
+files import only torch, transformers (and its safetensors) and each other; the package
+imports the configuration modules only, since the others import the functional copies as
+their siblings.
 """
+
+from pathlib import Path
+
+__all__ = ["CONVERTED_FILES", "FUNCTIONAL_FILES", "LM_FILES", "REMOTE_DIR"]
+
+REMOTE_DIR = Path(__file__).resolve().parent
+# copied from torch_mhc/functional into every folder
+FUNCTIONAL_FILES = ("sinkhorn.py", "maps.py", "successors.py")
+# copied from this folder, per kind of folder
+CONVERTED_FILES = ("configuration_torch_mhc.py", "modeling_torch_mhc.py", "connections.py")
+LM_FILES = ("configuration_torch_mhc_lm.py", "modeling_torch_mhc_lm.py", "connections.py")

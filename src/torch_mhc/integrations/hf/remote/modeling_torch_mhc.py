@@ -30,13 +30,11 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .configuration_torch_mhc import TorchMHCConfig
-from .maps import hc_maps, mhc_maps, post_merge, pre_aggregate, read_write_maps
-from .successors import kromhc_res, kronecker_pattern, mhc_lite_res, permutation_matrices
+from .connections import MAX_LITE_STREAMS, make_connection
 
 CONNECTIONS_FILE = "mhc_connections.safetensors"
 _MARK = (".mhc_attn.", ".mhc_mlp.")
 _IMPLS = ("auto", "reference", "cpu", "triton", "inductor")
-_MAX_LITE = 5  # mhc-lite mixes n! permutations
 
 # ------------------------------------------------------------------------------------------
 # Checking the recorded conversion (the checks torch-mhc's connection constructors make)
@@ -80,8 +78,8 @@ def check_conversion(conversion) -> tuple[str, int, dict]:
     if not _CHECKS["count"][0](n) or (kind == "residual" and n != 1):
         raise ValueError(f"mhc_conversion's streams must be an int >= 1 (1 for the residual), "
                          f"got {n!r}")
-    if kind == "mhc-lite" and n > _MAX_LITE:
-        raise ValueError(f"mhc-lite supports n <= {_MAX_LITE} streams, got {n}")
+    if kind == "mhc-lite" and n > MAX_LITE_STREAMS:
+        raise ValueError(f"mhc-lite supports n <= {MAX_LITE_STREAMS} streams, got {n}")
     if kind == "kromhc" and n & (n - 1):
         raise ValueError(f"kromhc needs n a power of two, got {n}")
     for name, value in options.items():
@@ -107,116 +105,6 @@ def check_layers(record, count: int) -> tuple[str, list[dict]]:
     if count is not None and len(specs) != count:
         raise ValueError(f"mhc_layers has {len(specs)} layer specs, the model has {count} layers")
     return record["path"], specs
-
-
-# ------------------------------------------------------------------------------------------
-# The connections (parameter names and shapes as torch_mhc.connections)
-
-
-class _Connection(nn.Module):
-    """x [..., n, C] -> H_res x + H_post^T F(H_pre x); the branch F comes with the call."""
-
-    def __init__(self, dim: int, streams: int, options: dict):
-        super().__init__()
-        self.dim, self.streams = dim, streams
-        self.norm_eps = float(options.get("norm_eps", 1e-6))
-        self.check_finite = options.get("check_finite", False)
-
-    def forward(self, x: torch.Tensor, branch, **kwargs) -> torch.Tensor:
-        h_pre, h_post, h_res = self.maps(x)
-        f = branch(pre_aggregate(x, h_pre), **kwargs)
-        if self.check_finite:
-            for what, t in (("H_pre", h_pre), ("H_post", h_post), ("H_res", h_res), ("F", f)):
-                if not bool(torch.isfinite(t).all()):
-                    raise FloatingPointError(f"{type(self).__name__}: {what} holds NaN or Inf")
-        return post_merge(x, f, h_post, h_res)
-
-
-class Residual(_Connection):
-    def forward(self, x: torch.Tensor, branch, **kwargs) -> torch.Tensor:
-        return x + branch(x.squeeze(-2), **kwargs).unsqueeze(-2)
-
-
-class HyperConnection(_Connection):
-    def __init__(self, dim: int, streams: int, options: dict):
-        super().__init__(dim, streams, options)
-        n = streams
-        self.static_pre = nn.Parameter(torch.zeros(n))
-        self.static_post = nn.Parameter(torch.zeros(n))
-        self.static_res = nn.Parameter(torch.zeros(n, n))
-        if options.get("dynamic", True):
-            self.w = nn.Parameter(torch.zeros(dim, 2 + n))
-            self.s_alpha = nn.Parameter(torch.zeros(1))
-            self.s_beta = nn.Parameter(torch.zeros(1))
-        else:
-            self.register_parameter("w", None)
-            self.register_buffer("s_alpha", torch.zeros(1))
-            self.register_buffer("s_beta", torch.zeros(1))
-
-    def maps(self, x):
-        return hc_maps(x, self.w, self.s_alpha.view(()), self.s_beta.view(()), self.static_pre,
-                       self.static_post, self.static_res, self.norm_eps)
-
-
-class ManifoldHyperConnection(_Connection):
-    def __init__(self, dim: int, streams: int, options: dict):
-        super().__init__(dim, streams, options)
-        n = streams
-        self.sinkhorn_iters = options.get("sinkhorn_iters", 20)
-        self.pre_eps = float(options.get("pre_eps", 0.0))
-        self.sinkhorn_eps = float(options.get("sinkhorn_eps", 0.0))
-        self.phi = nn.Parameter(torch.zeros(n * dim, n * n + 2 * n))
-        self.alpha = nn.Parameter(torch.zeros(3))
-        self.b_pre = nn.Parameter(torch.zeros(n))
-        self.b_post = nn.Parameter(torch.zeros(n))
-        self.b_res = nn.Parameter(torch.zeros(n, n))
-
-    def maps(self, x):
-        return mhc_maps(x, self.phi, self.alpha, self.b_pre, self.b_post, self.b_res,
-                        self.sinkhorn_iters, self.norm_eps, self.sinkhorn_eps, self.pre_eps)
-
-
-class MhcResVariant(_Connection):
-    """mHC's read and write maps with another H_res built from R res logits."""
-
-    def __init__(self, dim: int, streams: int, options: dict):
-        super().__init__(dim, streams, options)
-        n, kind = streams, type(self).kind
-        r = {"mhc-lite": math.factorial(n), "kromhc": n.bit_length() - 1}.get(kind, 0)
-        self.phi = nn.Parameter(torch.zeros(n * dim, 2 * n + r))
-        self.alpha = nn.Parameter(torch.zeros(3 if r else 2))
-        self.b_pre = nn.Parameter(torch.zeros(n))
-        self.b_post = nn.Parameter(torch.zeros(n))
-        if r:
-            self.b_res = nn.Parameter(torch.zeros(r))
-        if kind == "mhc-lite":
-            self.register_buffer("perms", permutation_matrices(n), persistent=False)
-        elif kind == "kromhc":
-            self.register_buffer("same", kronecker_pattern(n), persistent=False)
-        else:
-            self.register_buffer("h_res", torch.eye(n), persistent=False)
-
-    def maps(self, x):
-        h_pre, h_post, rest = read_write_maps(x, self.phi, self.alpha, self.b_pre, self.b_post,
-                                              self.norm_eps)
-        z = rest + self.b_res.to(rest.dtype) if hasattr(self, "b_res") else rest
-        # H_res in float64, rounded once, as torch_mhc.connections.successors computes it
-        wide = torch.float32 if z.device.type == "mps" else torch.float64
-        return h_pre, h_post, self.res_map(z.to(wide)).to(z.dtype)
-
-    def res_map(self, z):
-        if type(self).kind == "mhc-lite":
-            return mhc_lite_res(z, self.perms)
-        if type(self).kind == "kromhc":
-            return kromhc_res(z, self.same)
-        return self.h_res.to(z.dtype).expand(*z.shape[:-1], self.streams, self.streams)
-
-
-CONNECTIONS = {
-    "residual": Residual, "hc": HyperConnection, "mhc": ManifoldHyperConnection,
-    **{kind: type(kind.title().replace("-", ""), (MhcResVariant,), {"kind": kind})
-       for kind in ("mhc-lite", "kromhc", "mhc-static-res")},
-}
 
 
 # ------------------------------------------------------------------------------------------
@@ -247,8 +135,8 @@ def _converted_forward(self, hidden_states, *args, **kwargs):
     x = hidden_states
     if self._mhc_first:  # [B, T, C] -> [B, T, n, C], every stream a copy
         x = x.unsqueeze(-2).expand(*x.shape[:-1], self.mhc_attn.streams, x.shape[-1])
-    x = self.mhc_attn(x, self._mhc_attn_branch, **kwargs)
-    x = self.mhc_mlp(x, self._mhc_mlp_branch)
+    x = self.mhc_attn(x, branch=self._mhc_attn_branch, **kwargs)
+    x = self.mhc_mlp(x, branch=self._mhc_mlp_branch)
     return x.mean(dim=-2) if self._mhc_last else x
 
 
@@ -264,8 +152,8 @@ def converted_class(cls: type) -> type:
 
 
 def convert(model: nn.Module, conversion: dict, layers_record: dict) -> nn.Module:
-    """Put the recorded connections into model's decoder layers (initial values zero: the
-    checkpoint's tensors replace them all)."""
+    """Put the recorded connections into model's decoder layers (the checkpoint's tensors
+    then replace every initial value)."""
     kind, n, options = check_conversion(conversion)
     path, _ = check_layers(layers_record, None)
     try:
@@ -286,9 +174,9 @@ def convert(model: nn.Module, conversion: dict, layers_record: dict) -> nn.Modul
         p = next(layer.parameters())
         layer.__class__ = converted_class(type(layer))
         layer._mhc_spec, layer._mhc_first, layer._mhc_last = spec, i == 0, i == len(layers) - 1
-        for name in ("mhc_attn", "mhc_mlp"):
-            conn = CONNECTIONS[kind](dim, n, options).to(device=p.device, dtype=p.dtype)
-            setattr(layer, name, conn)
+        for j, name in enumerate(("mhc_attn", "mhc_mlp")):
+            conn = make_connection(kind, dim, n, 2 * i + j, options)
+            setattr(layer, name, conn.to(device=p.device, dtype=p.dtype))
     names = {type(layer).__name__ for layer in layers}
     current = getattr(model, "_no_split_modules", None) or []
     model._no_split_modules = {*current, *names} if isinstance(current, set) \

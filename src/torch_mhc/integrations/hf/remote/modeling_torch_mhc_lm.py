@@ -1,9 +1,10 @@
 """The reference LM of torch-mhc as a Hugging Face causal LM (remote code).
 
-Written into a folder by `mhc export-hf` with configuration_torch_mhc_lm.py and verbatim
-copies of torch_mhc/functional (sinkhorn.py, maps.py, successors.py), which hold the maths
-of every connection; this file needs torch and transformers only, never torch_mhc. It is
-torch_mhc/lm/model.py with the library's connections replaced by that plain-torch maths
+Written into a folder by `mhc export-hf` with configuration_torch_mhc_lm.py, connections.py
+(the connection modules for remote code) and verbatim copies of torch_mhc/functional
+(sinkhorn.py, maps.py, successors.py), which hold the maths of every connection; this file
+needs torch and transformers only, never torch_mhc. It is torch_mhc/lm/model.py with the
+library's connections replaced by those of connections.py, on the plain-torch maths
 (the library's fused ops compute the same maps; the two agree to float32 rounding), and
 with transformers' conventions around it: a Cache object for decoding, attention_mask for
 padded batches, position_ids, labels shifted inside the model.
@@ -19,8 +20,6 @@ safetensors file holds exactly the run's state dict.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,8 +27,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_torch_mhc_lm import TorchMhcLMConfig
-from .maps import hc_maps, mhc_maps, post_merge, pre_aggregate, read_write_maps
-from .successors import kromhc_res, kronecker_pattern, mhc_lite_res, permutation_matrices
+from .connections import make_connection
 
 # the output field that carries the cache: "cache" from transformers 5.2x on
 CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else (
@@ -125,135 +123,11 @@ class MLPBranch(nn.Module):
         return self.mlp(self.norm(h))
 
 
-# ---------------------------------------------------------------------------------------------
-# Connections: parameters as in torch_mhc.connections, maths from maps.py and successors.py.
-# Their initial values (used only by a model built from a config, never by a loaded one)
-# are the library's: every kind starts as the residual network.
-# ---------------------------------------------------------------------------------------------
-
-
-def pre_bias(n: int, layer_index: int) -> torch.Tensor:
-    """b_pre with sigmoid(b_pre) = e_{k mod n} / 2 + 1 / (2n)."""
-    p = torch.full((n,), 0.5 / n, dtype=torch.float64)
-    p[layer_index % n] += 0.5
-    return torch.logit(p.clamp(max=0.99)).float()
-
-
-class Residual(nn.Module):
-    """x + F(x) on one stream: x [..., 1, C]."""
-
-    def __init__(self, branch: nn.Module):
-        super().__init__()
-        self.branch = branch
-
-    def forward(self, x, *args, **kwargs):
-        return x + self.branch(x.squeeze(-2), *args, **kwargs).unsqueeze(-2)
-
-
-class StreamConnection(nn.Module):
-    """out = H_res x + H_post^T F(H_pre x), x [..., n, C]; subclasses define `maps`."""
-
-    def __init__(self, dim: int, streams: int, layer_index: int, branch: nn.Module,
-                 norm_eps: float):
-        super().__init__()
-        self.dim, self.streams, self.layer_index = dim, streams, layer_index
-        self.branch, self.norm_eps = branch, norm_eps
-
-    def forward(self, x, *args, **kwargs):
-        h_pre, h_post, h_res = self.maps(x)
-        f = self.branch(pre_aggregate(x, h_pre), *args, **kwargs)  # [..., C]
-        return post_merge(x, f, h_post, h_res)  # [..., n, C]
-
-
-class HyperConnection(StreamConnection):
-    """HC (dynamic): static maps plus tanh terms; w [C, 2 + n], scales s_alpha, s_beta [1]."""
-
-    def __init__(self, dim, streams, layer_index, branch, norm_eps):
-        super().__init__(dim, streams, layer_index, branch, norm_eps)
-        n = streams
-        self.static_pre = nn.Parameter(torch.eye(n)[layer_index % n])
-        self.static_post = nn.Parameter(torch.ones(n))
-        self.static_res = nn.Parameter(torch.eye(n))
-        self.w = nn.Parameter(torch.zeros(dim, 2 + n))
-        self.s_alpha = nn.Parameter(torch.full((1,), 0.01))
-        self.s_beta = nn.Parameter(torch.full((1,), 0.01))
-
-    def maps(self, x):
-        return hc_maps(x, self.w, self.s_alpha.view(()), self.s_beta.view(()), self.static_pre,
-                       self.static_post, self.static_res, self.norm_eps)
-
-
-class ManifoldHyperConnection(StreamConnection):
-    """mHC: phi [n*C, n*n + 2n], gates alpha [3], biases b_pre, b_post [n], b_res [n, n]."""
-
-    def __init__(self, dim, streams, layer_index, branch, norm_eps, sinkhorn_iters):
-        super().__init__(dim, streams, layer_index, branch, norm_eps)
-        n, self.sinkhorn_iters = streams, sinkhorn_iters
-        diag = 0.5 + 0.5 / n  # sinkhorn(b_res) = I / 2 + J / (2n)
-        self.phi = nn.Parameter(torch.zeros(n * dim, n * n + 2 * n))
-        self.alpha = nn.Parameter(torch.full((3,), 0.01))
-        self.b_pre = nn.Parameter(pre_bias(n, layer_index))
-        self.b_post = nn.Parameter(torch.zeros(n))
-        self.b_res = nn.Parameter(torch.zeros(1, 1) if n == 1 else
-                                  torch.eye(n) * math.log(diag * (n - 1) / (1.0 - diag)))
-
-    def maps(self, x):
-        return mhc_maps(x, self.phi, self.alpha, self.b_pre, self.b_post, self.b_res,
-                        self.sinkhorn_iters, self.norm_eps)
-
-
-class MhcResVariant(StreamConnection):
-    """mHC's read and write maps with another H_res from R logits: mhc-lite (R = n!, a
-    softmax mixture of permutations), kromhc (R = log2 n Kronecker factors) or
-    mhc-static-res (R = 0, H_res = I). phi [n*C, 2n + R], alpha [3] ([2] when R = 0)."""
-
-    def __init__(self, kind, dim, streams, layer_index, branch, norm_eps):
-        super().__init__(dim, streams, layer_index, branch, norm_eps)
-        n, self.kind = streams, kind
-        r = {"mhc-lite": math.factorial(n), "kromhc": n.bit_length() - 1}.get(kind, 0)
-        self.phi = nn.Parameter(torch.zeros(n * dim, 2 * n + r))
-        self.alpha = nn.Parameter(torch.full((3 if r else 2,), 0.01))
-        self.b_pre = nn.Parameter(pre_bias(n, layer_index))
-        self.b_post = nn.Parameter(torch.zeros(n))
-        if r:
-            self.b_res = nn.Parameter(self._res_bias(r))
-        self._constants: dict = {}  # the permutations or the Kronecker pattern, per device
-
-    def _res_bias(self, r: int) -> torch.Tensor:
-        if self.kind == "kromhc":
-            return torch.full((r,), math.log(3.0))  # each factor I / 2 + J / 4
-        top = torch.tensor(math.log(r + 1), dtype=torch.float32)  # the identity's weight 1/2
-        return torch.cat([top[None], (top.double() - math.log(r + 1)).float().expand(r - 1)])
-
-    def maps(self, x):
-        h_pre, h_post, rest = read_write_maps(x, self.phi, self.alpha, self.b_pre, self.b_post,
-                                              self.norm_eps)
-        z = rest + self.b_res.to(rest.dtype) if hasattr(self, "b_res") else rest
-        # built in float64 and rounded once, as the library does (MPS has no float64)
-        wide = torch.float32 if z.device.type == "mps" else torch.float64
-        return h_pre, h_post, self.res_map(z.to(wide)).to(z.dtype)
-
-    def res_map(self, z: torch.Tensor) -> torch.Tensor:
-        """H_res [..., n, n] from the biased res logits z [..., R]."""
-        n = self.streams
-        if self.kind == "mhc-static-res":
-            return torch.eye(n, dtype=z.dtype, device=z.device).expand(*z.shape[:-1], n, n)
-        if z.device not in self._constants:
-            make = permutation_matrices if self.kind == "mhc-lite" else kronecker_pattern
-            self._constants[z.device] = make(n).to(z.device)
-        res = mhc_lite_res if self.kind == "mhc-lite" else kromhc_res
-        return res(z, self._constants[z.device])
-
-
-def make_connection(config: TorchMhcLMConfig, layer_index: int, branch: nn.Module):
-    kind, dim, n, eps = config.connection, config.hidden_size, config.n_streams, config.norm_eps
-    if kind == "residual":
-        return Residual(branch)
-    if kind == "hc":
-        return HyperConnection(dim, n, layer_index, branch, eps)
-    if kind == "mhc":
-        return ManifoldHyperConnection(dim, n, layer_index, branch, eps, config.sinkhorn_iters)
-    return MhcResVariant(kind, dim, n, layer_index, branch, eps)
+def make_block_connection(config: TorchMhcLMConfig, layer_index: int, branch: nn.Module):
+    """The run's connection around branch (connections.py: the library's names and maths)."""
+    options = {"norm_eps": config.norm_eps, "sinkhorn_iters": config.sinkhorn_iters}
+    return make_connection(config.connection, config.hidden_size, config.n_streams, layer_index,
+                           options, branch)
 
 
 class Block(nn.Module):
@@ -261,8 +135,9 @@ class Block(nn.Module):
 
     def __init__(self, config: TorchMhcLMConfig, block_index: int):
         super().__init__()
-        self.attn = make_connection(config, 2 * block_index, AttentionBranch(config, block_index))
-        self.mlp = make_connection(config, 2 * block_index + 1, MLPBranch(config))
+        self.attn = make_block_connection(config, 2 * block_index,
+                                          AttentionBranch(config, block_index))
+        self.mlp = make_block_connection(config, 2 * block_index + 1, MLPBranch(config))
 
     def forward(self, x, cos, sin, cache=None, mask=None):
         return self.mlp(self.attn(x, cos, sin, cache=cache, mask=mask))
