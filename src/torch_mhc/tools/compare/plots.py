@@ -15,8 +15,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import LogFormatter, MaxNLocator
 
-__all__ = ["COLORS", "composite_gain_png", "gain_over_training_png", "grad_norm_png",
-           "health_png", "loss_curves_png", "loss_lines", "zoom_to_second_half"]
+__all__ = ["COLORS", "composite_gain_png", "figure_png", "gain_over_training_png",
+           "grad_norm_png", "health_png", "loss_curves_png", "loss_lines", "zoom_to_second_half"]
 
 COLORS = {"residual": "#4d4d4d", "hc": "#d62728", "mhc": "#1f77b4", "mhc-lite": "#2ca02c",
           "kromhc": "#9467bd", "mhc-static-res": "#ff7f0e"}
@@ -24,7 +24,7 @@ LABELS = {"residual": "residual", "hc": "HC", "mhc": "mHC", "mhc-lite": "mHC-lit
           "kromhc": "KromHC", "mhc-static-res": "mHC static H_res"}
 
 
-def _png(fig: Figure) -> bytes:
+def figure_png(fig: Figure) -> bytes:
     FigureCanvasAgg(fig)  # render with Agg whatever pyplot's backend is
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
@@ -72,7 +72,7 @@ def loss_curves_png(runs: dict[str, dict]) -> bytes:
     whole.legend(fontsize=8)
     zoom_to_second_half(tail)
     tail.set_title("Second half of training")
-    return _png(fig)
+    return figure_png(fig)
 
 
 def loss_lines(ax, kind: str, run: dict) -> None:
@@ -154,7 +154,7 @@ def grad_norm_png(runs: dict[str, dict]) -> bytes:
     ax.set_title("Gradient norm")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    return _png(fig)
+    return figure_png(fig)
 
 
 def composite_gain_png(gains: dict[str, dict]) -> bytes:
@@ -183,7 +183,7 @@ def composite_gain_png(gains: dict[str, dict]) -> bytes:
         ax.grid(alpha=0.3, which="both")
     axes[0].set_ylabel("Amax gain magnitude")
     axes[0].legend(fontsize=8)
-    return _png(fig)
+    return figure_png(fig)
 
 
 def gain_over_training_png(histories: dict[str, list[dict]]) -> bytes:
@@ -206,7 +206,7 @@ def gain_over_training_png(histories: dict[str, list[dict]]) -> bytes:
     ax.set_title("Composite gain during training")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    return _png(fig)
+    return figure_png(fig)
 
 
 def health_png(healths: dict[str, dict]) -> bytes:
@@ -238,4 +238,4 @@ def health_png(healths: dict[str, dict]) -> bytes:
         ax.set_xlabel("depth (sublayer)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    return _png(fig)
+    return figure_png(fig)

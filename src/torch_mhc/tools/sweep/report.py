@@ -5,15 +5,13 @@ the seeds that finished, the largest gain of any seed, and is marked when any se
 
 from __future__ import annotations
 
-import io
 import math
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import LogNorm, Normalize
 from matplotlib.figure import Figure
 
 from torch_mhc.runtime.files import atomic_write
-from torch_mhc.tools.compare.plots import LABELS
+from torch_mhc.tools.compare.plots import LABELS, figure_png
 
 __all__ = ["FIGURES", "aggregate", "best", "breaks_at", "breaks_text", "format_markdown",
            "heatmap_png", "write_report"]
@@ -114,13 +112,6 @@ def format_markdown(records: list[dict], config: dict, label: str) -> str:
     return "\n".join(lines)
 
 
-def _png(fig: Figure) -> bytes:
-    FigureCanvasAgg(fig)  # Agg, whatever pyplot's backend is
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    return buf.getvalue()
-
-
 def heatmap_png(table: dict[str, dict[tuple[int, float], dict]], value: str,
                 title: str, log: bool = False) -> bytes:
     """One panel per kind of table, depth (rows) x lr (columns), coloured by each square's
@@ -135,7 +126,7 @@ def heatmap_png(table: dict[str, dict[tuple[int, float], dict]], value: str,
         ax.axis("off")
         ax.text(0.5, 0.5, f"{title}: no values (no kind with H_res, or nothing finished)",
                 ha="center", va="center")
-        return _png(fig)
+        return figure_png(fig)
     lo, hi = min(values), max(values)
     norm = LogNorm(lo, hi if hi > lo else lo * 1.01) if log else Normalize(lo, hi if hi > lo
                                                                            else lo + 1e-9)
@@ -146,7 +137,7 @@ def heatmap_png(table: dict[str, dict[tuple[int, float], dict]], value: str,
     axes[0].set_ylabel("depth (blocks)")
     fig.colorbar(image, ax=list(axes), label=title, shrink=0.9)
     fig.suptitle(f"{title} (x: diverged)")
-    return _png(fig)
+    return figure_png(fig)
 
 
 def _panel(ax, squares: dict[tuple[int, float], dict], value: str, norm):
