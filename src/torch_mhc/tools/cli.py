@@ -3,6 +3,7 @@
     mhc train    [--config run.toml] [--connection mhc --steps 2000 ...]
     mhc compare  --out DIR [--preset default|tiny|stress|shakespeare] [--config f.toml] [flags]
     mhc sweep    --out DIR [--preset stability|smoke] [--kinds --depths --lrs --seeds] [--jobs N]
+    mhc upcycle  --from RUN_DIR --kinds hc,mhc --steps N --seeds S --out DIR
     mhc generate --checkpoint RUN_DIR [--prompt "def "] [--no-cache]
     mhc export-hf RUN_DIR OUT_DIR [--kind K [--seed S]] [--overwrite]
     mhc cost     ...   (the analytic cost model: torch_mhc.tools.cost)
@@ -11,7 +12,7 @@
     mhc bench --aot ...  (the Triton ahead-of-time compile check of ops/triton/aot.py)
     mhc bench --ops ...  (the per-op benchmark: torch_mhc.tools.bench.ops)
 
-train, compare, generate and export-hf are subparsers, each one `_add_<name>(subparsers)`
+train, compare, sweep, upcycle, generate and export-hf are subparsers, each one `_add_<name>(subparsers)`
 function that builds its parser and sets `run`; `SUBCOMMANDS` lists them. cost and bench
 (`DELEGATED`) are parsed from their raw arguments, since bench's --gpu, --aot and --ops switch
 to another tool's options wherever they stand on the line (`BENCH_TOOLS`, `run_bench_tool`).
