@@ -15,8 +15,7 @@ from torch_mhc.lm.model import LM, ModelConfig
 from torch_mhc.lm.train import build_optimizer, train
 from torch_mhc.lm.train.checkpoint import read_run_state
 from torch_mhc.tools.cli import main
-from torch_mhc.tools.upcycle import upcycled_model
-from torch_mhc.tools.upcycle.source import fresh_optimizer_state
+from torch_mhc.tools.upcycle.source import fresh_optimizer_state, upcycled_model
 
 KINDS = ("hc", "mhc", "mhc-lite")
 STEPS = 2

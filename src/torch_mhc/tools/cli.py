@@ -12,12 +12,12 @@
     mhc bench --aot ...  (the Triton ahead-of-time compile check of ops/triton/aot.py)
     mhc bench --ops ...  (the per-op benchmark: torch_mhc.tools.bench.ops)
 
-train, compare, sweep, upcycle, generate and export-hf are subparsers, each one `_add_<name>(subparsers)`
-function that builds its parser and sets `run`; `SUBCOMMANDS` lists them. cost and bench
-(`DELEGATED`) are parsed from their raw arguments, since bench's --gpu, --aot and --ops switch
-to another tool's options wherever they stand on the line (`BENCH_TOOLS`, `run_bench_tool`).
-The tools' modules only add their options to a parser given to them (`add_arguments(parser)`)
-and act on the parsed arguments (`run_command(args)`).
+train, compare, sweep, upcycle, generate and export-hf are subparsers, each one
+`_add_<name>(subparsers)` function that builds its parser and sets `run`; `SUBCOMMANDS` lists
+them. cost and bench (`DELEGATED`) are parsed from their raw arguments, since bench's --gpu,
+--aot and --ops switch to another tool's options wherever they stand on the line
+(`BENCH_TOOLS`, `run_bench_tool`). The tools' modules only add their options to a parser given
+to them (`add_arguments(parser)`) and act on the parsed arguments (`run_command(args)`).
 
 Every error is one line on stderr, `mhc <command>: error: <what was expected and what came>`,
 with no traceback, and its own exit status (`EXIT_STATUS`, listed in `mhc train --help`):
@@ -326,21 +326,21 @@ def _add_export_hf(subparsers) -> None:
 
 
 def _add_upcycle(subparsers) -> None:
-    from torch_mhc.tools.upcycle import run as upcycle
+    from torch_mhc.tools.upcycle import command
 
     p = subparsers.add_parser(
         "upcycle", help="convert a trained residual run to HC / mHC kinds and train on",
-        description=upcycle.__doc__.split("\n\n")[0].replace("`", ""), epilog=EXIT_STATUS,
+        description=command.DESCRIPTION, epilog=EXIT_STATUS,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    upcycle.add_arguments(p)
+    command.add_arguments(p)
     p.set_defaults(run=_run_upcycle)
 
 
 def _run_upcycle(args: argparse.Namespace) -> int:
     _require_extra("compare")
-    from torch_mhc.tools.upcycle import run_command
+    from torch_mhc.tools.upcycle import command
 
-    return run_command(args)
+    return command.run_command(args)
 
 
 # ---------------------------------------------------------------------------------------------

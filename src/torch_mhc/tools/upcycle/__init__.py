@@ -6,12 +6,8 @@ kinds, and every conversion trained on beside a residual continuation.
 The parts:
 - source: the residual run read and checked (`read_source`), the weight copy into a fresh LM
   of another kind (`upcycled_model`) and the step-0 checkpoint a continuation starts from;
-- run: `upcycle()`, the continuations in order, and the command line (`add_arguments`,
-  `run_command`);
-- report: upcycle.json, report.md and loss_curves.png.
+- run: `upcycle()`, the continuations in order;
+- report: upcycle.json, report.md and loss_curves.png;
+- command: the command line (`add_arguments`, `run_command`), light enough to build with
+  every `mhc` parser.
 """
-
-from torch_mhc.tools.upcycle.run import add_arguments, run_command, upcycle
-from torch_mhc.tools.upcycle.source import read_source, upcycled_model
-
-__all__ = ["add_arguments", "read_source", "run_command", "upcycle", "upcycled_model"]
