@@ -8,6 +8,11 @@ batch, as a ratio to the gains. Prints JSON, then a markdown table.
 
     python benchmarks/bench_variants.py                      # nanoGPT-CPU size (shakespeare)
     python benchmarks/bench_variants.py --dim 256 --layers 6 --seq 128 --batch 8 --repeats 20
+
+--successors instead times mHC's successors beside mHC at the step benchmark's defaults (8
+blocks, batch 8 x 256, n = 4; tools.bench.step) at each --sizes width, as ratios to mHC:
+
+    python benchmarks/bench_variants.py --successors --sizes 256,512 --repeats 7
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ import platform
 import torch
 
 from torch_mhc.connections import CONNECTION_KINDS
+from torch_mhc.connections.successors import VARIANT_KINDS
 from torch_mhc.lm.model import LM, ModelConfig
 from torch_mhc.runtime.diagnostics import collect_gains, collect_health
+from torch_mhc.tools.bench.step import bench_training_steps
 from torch_mhc.tools.bench.timing import CLOCKS, summarize, time_interleaved
 from torch_mhc.tools.bench.workloads import random_tokens, train_step
 
@@ -70,6 +77,30 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def bench_successors(args) -> dict:
+    """Training step of residual, mHC and each successor per width; ratios to mHC's step."""
+    steps = bench_training_steps(args.sizes, ["mhc", *VARIANT_KINDS], streams=args.streams,
+                                 repeats=args.repeats, warmup=args.warmup, clock=args.clock)
+    for res in steps["results"]:
+        times = {v: e["runs_ms"] for v, e in res["entries"].items()}
+        res["entries"] = summarize(times, "mhc")
+    return steps
+
+
+def markdown_successors(result: dict) -> str:
+    cfg = result["config"]
+    lines = [f"Training step, {cfg['layers']} blocks, batch {cfg['batch']} x {cfg['seq']}, "
+             f"n = {cfg['streams']}, {cfg['dtype']}, {result['threads']} thread(s), "
+             f"{cfg['clock']} clock, impl {cfg['impl']}:", "",
+             "| d | kind | median ms | x mHC | per-round ratio range |",
+             "|---:|---|---:|---:|---:|"]
+    for res in result["results"]:
+        for kind, e in res["entries"].items():
+            lines.append(f"| {res['dim']} | {kind} | {e['median_ms']:.1f} | {e['ratio']:.3f} | "
+                         f"{e['ratio_min']:.3f}-{e['ratio_max']:.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dim", type=int, default=128)
@@ -84,7 +115,18 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--clock", choices=CLOCKS, default="wall")
+    p.add_argument("--successors", action="store_true",
+                   help="time mHC's successors beside mHC at the step benchmark's defaults")
+    p.add_argument("--sizes", default="256,512", help="--successors: widths d")
     args = p.parse_args(argv)
+    if args.successors:
+        torch.set_num_threads(args.threads)
+        args.sizes = [int(s) for s in args.sizes.split(",")]
+        result = bench_successors(args) | {"threads": args.threads,
+                                           "torch": torch.__version__}
+        print(json.dumps(result, indent=1))
+        print(markdown_successors(result))
+        return 0
     args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     if "residual" not in args.kinds:
         args.kinds.insert(0, "residual")

@@ -206,6 +206,27 @@ def test_cpu_ops_agree_with_reference(kind):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind,n", CASES)
+def test_cpu_connection_is_one_fused_node(kind, n):
+    """impl="cpu" runs the maps, aggregation and (through x_for_merge) the merge's x gradient
+    as ops.cpu's one variant_maps_pre node; the layer equals the reference one."""
+    c = 24
+    ref = _random_variant(kind, n, c=c, dtype=torch.float32, scale=0.2)
+    ref.impl = "reference"
+    fused = make_connection(kind, c, n, 1, ref.branch, impl="cpu")
+    fused.load_state_dict(ref.state_dict())
+    x = torch.randn(3, 23, n, c, requires_grad=True)
+    _, state = fused.mix_in(x)
+    assert state[-1] is not None  # x_for_merge: the merge's x gradient joins the maps' dx
+    out_r, out_f = ref(x), fused(x)
+    torch.testing.assert_close(out_f, out_r, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(out_r)
+    grads_r = torch.autograd.grad(out_r, [x, *ref.parameters()], g)
+    grads_f = torch.autograd.grad(out_f, [x, *fused.parameters()], g)
+    for a, b in zip(grads_f, grads_r, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", VARIANT_KINDS)
 def test_lm_with_variant_starts_as_residual_lm(kind):
     cfg = dict(dim=32, n_layers=2, n_heads=2, max_seq_len=16)

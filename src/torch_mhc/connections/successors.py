@@ -35,12 +35,11 @@ doubly stochastic, so equal streams stay equal and F(h) is added once:
   entry a product of 3/4 and 1/4, exact in binary.
 - mhc-static-res: H_res = I.
 
-Ops: the maps are computed here in torch (float32, float64 stays float64) under autograd on
-every implementation; the pre-aggregation and the post-and-merge use the chosen op
-implementation's (ops.pre_aggregate, ops.post_merge: the fused CPU kernels or Triton), which
-take any H_res. Not fused: the maps themselves (the fused mHC maps kernel computes Sinkhorn,
-not a permutation mixture or a Kronecker product) and the fused dx write of ops.cpu, which
-belongs to that maps kernel.
+Ops: the maps are the op implementation's variant_maps_pre (torch_mhc.ops), the successor's
+counterpart of mhc_maps_pre. On the CPU it is one autograd node on mHC's native loops (the
+matmul with phi and the RMS, the aggregation, and a backward writing dx once, with the
+merge's share through fused_dx as mHC's) around a closed-form H_res; triton and inductor
+compose the reference maps (functional.successors) with their own aggregation and merge.
 """
 
 from __future__ import annotations
@@ -62,6 +61,8 @@ from torch_mhc.connections.base import (
 )
 from torch_mhc.functional.maps import read_write_maps
 from torch_mhc.functional.successors import (
+    VARIANT_KINDS,
+    check_variant,
     kromhc_res,
     kronecker_pattern,
     mhc_lite_res,
@@ -77,8 +78,6 @@ __all__ = [
     "make_variant",
 ]
 
-VARIANT_KINDS = ("mhc-lite", "kromhc", "mhc-static-res")
-MHC_LITE_MAX_STREAMS = 5
 
 
 class MhcResVariant(Connection):
@@ -156,23 +155,19 @@ class MhcResVariant(Connection):
     def maps(self, x: torch.Tensor, with_pre: bool = False):
         """H_pre, H_post, H_res; with_pre=True appends the branch input sum_j H_pre[j] x[j]."""
         ops = _ops.get_impl(self.impl, x.device, x.dtype)
-        maps = self._maps(x)
-        return (*maps, ops.pre_aggregate(x, maps[0])) if with_pre else maps
+        return (ops.variant_maps_pre if with_pre else ops.variant_maps)(*self.map_args(x))
 
-    def _maps(self, x: torch.Tensor):
-        h_pre, h_post, rest = read_write_maps(x, self.phi, self.alpha, self.b_pre, self.b_post,
-                                              self.norm_eps)
-        z = rest + self.b_res.to(rest.dtype) if hasattr(self, "b_res") else rest
-        # H_res is built in float64 and rounded once (n! or m numbers per token: negligible
-        # work). In float32 mHC-lite's 24-term mixtures sum rows to 1 - 6e-8 at init, a
-        # bias that compounds over depth (4.3e-6 from the residual network after 16
-        # sublayers); rounded once, the initial entries are exact (0.625, 0.125; 9/16 ...).
-        wide = torch.float32 if z.device.type == "mps" else torch.float64  # MPS: no float64
-        return h_pre, h_post, self.res_map(z.to(wide)).to(z.dtype)
+    def map_args(self, x: torch.Tensor) -> tuple:
+        """The arguments of ops.variant_maps (H_res built in float64 and rounded once there:
+        functional.successors.variant_res says why)."""
+        b_res = self.b_res if hasattr(self, "b_res") else None
+        return (self.kind, x, self.phi, self.alpha, self.b_pre, self.b_post, b_res,
+                self.norm_eps)
 
     def _maps_and_input(self, ops, x: torch.Tensor):
-        maps = self._maps(x)
-        return (*maps, ops.pre_aggregate(x, maps[0]), None)
+        if ops.fused_dx:
+            return ops.variant_maps_pre(*self.map_args(x), fused_dx=True)
+        return (*ops.variant_maps_pre(*self.map_args(x)), None)
 
     def no_weight_decay(self) -> set[str]:
         return {"alpha", "b_pre", "b_post"} | ({"b_res"} if hasattr(self, "b_res") else set())
@@ -191,12 +186,7 @@ class MHCLite(MhcResVariant):
 
     @classmethod
     def check_streams(cls, n: int) -> None:
-        if n > MHC_LITE_MAX_STREAMS:
-            raise ValueError(
-                f"mhc-lite mixes all n! permutation matrices and supports n <= "
-                f"{MHC_LITE_MAX_STREAMS} streams ({math.factorial(MHC_LITE_MAX_STREAMS)} "
-                f"logits per token); got n = {n} ({math.factorial(n):,} permutations)"
-            )
+        check_variant(cls.kind, n)
 
     def _init_buffers(self) -> None:
         self.register_buffer("perms", permutation_matrices(self.streams), persistent=False)
@@ -228,12 +218,7 @@ class KromHC(MhcResVariant):
 
     @classmethod
     def check_streams(cls, n: int) -> None:
-        if n & (n - 1):
-            lo = 1 << (n.bit_length() - 1)
-            raise ValueError(
-                f"kromhc builds H_res as a Kronecker product of 2 x 2 factors and needs n a "
-                f"power of two (1, 2, 4, 8, ...); got n = {n} (nearest: {lo} or {2 * lo})"
-            )
+        check_variant(cls.kind, n)
 
     def _init_buffers(self) -> None:
         self.register_buffer("same", kronecker_pattern(self.streams), persistent=False)

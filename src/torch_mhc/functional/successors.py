@@ -3,15 +3,37 @@
 mHC-lite mixes all n! permutation matrices with softmax weights; KromHC takes the Kronecker
 product of m = log2 n doubly stochastic 2 x 2 factors. Both are doubly stochastic exactly,
 without an iteration; the modules around them are in torch_mhc.connections.successors.
+
+variant_maps / variant_maps_pre are the successors' whole maps (mHC's H_pre and H_post, the
+kind's H_res) as one op, the definition that the ops implementations (torch_mhc.ops) match.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 
-__all__ = ["kromhc_res", "kronecker_pattern", "mhc_lite_res", "permutation_matrices"]
+from .maps import pre_aggregate, read_write_maps
+
+__all__ = [
+    "MHC_LITE_MAX_STREAMS",
+    "VARIANT_KINDS",
+    "check_variant",
+    "kromhc_res",
+    "kronecker_pattern",
+    "mhc_lite_res",
+    "permutation_matrices",
+    "res_count",
+    "variant_maps",
+    "variant_maps_pre",
+    "variant_res",
+]
+
+VARIANT_KINDS = ("mhc-lite", "kromhc", "mhc-static-res")
+# n! logits per token: 120 at n = 5; beyond, they outgrow the rest of the connection.
+MHC_LITE_MAX_STREAMS = 5
 
 
 def permutation_matrices(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -46,3 +68,65 @@ def kromhc_res(z: torch.Tensor, same: torch.Tensor) -> torch.Tensor:
     if factors.shape[-3] == 0:  # n = 1: the empty product
         return torch.ones(*z.shape[:-1], 1, 1, dtype=z.dtype, device=z.device)
     return factors.prod(dim=-3)
+
+
+def check_variant(kind: str, n: int) -> None:
+    """Raise a ValueError if `kind` is not a successor or cannot use n streams."""
+    if kind not in VARIANT_KINDS:
+        raise ValueError(f"unknown variant {kind!r}; expected one of {VARIANT_KINDS}")
+    if kind == "mhc-lite" and n > MHC_LITE_MAX_STREAMS:
+        raise ValueError(
+            f"mhc-lite mixes all n! permutation matrices and supports n <= "
+            f"{MHC_LITE_MAX_STREAMS} streams ({math.factorial(MHC_LITE_MAX_STREAMS)} "
+            f"logits per token); got n = {n} ({math.factorial(n):,} permutations)"
+        )
+    if kind == "kromhc" and n & (n - 1):
+        lo = 1 << (n.bit_length() - 1)
+        raise ValueError(
+            f"kromhc builds H_res as a Kronecker product of 2 x 2 factors and needs n a "
+            f"power of two (1, 2, 4, 8, ...); got n = {n} (nearest: {lo} or {2 * lo})"
+        )
+
+
+def res_count(kind: str, n: int) -> int:
+    """R, the res logits per token: n! (mhc-lite), log2 n (kromhc), 0 (mhc-static-res)."""
+    check_variant(kind, n)
+    if kind == "mhc-lite":
+        return math.factorial(n)
+    return n.bit_length() - 1 if kind == "kromhc" else 0
+
+
+def variant_res(kind: str, z: torch.Tensor, n: int) -> torch.Tensor:
+    """H_res [..., n, n] of kind from the scaled and biased res logits z [..., R], in z's dtype.
+
+    Built in float64 and rounded once (n! or m numbers per token: negligible work): in
+    float32 mHC-lite's 24-term mixtures sum rows to 1 - 6e-8 at init, a bias that compounds
+    over depth; rounded once, the initial entries are exact (0.625, 0.125; 9/16 ...).
+    """
+    if kind == "mhc-static-res":
+        return torch.eye(n, dtype=z.dtype, device=z.device).expand(*z.shape[:-1], n, n)
+    wide = torch.float32 if z.device.type == "mps" else torch.float64  # MPS: no float64
+    # Built per call (microseconds at n <= 5), not cached: torch.compile traces it to a constant
+    table = (permutation_matrices if kind == "mhc-lite" else kronecker_pattern)(n, wide)
+    table = table.to(z.device)
+    res = mhc_lite_res if kind == "mhc-lite" else kromhc_res
+    return res(z.to(wide), table).to(z.dtype)
+
+
+def variant_maps(kind, x, phi, alpha, b_pre, b_post, b_res=None, norm_eps=1e-6):
+    """H_pre [..., n], H_post [..., n], H_res [..., n, n] of an mHC successor.
+
+    x: [..., n, C]; phi: [n*C, 2n + R] (R = res_count(kind, n)); alpha: [3] ([2] when R = 0);
+    b_pre, b_post: [n]; b_res: [R] or None when R = 0. Maps in float32 (float64 stays float64).
+    """
+    n = x.shape[-2]
+    check_variant(kind, n)
+    h_pre, h_post, rest = read_write_maps(x, phi, alpha, b_pre, b_post, norm_eps)
+    z = rest + b_res.to(rest.dtype) if b_res is not None else rest  # [..., R]
+    return h_pre, h_post, variant_res(kind, z, n)
+
+
+def variant_maps_pre(kind, x, phi, alpha, b_pre, b_post, b_res=None, norm_eps=1e-6):
+    """variant_maps plus the branch input pre_aggregate(x, H_pre) [..., C]."""
+    maps = variant_maps(kind, x, phi, alpha, b_pre, b_post, b_res, norm_eps)
+    return (*maps, pre_aggregate(x, maps[0]))

@@ -1,7 +1,7 @@
 """One op interface, several implementations, chosen by device and overridable.
 
-Every implementation provides the same six functions with the same contracts as
-`functional.maps` (the plain-torch oracle):
+Every implementation provides the same functions with the same contracts as `functional.maps`
+and `functional.successors` (the plain-torch oracles):
 
     mhc_maps(x, phi, alpha, b_pre, b_post, b_res, sinkhorn_iters=20, norm_eps=1e-6,
              sinkhorn_eps=0.0, pre_eps=0.0)    -> H_pre [..., n], H_post [..., n], H_res [..., n, n]
@@ -13,12 +13,21 @@ Every implementation provides the same six functions with the same contracts as
     pre_aggregate(x, h_pre)                   -> [..., C]     sum_j H_pre[j] x[j]
     post_merge(x, f, h_post, h_res)           -> [..., n, C]  H_res x + H_post^T f
     sinkhorn(logits, iters=20, *, eps=0.0)    -> [..., n, n]
+    variant_maps(kind, x, phi, alpha, b_pre, b_post, b_res=None, norm_eps=1e-6)
+                                              -> H_pre, H_post, H_res of mHC's successor `kind`
+                                              (functional.successors.variant_maps)
+    variant_maps_pre(same arguments)          -> the same plus pre_aggregate(x, H_pre)
 
 Optionally (Ops.fused_dx, the `cpu` implementation): mhc_maps_pre(..., fused_dx=True) and
 hc_maps_pre(..., fused_dx=True) also return x_for_merge, and post_merge(x_for_merge, f,
 h_post, h_res, fused_dx=True) leaves x's gradient through the merge to the maps node, so that
 a connection writes x's gradient once (hc_maps_pre's x_for_merge is None where it made no
-single node).
+single node); so does variant_maps_pre(..., fused_dx=True).
+
+The successors' maps (variant_maps, variant_maps_pre) are fused on `cpu` (ops/cpu/variants.py:
+mHC's native matmul, aggregation and backward passes around a closed-form H_res). `triton`
+and `inductor` have no kernel for them: their Ops compose the reference variant_maps with
+their own pre_aggregate (the merge still runs on their post_merge).
 
 Implementations:
     "reference"  plain torch, autograd through every op: the definition and the test oracle
@@ -44,11 +53,13 @@ from dataclasses import dataclass
 import torch
 
 from torch_mhc.functional import maps as reference
+from torch_mhc.functional import successors as reference_successors
 from torch_mhc.ops import checks
 
 # Imported here, outside any torch.compile trace: importing `cpu` registers its custom ops
 # (its native library is built or loaded by the first native op, ops/cpu/native.py).
 from torch_mhc.ops.cpu import ops as cpu
+from torch_mhc.ops.cpu import variants as cpu_variants
 
 __all__ = [
     "IMPLS",
@@ -101,6 +112,8 @@ class Ops:
     pre_aggregate: Callable
     post_merge: Callable
     sinkhorn: Callable
+    variant_maps: Callable
+    variant_maps_pre: Callable
     # mhc_maps_pre(..., fused_dx=True) and post_merge(..., fused_dx=True) exist
     # (ops/cpu/ops.py: x's gradient through maps, aggregation and merge written once).
     fused_dx: bool = False
@@ -174,6 +187,21 @@ def _composed_maps_pre(module, maps: Callable) -> Callable:
     return maps_pre
 
 
+def _variant_ops(resolved: str, module) -> dict:
+    """variant_maps and variant_maps_pre of implementation `resolved`: cpu's fused ones, or
+    the reference maps with the implementation's own pre_aggregate."""
+    if resolved == "cpu":
+        return dict(variant_maps=cpu_variants.variant_maps,
+                    variant_maps_pre=cpu_variants.variant_maps_pre)
+
+    def variant_maps_pre(kind, x, *args, **kwargs):
+        maps = reference_successors.variant_maps(kind, x, *args, **kwargs)
+        return (*maps, module.pre_aggregate(x, maps[0]))
+
+    return dict(variant_maps=reference_successors.variant_maps,
+                variant_maps_pre=variant_maps_pre)
+
+
 def get_impl(
     name: str = "auto",
     device: torch.device | str | None = None,
@@ -229,6 +257,7 @@ def _load(resolved: str) -> Ops:
         pre_aggregate=module.pre_aggregate,
         post_merge=module.post_merge,
         sinkhorn=fns["sinkhorn"],
+        **_variant_ops(resolved, module),
         fused_dx=getattr(module, "FUSED_DX", False),
     )
     _loaded[resolved] = ops

@@ -22,7 +22,9 @@
                 and g it reads anyway, and the merge's backward does not read x);
      rows_fwd / rows_bwd, hc_bwd  the same for HC's maps, per stream row: x_j @ W, and a
                 backward whose dx also takes the aggregation's and the merge's shares;
-     hc_fwd     HC's maps and aggregation for inference (decoding), one call per step. */
+     hc_fwd     HC's maps and aggregation for inference (decoding), one call per step;
+     vmaps_dots / vmaps_bwd  the maps backward of mHC's successors (no Sinkhorn: their H_res
+                map's backward runs in torch between the two passes). */
 
 #include <math.h>
 #include <stdint.h>
@@ -849,6 +851,52 @@ INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, con
 }
 
 /* ---------------------------------------------------------------------------------------
+   mHC's successors' maps, backward (ops/cpu/variants.py). Their H_res is a closed form of
+   the res logits, computed in torch between two passes over the streams:
+     vmaps_dots  dots[t, j] = <x[t, j], ga[t]> (the aggregation's dH_pre, when ga) and
+                 dres[t, i, j] = <gmerge[t, i], x[t, j]> (the merge's dH_res, when gmerge);
+     vmaps_bwd   dphi += x^T dz and dx = coef x + dz phi^T + H_pre[j] ga + H_res^T gmerge,
+                 from dz [T, Mp] (zero past M), coef [T], hp [T, n], hr [T, n, n],
+   the tiles of the mHC maps backward above without its gates and Sinkhorn.
+   --------------------------------------------------------------------------------------- */
+
+INLINE void vmaps_dots_body(const void* x, const void* ga, const void* gmerge, float* dots,
+                            float* dres, int64_t t0, int64_t t1, const int64_t n, int64_t C,
+                            int bf) {
+    for (int64_t t = t0; t < t1; ++t)
+        token_dots(x, ga, gmerge, ga ? dots + t * n : NULL, gmerge ? dres + t * n * n : NULL,
+                   t, t + 1 < t1, n, C, bf);
+}
+
+INLINE void vmaps_bwd_body(const void* x, const float* phit, const float* dz, const float* coef,
+                           const float* hp, const float* hr, const void* ga, const void* gmerge,
+                           void* dx, float* dphi, float* base, int64_t t0, int64_t t1,
+                           const int64_t n, int64_t C, int64_t M, int64_t MV, int bf) {
+    const int64_t K = n * C, nn = n * n, Mp = MV * WG;
+    const int64_t size = bf ? 2 : 4;
+    for (int64_t t = t0; t < t1; t += G) {
+        const int64_t g = t1 - t < G ? t1 - t : G;
+        /* The next group's x, ga and gmerge rows, fetched during dphi. */
+        const int64_t t2 = t + G < t1 ? t + G : t1, t3 = t + 2 * G < t1 ? t + 2 * G : t1;
+        const ahead_t ahead = {
+            {(const char*)x + t2 * K * size, ga ? (const char*)ga + t2 * C * size : NULL,
+             gmerge ? (const char*)gmerge + t2 * K * size : NULL},
+            {(t3 - t2) * K * size / 64, ga ? (t3 - t2) * C * size / 64 : 0,
+             gmerge ? (t3 - t2) * K * size / 64 : 0}};
+        dphi_rows(x, dz + t * Mp, dphi, t, g, K, MV, &ahead, bf);
+        int64_t s = 0;
+        for (; s + 8 <= g; s += 8)
+            maps_dx_tile(x, phit, ga, gmerge, coef + t + s, hp + (t + s) * n,
+                         hr + (t + s) * nn, dz + (t + s) * Mp, dx, base, t + s, 8, n, C, M,
+                         Mp, bf);
+        for (; s < g; ++s)
+            maps_dx_tile(x, phit, ga, gmerge, coef + t + s, hp + (t + s) * n,
+                         hr + (t + s) * nn, dz + (t + s) * Mp, dx, base, t + s, 1, n, C, M,
+                         Mp, bf);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------
    Rows times a skinny matrix (HC's maps: every stream row of length C times W [C, n + 2]).
    rows_fwd: z [R, Mp] = x @ wp and ss [R] = sum_k x[r, k]^2 for rows [r0, r1) of x [R, K].
    rows_bwd: dw += x^T dz (this thread's partial, [K, Mp]) and dx = coef[r] x[r] + dz[r] W^T,
@@ -1111,6 +1159,20 @@ EXPORT_BOTH(maps_bwd,
              (v16*)(sk_y + k_ * (2 * iters - 1) * (n * n + n) * 16),
              base + k_ * 8 * n * C, a_, b_, N_, C, M, MV, (int)iters, (float)sk_eps,
              (float)pre_eps, bf))
+
+EXPORT_BOTH(vmaps_dots,
+            (const void* x, const void* ga, const void* gmerge, float* dots, float* dres,
+             int64_t t0, int64_t t1, int64_t threads, int64_t n, int64_t C),
+            (x, ga, gmerge, dots, dres, a_, b_, N_, C, bf))
+
+/* Per-thread slices: dphi [K, Mp], base [8 K]. */
+EXPORT_BOTH(vmaps_bwd,
+            (const void* x, const float* phit, const float* dz, const float* coef,
+             const float* hp, const float* hr, const void* ga, const void* gmerge, void* dx,
+             float* dphi, float* base, int64_t t0, int64_t t1, int64_t threads, int64_t n,
+             int64_t C, int64_t M, int64_t MV),
+            (x, phit, dz, coef, hp, hr, ga, gmerge, dx, dphi + k_ * n * C * MV * WG,
+             base + k_ * 8 * n * C, a_, b_, N_, C, M, MV, bf))
 
 EXPORT_BOTH(hc_fwd,
             (const void* x, const float* wp, const float* p, float* hpre, float* hpost,

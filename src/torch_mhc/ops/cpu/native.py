@@ -122,6 +122,8 @@ _SIGNATURES = {
     "maps_bwd": (15, [_I, _I, _I, _I, _I, _D, _D]),  # n, C, M, MV, iters, sk_eps, pre_eps
     "hc_fwd": (7, [_I, _I, _I, _D]),  # n, C, MV, norm_eps
     "hc_bwd": (17, [_I, _I, _I, _I]),  # n, C, M, MV
+    "vmaps_dots": (5, [_I, _I]),  # n, C
+    "vmaps_bwd": (11, [_I, _I, _I, _I]),  # n, C, M, MV
     "rows_fwd": (4, [_I, _I]),  # K, MV
     "rows_bwd": (6, [_I, _I, _I]),  # K, M, MV
 }
@@ -338,6 +340,32 @@ class NativeOps:
         dw = dw[0] if threads == 1 else dw.sum(dim=0)
         return dx, gtot, dw[:, :m].contiguous()
 
+    def vmaps_dots(self, x, ga, gmerge):
+        """(dots [T, n] = <x[t, j], ga[t]> or None, dres [T, n, n] = <gmerge[t, i], x[t, j]>
+        or None) for x [T, n, C] and ga [T, C], gmerge [T, n, C] in x's dtype (either None)."""
+        t, n, c = x.shape
+        dots = torch.empty((t, n), dtype=torch.float32) if ga is not None else None
+        dres = torch.empty((t, n, n), dtype=torch.float32) if gmerge is not None else None
+        self._run("vmaps_dots", x.dtype, [x, ga, gmerge, dots, dres], t, n, c)
+        return dots, dres
+
+    def vmaps_bwd(self, x, phit, dz, coef, hp, hr, ga, gmerge):
+        """dx [T, n, C] (x's dtype) = coef x + dz phi^T + H_pre[j] ga + H_res^T gmerge and
+        dphi [n*C, M] = x^T dz of a successor's maps, for phit = phi^T [M, n*C] float32,
+        dz [T, Mp] float32 zero past column M, coef [T], hp [T, n], hr [T, n, n] float32;
+        ga [T, C] and gmerge [T, n, C] in x's dtype, either None."""
+        t, n, c = x.shape
+        m, mp = phit.shape[0], dz.shape[1]
+        dx = self.blocks.empty(x.shape, x.dtype)
+        threads = self.threads_for(t)
+        dphi = torch.zeros((threads, n * c, mp), dtype=torch.float32)
+        base = torch.empty((threads, 8 * n * c), dtype=torch.float32)
+        self._run("vmaps_bwd", x.dtype,
+                  [x, phit, dz, coef, hp, hr, ga, gmerge, dx, PerThread(dphi), PerThread(base)],
+                  t, n, c, m, mp // 8)
+        dphi = dphi[0] if threads == 1 else dphi.sum(dim=0)
+        return dx, dphi[:, :m].contiguous()
+
     def rows_fwd(self, x, wp):
         """z [R, Mp] = x @ wp and the sums of squares ss [R] of x's rows, for x [R, K]
         (fp32 or bf16) and wp [K, Mp] float32 (columns padded to padded_width)."""
@@ -362,6 +390,7 @@ class NativeOps:
 
 
 MAX_STREAMS = 8  # native.c's MAXN: per-token arrays of n (n x n) vectors
+MAX_MAP_LOGITS = 80  # native.c's MAX_MV 8-float vectors: phi's widest padded row
 
 
 def supports(x: torch.Tensor) -> bool:

@@ -35,7 +35,8 @@ __all__ = [
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Model variants: our three connections, and lucidrains' mHC around the same blocks.
-VARIANTS = ("residual", "hc", "mhc", "lucidrains_mhc")
+# mHC's successors are LM connection kinds too (connections.successors.VARIANT_KINDS).
+VARIANTS = ("residual", "hc", "mhc", "lucidrains_mhc", "mhc-lite", "kromhc", "mhc-static-res")
 
 
 def log(msg: str) -> None:

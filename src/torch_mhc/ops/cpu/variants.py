@@ -1,0 +1,301 @@
+"""The `cpu` implementation of mHC's successors' maps (functional.successors.variant_maps_pre).
+
+The successors keep mHC's read and write maps and replace Sinkhorn by a closed form of the
+res logits (a softmax mixture of permutations, a Kronecker product of 2 x 2 factors, or the
+identity), so the costly parts are mHC's: the skinny matmul x @ phi with the RMS, the
+pre-aggregation, and in the backward dphi and one [T, n, C] write of dx. Those run on the
+native loops (ops/cpu/native.c); only the per-token maps on [T, M] and [T, n, n] run as
+torch ops between the native calls:
+
+- forward: rows_fwd gives x @ phi and the sums of squares in one pass over x; the gates,
+  sigmoids and the H_res map in torch; pre_fwd the aggregation.
+- backward: vmaps_dots gives the aggregation's dH_pre = <x_j, da> and, with fused_dx, the
+  merge's dH_res = <g_i, x_j> in one pass; the gates' and the H_res map's backward in torch
+  (closed forms, float64 for H_res as in its forward); vmaps_bwd writes dphi and
+  dx = coef x + dz phi^T + H_pre[j] da + H_res^T g once, as mHC's maps backward does.
+- fused_dx: as ops.cpu.mhc_maps_pre, x_for_merge hands the merge's upstream gradient to
+  this node, so x's gradient from the whole connection is one write.
+
+Without the native library, for float64, fp16 or n > 8, the same Function runs on torch ops.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+import torch_mhc.ops.cpu.ops  # noqa: F401  (registers the torch_mhc::cpu_* custom ops)
+from torch_mhc.functional import successors as _ref
+from torch_mhc.functional.sinkhorn import compute_dtype
+from torch_mhc.ops.cpu import native
+
+__all__ = ["takes_native", "variant_maps", "variant_maps_pre"]
+
+
+def _no_autocast(fn):
+    """Run with CPU autocast off: the maps choose their own precision (see ops.cpu)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.autocast("cpu", enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _native_available() -> bool:
+    """Whether the native library is there (built or found in the cache on first use)."""
+    return native.load() is not None
+
+
+# A constant to torch.compile, as ops.cpu's own check: a first call inside a trace must not
+# trace the build and its lock (the mark torch.compiler.assume_constant_result sets).
+_native_available._dynamo_marked_constant = True
+
+
+def _use_native(x: torch.Tensor) -> bool:
+    return native.supports(x) and _native_available()
+
+
+def _gate_rows(alpha, b_pre, b_post, b_res, n: int, r: int, dtype):
+    """(gate per logit [M], bias per logit [M]) for the logits' order pre, post, res."""
+    a = alpha.to(dtype)
+    gates = [a[0].expand(n), a[1].expand(n)] + ([a[2].expand(r)] if r else [])
+    biases = [b_pre.to(dtype), b_post.to(dtype)] + ([b_res.to(dtype)] if r else [])
+    return torch.cat(gates), torch.cat(biases)
+
+
+def _logits(x: torch.Tensor, phi: torch.Tensor, norm_eps: float, use_native: bool):
+    """(l [T, M] = (flatten(x) @ phi) / r, r [T]) for x [T, n, C], in the maps dtype."""
+    t, n, c = x.shape
+    k, m = n * c, phi.shape[1]
+    if use_native:
+        phip = torch.nn.functional.pad(phi.to(torch.float32),
+                                       (0, native.padded_width(m) - m)).contiguous()
+        z, ss = torch.ops.torch_mhc.cpu_rows_fwd(x.view(t, k), phip)  # [T, Mp], [T]
+        r = ss.div_(k).add_(norm_eps).sqrt_()
+        return z[:, :m] / r.unsqueeze(-1), r
+    cdt = compute_dtype(x.dtype)
+    v = x.reshape(t, k).to(cdt)
+    r = torch.sqrt(v.square().mean(dim=-1) + norm_eps)
+    return (v @ phi.to(cdt)) / r.unsqueeze(-1), r
+
+
+def _res_forward_wide(kind: str, z: torch.Tensor, n: int):
+    """(H_res [T, n, n] in float64, the weights a [T, R] in float64) from z [T, R]."""
+    zw = z.to(torch.float64)
+    if kind == "mhc-lite":
+        a = torch.softmax(zw, dim=-1)
+        return _ref.mhc_lite_res(zw, _ref.permutation_matrices(n, torch.float64)), a
+    a = torch.sigmoid(zw)
+    return _ref.kromhc_res(zw, _ref.kronecker_pattern(n, torch.float64)), a
+
+
+def _res_backward(kind: str, z: torch.Tensor, g: torch.Tensor, n: int) -> torch.Tensor:
+    """dL/dz [T, R] of H_res = map(z) for dL/dH_res = g [T, n, n], computed in float64."""
+    _, a = _res_forward_wide(kind, z, n)
+    g = g.to(torch.float64)
+    if kind == "mhc-lite":
+        perms = _ref.permutation_matrices(n, torch.float64).flatten(-2)  # [R, n n]
+        da = g.flatten(-2) @ perms.t()  # [T, R]: <g, P_k>
+        return (a * (da - (a * da).sum(dim=-1, keepdim=True))).to(z.dtype)
+    same = _ref.kronecker_pattern(n, torch.float64)  # [m, n, n]
+    aa = a[..., None, None]
+    factors = same * aa + (1.0 - same) * (1.0 - aa)  # [T, m, n, n]
+    m = same.shape[0]
+    da = []
+    for k in range(m):  # d(entry)/d a_k: the other factors' product, signed by same_k
+        others = torch.cat([factors[:, :k], factors[:, k + 1 :]], dim=1).prod(dim=1)
+        da.append((g * (2.0 * same[k] - 1.0) * others).sum(dim=(-2, -1)))
+    return (torch.stack(da, dim=-1) * a * (1.0 - a)).to(z.dtype)
+
+
+def takes_native(x: torch.Tensor, m: int) -> bool:
+    """Whether the native loops take these maps: x supported and M map logits within the
+    skinny matmuls' register tiles (mhc-lite at n = 5 has 130: torch ops)."""
+    return _use_native(x) and m <= native.MAX_MAP_LOGITS
+
+
+class _VariantMaps(torch.autograd.Function):
+    """variant_maps(_pre) of x [T, n, C]: H_pre, H_post, H_res in the maps dtype, then with
+    with_pre the aggregation a [T, C] in x's dtype, then with fused_dx x_for_merge (x as a
+    view, for post_merge(..., fused_dx=True), as ops.cpu's mhc_maps_pre)."""
+
+    @staticmethod
+    @_no_autocast
+    def forward(ctx, kind, x, phi, alpha, b_pre, b_post, b_res, norm_eps, with_pre, fused_dx):
+        ctx.set_materialize_grads(False)
+        t, n, c = x.shape
+        r_count = phi.shape[1] - 2 * n
+        ctx.kind, ctx.with_pre, ctx.fused_dx = kind, with_pre, fused_dx
+        ctx.native = takes_native(x, phi.shape[1])
+        ctx.b_dtypes = (b_pre.dtype, b_post.dtype, None if b_res is None else b_res.dtype)
+        lg, r = _logits(x, phi, norm_eps, ctx.native)  # [T, M], [T]
+        gate, bias = _gate_rows(alpha, b_pre, b_post, b_res, n, r_count, lg.dtype)
+        ht = torch.addcmul(bias, lg, gate)  # [T, M] the gated logits
+        h_pre = torch.sigmoid(ht[:, :n])
+        h_post = torch.sigmoid(ht[:, n : 2 * n]).mul_(2.0)
+        h_res = _ref.variant_res(kind, ht[:, 2 * n :], n).contiguous()  # [T, n, n]
+        ctx.save_for_backward(x, phi, alpha, lg, r, gate, ht, h_res)
+        outs = (h_pre, h_post, h_res)
+        if with_pre:
+            if ctx.native:
+                a = torch.ops.torch_mhc.cpu_pre_aggregate_fwd(x, h_pre.contiguous())
+            else:
+                a = torch.bmm(h_pre.to(x.dtype).unsqueeze(-2), x).squeeze(-2)
+            outs = (*outs, a)
+        return (*outs, x.view_as(x)) if fused_dx else outs
+
+    @staticmethod
+    @_no_autocast
+    def backward(ctx, g_pre, g_post, g_res, *more):
+        g_a = more[0] if ctx.with_pre else None
+        g_merge = more[1] if ctx.fused_dx else None
+        x, phi, alpha, lg, r, gate, ht, h_res = ctx.saved_tensors
+        if ctx.native:
+            f32 = torch.float32
+            g_a = None if g_a is None else g_a.to(x.dtype).contiguous()
+            g_merge = None if g_merge is None else g_merge.to(x.dtype).contiguous()
+            dots, dres = (None, None)
+            if g_a is not None or g_merge is not None:
+                dots, dres = torch.ops.torch_mhc.cpu_vmaps_dots(x, g_a, g_merge)
+                dots = dots if g_a is not None else None
+                dres = dres if g_merge is not None else None
+            g_pre = _plus(g_pre, dots, f32)
+            g_res = _plus(g_res, dres, f32)
+        else:
+            cdt = lg.dtype
+            if g_a is not None:  # the aggregation's <x_j, da>, [T, n]
+                dots = torch.bmm(g_a.to(x.dtype).unsqueeze(-2), x.transpose(-1, -2))
+                g_pre = _plus(g_pre, dots.squeeze(-2), cdt)
+            if g_merge is not None:  # the merge's <g_i, x_j>, [T, n, n]
+                g_res = _plus(g_res, torch.bmm(g_merge.to(x.dtype), x.transpose(-1, -2)), cdt)
+        d_ht = _gates_backward(ctx.kind, ht, g_pre, g_post, g_res, x.shape[1])
+        params = _parameter_grads(d_ht, lg, x.shape[1], alpha.dtype, ctx.b_dtypes)
+        dx, d_phi = _input_grads(ctx, x, phi, lg, r, gate, ht, h_res, d_ht, g_a, g_merge)
+        return (None, dx, d_phi, *params, None, None, None)
+
+
+def _plus(g: torch.Tensor | None, extra: torch.Tensor | None, dtype) -> torch.Tensor | None:
+    """g + extra in dtype, either None."""
+    if extra is None:
+        return g
+    extra = extra.to(dtype)
+    return extra if g is None else g.to(dtype) + extra
+
+
+def _gates_backward(kind, ht, g_pre, g_post, g_res, n: int) -> torch.Tensor:
+    """dL/dh~ [T, M] of the gated logits h~ from the maps' gradients (any None)."""
+    d_ht = torch.zeros_like(ht)
+    if g_pre is not None:
+        s = torch.sigmoid(ht[:, :n])
+        d_ht[:, :n] = g_pre.to(ht.dtype) * s * (1.0 - s)
+    if g_post is not None:
+        s = torch.sigmoid(ht[:, n : 2 * n])
+        d_ht[:, n : 2 * n] = g_post.to(ht.dtype) * 2.0 * s * (1.0 - s)
+    if g_res is not None and ht.shape[1] > 2 * n:
+        d_ht[:, 2 * n :] = _res_backward(kind, ht[:, 2 * n :], g_res, n)
+    return d_ht
+
+
+def _parameter_grads(d_ht, lg, n: int, alpha_dtype, b_dtypes):
+    """dalpha [2] or [3], db_pre [n], db_post [n], db_res [R] or None, from dL/dh~ and the
+    logits, both [T, M]."""
+    d_b = d_ht.sum(dim=0)  # [M]
+    d_a_rows = (d_ht * lg).sum(dim=0)  # [M]
+    parts = [d_a_rows[:n].sum(), d_a_rows[n : 2 * n].sum()]
+    if b_dtypes[2] is not None:
+        parts.append(d_a_rows[2 * n :].sum())
+    d_res = None if b_dtypes[2] is None else d_b[2 * n :].to(b_dtypes[2])
+    return (torch.stack(parts).to(alpha_dtype), d_b[:n].to(b_dtypes[0]),
+            d_b[n : 2 * n].to(b_dtypes[1]), d_res)
+
+
+def _input_grads(ctx, x, phi, lg, r, gate, ht, h_res, d_ht, g_a, g_merge):
+    """(dx [T, n, C] in x's dtype, dphi [K, M]): logits = z / r with r = sqrt(mean(v^2) +
+    eps), so dL/dv = dz phi^T + coef v, plus the aggregation's H_pre[j] da and the merge's
+    H_res^T g."""
+    t, n, c = x.shape
+    k = n * c
+    d_l = d_ht * gate  # [T, M] dL/dlogits
+    coef = (d_l * lg).sum(dim=-1).div_(r.square()).div_(-k)  # [T]
+    d_z = d_l.div_(r.unsqueeze(-1))  # [T, M]
+    h_pre = torch.sigmoid(ht[:, :n])
+    if ctx.native:
+        m = d_z.shape[1]
+        d_zp = torch.nn.functional.pad(d_z.to(torch.float32), (0, native.padded_width(m) - m))
+        dx, d_phi = torch.ops.torch_mhc.cpu_vmaps_bwd(
+            x, phi.to(torch.float32).t().contiguous(), d_zp.contiguous(),
+            coef.to(torch.float32).contiguous(), h_pre.contiguous(), h_res, g_a, g_merge)
+        return dx, d_phi.to(phi.dtype)
+    cdt = lg.dtype
+    v = x.reshape(t, k).to(cdt)
+    dv = torch.mm(d_z, phi.to(cdt).t()).addcmul_(v, coef.unsqueeze(-1)).view(t, n, c)
+    if g_a is not None:
+        dv.addcmul_(h_pre.unsqueeze(-1), g_a.to(cdt).unsqueeze(-2))
+    if g_merge is not None:
+        dv.baddbmm_(h_res.to(cdt).transpose(-1, -2), g_merge.to(cdt))
+    return dv.to(x.dtype), torch.mm(v.t(), d_z).to(phi.dtype)
+
+
+@torch.library.custom_op("torch_mhc::cpu_vmaps_dots", mutates_args=())
+def _native_dots(x: torch.Tensor, ga: torch.Tensor | None, gmerge: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(<x[t, j], ga[t]> [T, n], <gmerge[t, i], x[t, j]> [T, n, n]); empty where not given."""
+    dots, dres = native.load().vmaps_dots(x.contiguous(), ga, gmerge)
+    empty = x.new_empty(0, dtype=torch.float32)
+    return (empty if dots is None else dots), (empty.clone() if dres is None else dres)
+
+
+@_native_dots.register_fake
+def _(x, ga, gmerge):
+    t, n, _ = x.shape
+    f32 = torch.float32
+    return (x.new_empty((t, n) if ga is not None else (0,), dtype=f32),
+            x.new_empty((t, n, n) if gmerge is not None else (0,), dtype=f32))
+
+
+@torch.library.custom_op("torch_mhc::cpu_vmaps_bwd", mutates_args=())
+def _native_bwd(x: torch.Tensor, phit: torch.Tensor, dz: torch.Tensor, coef: torch.Tensor,
+                hp: torch.Tensor, hr: torch.Tensor, ga: torch.Tensor | None,
+                gmerge: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [T, n, C], dphi [K, M]): see NativeOps.vmaps_bwd."""
+    return native.load().vmaps_bwd(x.contiguous(), phit, dz, coef, hp, hr, ga, gmerge)
+
+
+@_native_bwd.register_fake
+def _(x, phit, dz, coef, hp, hr, ga, gmerge):
+    return torch.empty_like(x), phit.new_empty(phit.t().shape)
+
+
+def _run(kind, x, phi, alpha, b_pre, b_post, b_res, norm_eps, with_pre, fused_dx):
+    n, c = x.shape[-2:]
+    _ref.check_variant(kind, n)
+    if phi.shape[1] != 2 * n + _ref.res_count(kind, n):
+        raise ValueError(f"{kind} with n = {n} expects phi [{n * c}, "
+                         f"{2 * n + _ref.res_count(kind, n)}], got {tuple(phi.shape)}")
+    if x.dim() < 2:
+        raise ValueError(f"variant maps expect streams x [..., n, C], got {tuple(x.shape)}")
+    lead = x.shape[:-2]
+    outs = _VariantMaps.apply(kind, x.reshape(-1, n, c).contiguous(), phi, alpha, b_pre,
+                              b_post, b_res, float(norm_eps), with_pre, fused_dx)
+    maps = [outs[0].reshape(*lead, n), outs[1].reshape(*lead, n),
+            outs[2].reshape(*lead, n, n)]
+    if with_pre:
+        maps.append(outs[3].reshape(*lead, c))
+    if fused_dx:
+        maps.append(outs[-1].reshape(x.shape))
+    return tuple(maps)
+
+
+def variant_maps(kind, x, phi, alpha, b_pre, b_post, b_res=None, norm_eps=1e-6):
+    """Same contract as functional.successors.variant_maps."""
+    return _run(kind, x, phi, alpha, b_pre, b_post, b_res, norm_eps, False, False)
+
+
+def variant_maps_pre(kind, x, phi, alpha, b_pre, b_post, b_res=None, norm_eps=1e-6, *,
+                     fused_dx=False):
+    """variant_maps plus pre_aggregate(x, H_pre) as one autograd node (one dx in backward);
+    fused_dx=True appends x_for_merge for post_merge(x_for_merge, ..., fused_dx=True)."""
+    return _run(kind, x, phi, alpha, b_pre, b_post, b_res, norm_eps, True, fused_dx)

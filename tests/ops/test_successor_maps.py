@@ -1,0 +1,158 @@
+"""The successors' maps op (variant_maps, variant_maps_pre): ops.cpu against the reference
+functional.successors, forward and backward with random upstream gradients."""
+
+import pytest
+import torch
+
+from tests.helpers.op_cases import TOL, assert_close
+from torch_mhc import ops
+from torch_mhc.functional import successors as ref
+from torch_mhc.ops.cpu import native
+from torch_mhc.ops.cpu import ops as cpu_ops
+from torch_mhc.ops.cpu import variants as cpu_variants
+
+CASES = [("mhc-lite", n) for n in (2, 3, 4, 5)] + [("kromhc", n) for n in (1, 2, 4, 8)] \
+    + [("mhc-static-res", n) for n in (1, 3, 4, 8)]
+SHAPES = [(1,), (3, 5), (2, 37)]  # leading shapes: one token, a batch, a tail past 64
+
+
+def variant_inputs(kind, tokens, n, c, dtype, seed=0):
+    """Streams x [*tokens, n, C] and a successor's parameters with O(1) logits (requiring
+    grad; b_res None without res logits)."""
+    g = torch.Generator().manual_seed(seed)
+    r = ref.res_count(kind, n)
+    pdt = torch.float64 if dtype == torch.float64 else torch.float32
+    x = torch.randn(*tokens, n, c, generator=g).to(dtype)
+    phi = (torch.randn(n * c, 2 * n + r, generator=g) / (n * c) ** 0.5).to(pdt)
+    alpha = torch.tensor([0.8, 1.1, 1.5][: 3 if r else 2], dtype=pdt)
+    b_pre = (torch.randn(n, generator=g) * 0.5).to(pdt)
+    b_post = (torch.randn(n, generator=g) * 0.5).to(pdt)
+    b_res = (torch.randn(r, generator=g) * 0.5).to(pdt) if r else None
+    return [None if t is None else t.requires_grad_()
+            for t in (x, phi, alpha, b_pre, b_post, b_res)]
+
+
+def merged(maps_pre, kind, inputs, f, fused):
+    """H_pre, H_post, H_res, the aggregation and the merge H_res x + H_post^T f, with the
+    merge on ops.cpu.post_merge (fused_dx: through x_for_merge, as a connection does)."""
+    if fused:
+        h_pre, h_post, h_res, a, x_m = maps_pre(kind, *inputs, fused_dx=True)
+        out = cpu_ops.post_merge(x_m, f, h_post, h_res, fused_dx=True)
+    else:
+        h_pre, h_post, h_res, a = maps_pre(kind, *inputs)
+        out = cpu_ops.post_merge(inputs[0], f, h_post, h_res)
+    return h_pre, h_post, h_res, a, out
+
+
+def grads(outs, inputs, seed=1):
+    """Gradients of every input for random upstream gradients of the outputs (the outputs
+    that depend on nothing, as KromHC's H_res at n = 1, are left out)."""
+    g = torch.Generator().manual_seed(seed)
+    ups = [torch.randn(o.shape, generator=g).to(o.dtype) for o in outs]
+    keep = [i for i, o in enumerate(outs) if o.requires_grad]
+    wrt = [t for t in inputs if t is not None]
+    return torch.autograd.grad([outs[i] for i in keep], wrt, [ups[i] for i in keep])
+
+
+def check_against_reference(kind, n, tokens, dtype, fused, c=24):
+    inputs = variant_inputs(kind, tokens, n, c, dtype)
+    f = torch.randn(*tokens, c, generator=torch.Generator().manual_seed(2)).to(dtype)
+    out_c = merged(cpu_variants.variant_maps_pre, kind, inputs, f, fused)
+    out_r = merged(ref.variant_maps_pre, kind, inputs, f, False)
+    tol = TOL[dtype]
+    for a, e in zip(out_c, out_r, strict=True):
+        assert a.dtype == e.dtype
+        assert_close(a.detach(), e.detach(), tol)
+    for a, e in zip(grads(out_c, inputs), grads(out_r, inputs), strict=True):
+        assert_close(a, e, tol)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("tokens", SHAPES)
+@pytest.mark.parametrize(("kind", "n"), CASES)
+def test_cpu_matches_reference_float64(kind, n, tokens, fused):
+    check_against_reference(kind, n, tokens, torch.float64, fused)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("kind", "n"), CASES)
+def test_cpu_native_matches_reference(kind, n, dtype, fused):
+    """float32 / bf16 streams take the native loops (mhc-lite at n = 5 the torch ops)."""
+    check_against_reference(kind, n, (2, 37), dtype, fused)
+
+
+def test_native_path_is_taken():
+    x = torch.randn(4, 4, 8)
+    if not (native.supports(x) and native.load() is not None):
+        pytest.skip("no native library")
+    for kind in ref.VARIANT_KINDS:
+        m = 8 + ref.res_count(kind, 4)
+        assert cpu_variants.takes_native(x, m), kind
+    assert not cpu_variants.takes_native(torch.randn(4, 5, 8), 10 + 120)  # mhc-lite n = 5
+
+
+def test_gradcheck_float64():
+    for kind, n in [("mhc-lite", 3), ("kromhc", 4), ("mhc-static-res", 2)]:
+        inputs = variant_inputs(kind, (2, 3), n, 5, torch.float64)
+        present = [t for t in inputs if t is not None]
+
+        def fn(*ts, kind=kind, has_res=inputs[-1] is not None):
+            args = list(ts) + ([] if has_res else [None])
+            h_pre, h_post, h_res, a, x_m = cpu_variants.variant_maps_pre(kind, *args,
+                                                                         fused_dx=True)
+            f = torch.ones_like(a)
+            return h_pre, h_post, a, cpu_ops.post_merge(x_m, f, h_post, h_res, fused_dx=True)
+
+        assert torch.autograd.gradcheck(fn, present)
+
+
+@pytest.mark.parametrize(("kind", "n"), [("mhc-lite", 4), ("kromhc", 4), ("mhc-static-res", 4)])
+def test_no_grad_and_maps_without_pre(kind, n):
+    inputs = variant_inputs(kind, (3,), n, 16, torch.float32)
+    with torch.no_grad():
+        got = cpu_variants.variant_maps(kind, *inputs)
+        want = ref.variant_maps(kind, *inputs)
+    for a, e in zip(got, want, strict=True):
+        assert_close(a, e, TOL[torch.float32])
+
+
+def test_res_maps_are_the_kinds():
+    x, *params = variant_inputs("mhc-static-res", (5,), 3, 8, torch.float32)
+    h_res = cpu_variants.variant_maps("mhc-static-res", x, *params)[2]
+    assert torch.equal(h_res, torch.eye(3).expand(5, 3, 3))
+    for kind, n in [("mhc-lite", 4), ("kromhc", 8)]:
+        h_res = cpu_variants.variant_maps(kind, *variant_inputs(kind, (7,), n, 8,
+                                                                torch.float64))[2]
+        ones = torch.ones(7, n, dtype=torch.float64)
+        torch.testing.assert_close(h_res.sum(-1), ones, rtol=0, atol=1e-15)
+        torch.testing.assert_close(h_res.sum(-2), ones, rtol=0, atol=1e-15)
+
+
+def test_errors():
+    x = torch.randn(2, 6, 4)
+    with pytest.raises(ValueError, match="n <= 5"):
+        cpu_variants.variant_maps("mhc-lite", x, torch.zeros(24, 12 + 720), torch.ones(3),
+                                  torch.zeros(6), torch.zeros(6), torch.zeros(720))
+    with pytest.raises(ValueError, match="power of two"):
+        cpu_variants.variant_maps("kromhc", torch.randn(2, 3, 4), torch.zeros(12, 7),
+                                  torch.ones(3), torch.zeros(3), torch.zeros(3), torch.zeros(1))
+    with pytest.raises(ValueError, match="unknown variant"):
+        ref.variant_maps("mhc", x, None, None, None, None)
+    with pytest.raises(ValueError, match="expects phi"):
+        cpu_variants.variant_maps("kromhc", torch.randn(2, 4, 4), torch.zeros(16, 9),
+                                  torch.ones(3), torch.zeros(4), torch.zeros(4), torch.zeros(2))
+
+
+def test_ops_interface():
+    cpu = ops.get_impl("cpu")
+    assert cpu.variant_maps_pre is cpu_variants.variant_maps_pre
+    assert cpu.variant_maps is cpu_variants.variant_maps
+    reference = ops.get_impl("reference")
+    inputs = variant_inputs("kromhc", (3,), 4, 8, torch.float64)
+    got = reference.variant_maps_pre("kromhc", *inputs)
+    want = ref.variant_maps_pre("kromhc", *inputs)
+    for a, e in zip(got, want, strict=True):
+        assert torch.equal(a, e)
+    # no successor kernel on inductor (nor triton): the reference maps, its own aggregation
+    assert ops.get_impl("inductor").variant_maps is ref.variant_maps
