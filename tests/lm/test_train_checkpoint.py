@@ -20,20 +20,8 @@ import torch.distributed.checkpoint as dcp
 
 import torch_mhc.lm.parallel as par
 import torch_mhc.lm.train.metrics as M
+from tests.helpers.cli import one_line, run_cli
 from torch_mhc.lm.train import CheckpointError, RunLock, RunLockedError, load_checkpoint, train
-from torch_mhc.tools.cli import main
-
-
-def run_cli(argv, capsys):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 def folder_bytes(folder: Path) -> dict:

@@ -19,21 +19,9 @@ import torch
 import torch_mhc.lm.parallel.checkpoint as C
 import torch_mhc.lm.train.checkpoint as ckpt
 import torch_mhc.lm.train.trainer as T
+from tests.helpers.cli import one_line, run_cli
 from torch_mhc.lm.model import LM
 from torch_mhc.lm.train import RunLock, RunLockedError, load_checkpoint, load_model, train
-from torch_mhc.tools.cli import main
-
-
-def run_cli(argv, capsys):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 def tree_bytes(root: Path) -> dict:

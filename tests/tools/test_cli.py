@@ -9,25 +9,10 @@ import sys
 import pytest
 import torch
 
+from tests.helpers.cli import assert_one_line_error
+from tests.helpers.cli import run_cli as run
 from torch_mhc.lm.config import build_config, load_toml
 from torch_mhc.lm.train import ConfigError, TrainConfig, load_checkpoint
-from torch_mhc.tools.cli import main
-
-
-def run(argv, capsys):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_one_line_error(code, err, *needles):
-    assert code == 2
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert "Traceback" not in err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-
 
 # ---------------------------------------------------------------------------------------------
 # train, config file, precedence

@@ -22,6 +22,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 pytest.importorskip("numpy")
 
+from tests.helpers.cli import assert_one_line_error  # noqa: E402
+from tests.helpers.cli import run_cli as run  # noqa: E402
 from torch_mhc.lm import load_model  # noqa: E402
 from torch_mhc.tools.cli import main  # noqa: E402
 
@@ -31,20 +33,6 @@ NEW_TOKENS = 6
 FILES = {"config.json", "generation_config.json", "model.safetensors",
          "configuration_torch_mhc_lm.py", "modeling_torch_mhc_lm.py", "connections.py",
          "sinkhorn.py", "maps.py", "successors.py", "tokenizer.json", "tokenizer_config.json"}
-
-
-def run(argv, capsys):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_one_line_error(code, err, *needles):
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 @pytest.fixture(scope="module")
