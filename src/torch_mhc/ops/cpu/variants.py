@@ -82,24 +82,30 @@ def _logits(x: torch.Tensor, phi: torch.Tensor, norm_eps: float, use_native: boo
     return (v @ phi.to(cdt)) / r.unsqueeze(-1), r
 
 
-def _res_forward_wide(kind: str, z: torch.Tensor, n: int):
-    """(H_res [T, n, n] in float64, the weights a [T, R] in float64) from z [T, R]."""
+def _res_forward(kind: str, z: torch.Tensor, n: int):
+    """(H_res [T, n, n] in z's dtype, the float64 weights a [T, R] its backward needs) from
+    z [T, R]: functional.successors.variant_res's values (built in float64, rounded once)."""
+    if kind == "mhc-static-res":
+        return _ref.variant_res(kind, z, n).contiguous(), z.new_empty((z.shape[0], 0))
     zw = z.to(torch.float64)
     if kind == "mhc-lite":
         a = torch.softmax(zw, dim=-1)
-        return _ref.mhc_lite_res(zw, _ref.permutation_matrices(n, torch.float64)), a
-    a = torch.sigmoid(zw)
-    return _ref.kromhc_res(zw, _ref.kronecker_pattern(n, torch.float64)), a
+        perms = _ref.permutation_matrices(n, torch.float64)  # [R, n, n]
+        h = (a @ perms.flatten(-2)).unflatten(-1, (n, n))  # mhc_lite_res's sum, from a
+    else:
+        a = torch.sigmoid(zw)
+        h = _ref.kromhc_res(zw, _ref.kronecker_pattern(n, torch.float64))
+    return h.to(z.dtype).contiguous(), a
 
 
-def _res_backward(kind: str, z: torch.Tensor, g: torch.Tensor, n: int) -> torch.Tensor:
-    """dL/dz [T, R] of H_res = map(z) for dL/dH_res = g [T, n, n], computed in float64."""
-    _, a = _res_forward_wide(kind, z, n)
+def _res_backward(kind: str, a: torch.Tensor, g: torch.Tensor, n: int) -> torch.Tensor:
+    """dL/dz [T, R] (float64) of H_res = map(z) for dL/dH_res = g [T, n, n], from the
+    forward's float64 weights a [T, R] (softmax(z) or sigmoid(z))."""
     g = g.to(torch.float64)
     if kind == "mhc-lite":
         perms = _ref.permutation_matrices(n, torch.float64).flatten(-2)  # [R, n n]
         da = g.flatten(-2) @ perms.t()  # [T, R]: <g, P_k>
-        return (a * (da - (a * da).sum(dim=-1, keepdim=True))).to(z.dtype)
+        return a * (da - (a * da).sum(dim=-1, keepdim=True))
     same = _ref.kronecker_pattern(n, torch.float64)  # [m, n, n]
     aa = a[..., None, None]
     factors = same * aa + (1.0 - same) * (1.0 - aa)  # [T, m, n, n]
@@ -108,7 +114,7 @@ def _res_backward(kind: str, z: torch.Tensor, g: torch.Tensor, n: int) -> torch.
     for k in range(m):  # d(entry)/d a_k: the other factors' product, signed by same_k
         others = torch.cat([factors[:, :k], factors[:, k + 1 :]], dim=1).prod(dim=1)
         da.append((g * (2.0 * same[k] - 1.0) * others).sum(dim=(-2, -1)))
-    return (torch.stack(da, dim=-1) * a * (1.0 - a)).to(z.dtype)
+    return torch.stack(da, dim=-1) * a * (1.0 - a)
 
 
 def takes_native(x: torch.Tensor, m: int) -> bool:
@@ -136,8 +142,8 @@ class _VariantMaps(torch.autograd.Function):
         ht = torch.addcmul(bias, lg, gate)  # [T, M] the gated logits
         h_pre = torch.sigmoid(ht[:, :n])
         h_post = torch.sigmoid(ht[:, n : 2 * n]).mul_(2.0)
-        h_res = _ref.variant_res(kind, ht[:, 2 * n :], n).contiguous()  # [T, n, n]
-        ctx.save_for_backward(x, phi, alpha, lg, r, gate, ht, h_res)
+        h_res, weights = _res_forward(kind, ht[:, 2 * n :], n)  # [T, n, n], [T, R]
+        ctx.save_for_backward(x, phi, alpha, lg, r, gate, ht, h_res, weights)
         outs = (h_pre, h_post, h_res)
         if with_pre:
             if ctx.native:
@@ -152,7 +158,7 @@ class _VariantMaps(torch.autograd.Function):
     def backward(ctx, g_pre, g_post, g_res, *more):
         g_a = more[0] if ctx.with_pre else None
         g_merge = more[1] if ctx.fused_dx else None
-        x, phi, alpha, lg, r, gate, ht, h_res = ctx.saved_tensors
+        x, phi, alpha, lg, r, gate, ht, h_res, weights = ctx.saved_tensors
         if ctx.native:
             f32 = torch.float32
             g_a = None if g_a is None else g_a.to(x.dtype).contiguous()
@@ -171,7 +177,7 @@ class _VariantMaps(torch.autograd.Function):
                 g_pre = _plus(g_pre, dots.squeeze(-2), cdt)
             if g_merge is not None:  # the merge's <g_i, x_j>, [T, n, n]
                 g_res = _plus(g_res, torch.bmm(g_merge.to(x.dtype), x.transpose(-1, -2)), cdt)
-        d_ht = _gates_backward(ctx.kind, ht, g_pre, g_post, g_res, x.shape[1])
+        d_ht = _gates_backward(ctx.kind, ht, weights, g_pre, g_post, g_res, x.shape[1])
         params = _parameter_grads(d_ht, lg, x.shape[1], alpha.dtype, ctx.b_dtypes)
         dx, d_phi = _input_grads(ctx, x, phi, lg, r, gate, ht, h_res, d_ht, g_a, g_merge)
         return (None, dx, d_phi, *params, None, None, None)
@@ -185,7 +191,7 @@ def _plus(g: torch.Tensor | None, extra: torch.Tensor | None, dtype) -> torch.Te
     return extra if g is None else g.to(dtype) + extra
 
 
-def _gates_backward(kind, ht, g_pre, g_post, g_res, n: int) -> torch.Tensor:
+def _gates_backward(kind, ht, weights, g_pre, g_post, g_res, n: int) -> torch.Tensor:
     """dL/dh~ [T, M] of the gated logits h~ from the maps' gradients (any None)."""
     d_ht = torch.zeros_like(ht)
     if g_pre is not None:
@@ -195,7 +201,7 @@ def _gates_backward(kind, ht, g_pre, g_post, g_res, n: int) -> torch.Tensor:
         s = torch.sigmoid(ht[:, n : 2 * n])
         d_ht[:, n : 2 * n] = g_post.to(ht.dtype) * 2.0 * s * (1.0 - s)
     if g_res is not None and ht.shape[1] > 2 * n:
-        d_ht[:, 2 * n :] = _res_backward(kind, ht[:, 2 * n :], g_res, n)
+        d_ht[:, 2 * n :] = _res_backward(kind, weights, g_res, n).to(ht.dtype)
     return d_ht
 
 
