@@ -134,6 +134,16 @@ def test_quick_step_and_hyper_connections(quick_report):
         assert res["entries"]["mhc"] == res_step["entries"]["mhc"]
 
 
+def test_step_times_the_successors_beside_mhc(tmp_path):
+    path = tmp_path / "out.json"
+    assert bench_main(["--only", "step", "--sizes", "32", "--layers", "1", "--batch", "1",
+                       "--seq", "16", "--repeats", "1", "--warmup", "0", "--successors",
+                       "--threads", "1", "--clock", "process", "--json", str(path)]) == 0
+    (res,) = json.loads(path.read_text())["benchmarks"]["step"]["results"]
+    assert list(res["entries"]) == ["residual", "hc", "mhc", *bench.SUCCESSORS]
+    _positive_ratios(res["entries"], "residual")
+
+
 def test_quick_saved_bytes_match_what_recomputation_keeps(quick_report):
     s = quick_report["benchmarks"]["saved"]
     cfg, e = s["config"], s["entries"]

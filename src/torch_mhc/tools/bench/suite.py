@@ -66,6 +66,7 @@ from torch_mhc.tools.errors import UsageError
 # module (step, saved, sinkhorn, decode), the shared models and steps in workloads.
 __all__ = [
     "BENCHMARKS",
+    "SUCCESSORS",
     "DESCRIPTION",
     "EPILOG",
     "add_arguments",
@@ -75,6 +76,7 @@ __all__ = [
 ]
 
 BENCHMARKS = ("step", "hyper_connections", "saved", "sinkhorn", "decode")
+SUCCESSORS = ("mhc-lite", "kromhc", "mhc-static-res")  # the step's --successors variants
 
 # ---------------------------------------------------------------------------------------------
 # Command line
@@ -156,6 +158,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write the JSON here (atomically) instead of to stdout")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes and 2 rounds: every benchmark in seconds (a smoke test)")
+    p.add_argument("--successors", action="store_true",
+                   help="also time mHC's successors (mhc-lite, kromhc, mhc-static-res) in the "
+                        "step benchmark, beside mHC")
     p.add_argument("--inductor", action="store_true",
                    help="also time the inductor ops (reference under torch.compile): an "
                         "mhc_inductor step variant and an ops.inductor Sinkhorn entry")
@@ -281,6 +286,7 @@ def run_benchmarks(args: argparse.Namespace) -> dict:
         # timed once, beside every variant either benchmark needs.
         variants = ["residual"] + (["hc"] if want_step else []) + ["mhc"]
         variants += ["lucidrains_mhc"] if want_hc else []
+        variants += list(SUCCESSORS) if args.successors and want_step else []
         variants += ["mhc_inductor"] if args.inductor and want_step else []
         steps = bench_training_steps(
             args.sizes, variants, layers=args.layers, streams=args.streams, batch=args.batch,
@@ -288,7 +294,8 @@ def run_benchmarks(args: argparse.Namespace) -> dict:
             repeats=args.repeats, **timing,
         )
         if want_step:
-            out["step"] = select_variants(steps, ["residual", "hc", "mhc", "mhc_inductor"])
+            out["step"] = select_variants(steps, ["residual", "hc", "mhc", *SUCCESSORS,
+                                                  "mhc_inductor"])
         if want_hc:
             out["hyper_connections"] = select_variants(steps, ["residual", "mhc", "lucidrains_mhc"])
             out["hyper_connections"]["config"]["hyper_connections_version"] = (
