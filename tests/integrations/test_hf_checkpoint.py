@@ -292,7 +292,8 @@ def test_single_gpu_device_maps(tmp_path):
 
 def test_missing_folder_and_bad_arguments(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"nope: no such folder; from_pretrained expects a"
-                                                r" local folder written by torch_mhc.hf.save_"):
+                                                r" folder written by torch_mhc.hf.save_pretrained"
+                                                r" .* or the id of a Hub repository"):
         mhc_hf.from_pretrained(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match=r"empty has no config.json \(it holds \[\]\)"):

@@ -21,7 +21,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from torch_mhc.integrations.hf.accelerate import accelerate_deepseek_v4
 from torch_mhc.integrations.hf.auto import TorchMHCForCausalLM, register
-from torch_mhc.integrations.hf.checkpoint import from_pretrained, save_pretrained
+from torch_mhc.integrations.hf.checkpoint import from_pretrained, push_to_hub, save_pretrained
 from torch_mhc.integrations.hf.convert import (
     CONFIG_KEY,
     connection_parameters,
@@ -40,6 +40,7 @@ __all__ = [
     "convert",
     "exclude_from_weight_decay",
     "from_pretrained",
+    "push_to_hub",
     "save_pretrained",
     "train_only_connections",
     "TorchMHCConfig",

@@ -45,11 +45,12 @@ from torch_mhc.integrations.hf.convert import (
     conversion_of,
     convert,
 )
+from torch_mhc.integrations.hf.hub import is_repo_id, resolve_folder
 from torch_mhc.integrations.hf.layers import is_converted
 from torch_mhc.integrations.hf.portable import TorchMHCConfig, is_portable, write_portable
 from torch_mhc.runtime.files import fsync_dir
 
-__all__ = ["save_pretrained", "from_pretrained"]
+__all__ = ["save_pretrained", "from_pretrained", "push_to_hub"]
 
 CONNECTIONS_FILE = "mhc_connections.safetensors"
 CONNECTION_KEY = r"\.mhc_(attn|mlp)\."  # regex on state dict keys of converted layers
@@ -149,7 +150,7 @@ def _check_saveable(model: nn.Module, kwargs: dict) -> None:
     if kwargs.get("push_to_hub"):
         raise ValueError(
             "torch_mhc.hf.save_pretrained does not push (transformers would push the temporary "
-            "folder): save, then upload the folder, e.g. huggingface_hub.upload_folder"
+            "folder): use torch_mhc.hf.push_to_hub(model, repo_id)"
         )
 
 
@@ -229,8 +230,27 @@ def _fsync(path: Path) -> None:
 # Loading
 
 
+def push_to_hub(model: nn.Module, repo_id: str, *, commit_message: str | None = None,
+                private: bool | None = None, token: str | None = None,
+                revision: str | None = None, **save_kwargs):
+    """Upload the converted model's portable folder (exactly what save_pretrained writes) to
+    the Hub repository repo_id, created if missing; returns huggingface_hub's commit info."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    with tempfile.TemporaryDirectory(prefix="mhc-push-") as tmp:
+        folder = save_pretrained(model, Path(tmp) / "model", **save_kwargs)
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        return api.upload_folder(
+            repo_id=repo_id, folder_path=str(folder), repo_type="model", revision=revision,
+            commit_message=commit_message or f"Upload {type(model).__name__} (torch-mhc)",
+        )
+
+
 def from_pretrained(path: str | os.PathLike, **kwargs) -> nn.Module:
-    """Load a converted checkpoint (a local folder) written by save_pretrained.
+    """Load a converted checkpoint written by save_pretrained: a local folder, or a Hub
+    repository id ("owner/name", read through huggingface_hub's cache; revision, cache_dir,
+    token, local_files_only go to its download).
 
     The model class is the one the checkpoint was saved from (the architectures of its base
     config).
@@ -247,6 +267,8 @@ def from_pretrained(path: str | os.PathLike, **kwargs) -> nn.Module:
             "checkpoint's config.json, which records the conversion; pass config attributes "
             "as keyword arguments (e.g. output_hidden_states=True) or edit config.json"
         )
+    if is_repo_id(path):
+        path, kwargs = resolve_folder(path, kwargs)
     path = _checkpoint_folder(path)
     tensors = _connection_tensors(path)
     if is_portable(_config_dict(path)):
@@ -269,9 +291,9 @@ def _checkpoint_folder(path: str | os.PathLike) -> Path:
     """The folder, if it exists and holds a config.json (else transformers would look for a
     hub repository of that name)."""
     path = Path(path)
-    expected = ("a local folder written by torch_mhc.hf.save_pretrained (config.json, "
-                f"model.safetensors, {CONNECTIONS_FILE}); a hub repository must be downloaded "
-                "first (huggingface_hub.snapshot_download)")
+    expected = ("a folder written by torch_mhc.hf.save_pretrained (config.json, "
+                f"model.safetensors, {CONNECTIONS_FILE}) or the id of a Hub repository "
+                "holding one")
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such folder; from_pretrained expects {expected}")
     if not (path / "config.json").is_file():
