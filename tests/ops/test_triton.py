@@ -348,6 +348,156 @@ def test_round_tf32_rounds_to_nearest_ties_away():
 
 
 # ---------------------------------------------------------------------------------------------
+# The maps' matmul paths: K split over programs (few tokens), one split (many tokens)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_grid(monkeypatch):
+    """Plans that aim at 4 programs and split K down to one BLOCK_K tile, so that a few dozen
+    tokens cross every boundary the default (256 programs, 4 tiles a split) draws only at
+    tens of thousands."""
+    monkeypatch.setattr(tri, "_PROGRAMS", 4)
+    monkeypatch.setattr(tri, "_MIN_K_TILES", 1)
+
+
+def _grids(t, n, c, dtype=torch.float32, param_dtype=None):
+    """{kernel: grid} of the maps' forward and backward at this size (the plans on meta
+    tensors, as the ops call them)."""
+    from torch_mhc.ops.triton import aot
+
+    launches = aot.op_launches(n, dtype, t, c, 3, param_dtype=param_dtype,
+                               ops=("mhc_maps_fwd", "mhc_maps_bwd"))
+    return {launch.name: launch.grid for _, launch in launches}
+
+
+# (tokens, streams, channels, (token blocks, K splits) of mhc_xphi_kernel and mhc_dx_kernel):
+# K = n * C = 296 .. 300 is 5 tiles of 64, so the last split is ragged; fp32 token blocks are
+# 64 tokens (32 at n = 8), fewer (at least 16) for fewer tokens.
+PATHS = [
+    (1, 2, 150, (1, 3)), (16, 4, 75, (1, 3)), (17, 8, 37, (1, 3)),
+    (33, 8, 37, (2, 2)), (65, 2, 150, (2, 2)), (130, 4, 75, (3, 2)),
+    (200, 2, 150, (4, 1)), (97, 8, 37, (4, 1)),
+]
+
+
+@kernel_test
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("t, n, c, grid", PATHS)
+def test_maps_split_and_block_paths_match_reference(t, n, c, grid, seed, small_grid):
+    grids = _grids(t, n, c)
+    assert grids["mhc_xphi_kernel"] == grids["mhc_dx_kernel"] == grid
+    inputs = maps_inputs((t,), n, c, torch.float32, seed=seed)
+    out_ref, grad_ref = run(lambda *a: reference.mhc_maps(*a, sinkhorn_iters=4), inputs)
+    out_tri, grad_tri = run(lambda *a: tri.mhc_maps(*a, sinkhorn_iters=4), _to(inputs, DEVICE))
+    for a, e in zip([*out_tri, *grad_tri], [*out_ref, *grad_ref], strict=True):
+        assert_close(a.cpu(), e, 2e-5)
+
+
+@kernel_test
+def test_maps_split_paths_in_half_precision_match_reference(small_grid):
+    """fp16 streams beside fp32 phi: the forward's token blocks are 64 (tf32x3), here split in
+    3 (17 tokens) and 2 (129 tokens)."""
+    for t, grid in ((17, (1, 3)), (129, (3, 2))):
+        assert _grids(t, 4, 75, torch.float16, torch.float32)["mhc_xphi_kernel"] == grid
+        inputs = maps_inputs((t,), 4, 75, torch.float16, seed=t)
+        ref_inputs = [inputs[0].detach().float().requires_grad_(), *clone_inputs(inputs[1:])]
+        out_ref, grad_ref = run(lambda *a: reference.mhc_maps(*a, sinkhorn_iters=4), ref_inputs)
+        out_tri, grad_tri = run(lambda *a: tri.mhc_maps(*a, sinkhorn_iters=4),
+                                _to(inputs, DEVICE))
+        for a, e, name in zip([*out_tri, *grad_tri], [*out_ref, *grad_ref],
+                              ("h_pre", "h_post", "h_res", *NAMES), strict=True):
+            assert_close(a.cpu(), e, TOL[torch.float16] if name == "x" else 2e-3)
+
+
+@kernel_test
+def test_maps_of_an_empty_batch_on_the_split_path(small_grid):
+    inputs = maps_inputs((1,), 4, 75, torch.float32)
+    empty = [inputs[0].detach()[:0].requires_grad_(), *clone_inputs(inputs[1:])]
+    out, grads = run(lambda *a: tri.mhc_maps(*a, sinkhorn_iters=4), _to(empty, DEVICE))
+    assert [tuple(o.shape) for o in out] == [(0, 4), (0, 4), (0, 4, 4)]
+    assert tuple(grads[0].shape) == (0, 4, 75)
+    for g in grads[1:]:
+        assert torch.count_nonzero(g) == 0
+
+
+@kernel_test
+@pytest.mark.parametrize("t", [5, 200])
+def test_maps_are_bitwise_reproducible(t, small_grid):
+    """Split sums are added in a fixed order (no atomics): two runs are bitwise equal, on the
+    split path (5 tokens, 3 splits) and the one-split path (200 tokens)."""
+    inputs = maps_inputs((t,), 2, 150, torch.float32, seed=7)
+    g = torch.Generator().manual_seed(8)
+    ups = [torch.randn(t, 2, generator=g), torch.randn(t, 2, generator=g),
+           torch.randn(t, 2, 2, generator=g)]
+    results = []
+    for _ in range(2):
+        ins = _to(inputs, DEVICE)
+        outs = tri.mhc_maps(*ins, sinkhorn_iters=4)
+        grads = torch.autograd.grad(outs, ins, [u.to(DEVICE) for u in ups])
+        results.append([*outs, *grads])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Autocast: the maps' matmul in the autocast dtype, aggregation and merge in the streams'
+# ---------------------------------------------------------------------------------------------
+
+
+@kernel_test
+def test_autocast_runs_the_maps_matmul_in_the_autocast_dtype(monkeypatch):
+    """fp32 streams and parameters under autocast (CPU: float16 in the interpreter; GPU:
+    bfloat16): the maps op gets x and phi in the autocast dtype, and its maps and gradients
+    are the reference's on those rounded inputs."""
+    device_type, dt = ("cuda", torch.bfloat16) if ON_GPU else ("cpu", torch.float16)
+    seen = []
+    plan = tri.plan_maps_fwd
+
+    def recording(x, phi, *args, **kwargs):
+        seen.append((x.dtype, phi.dtype))
+        return plan(x, phi, *args, **kwargs)
+
+    monkeypatch.setattr(tri, "plan_maps_fwd", recording)
+    inputs = maps_inputs((9,), 4, 24, torch.float32, seed=5)
+
+    def rounded_reference(x, phi, *rest):
+        return reference.mhc_maps(x.to(dt).float(), phi.to(dt).float(), *rest, sinkhorn_iters=5)
+
+    def autocast_triton(*args):
+        with torch.autocast(device_type, dtype=dt):
+            return tri.mhc_maps(*args, sinkhorn_iters=5)
+
+    out_ref, grad_ref = run(rounded_reference, clone_inputs(inputs))
+    out_tri, grad_tri = run(autocast_triton, _to(inputs, DEVICE))
+    assert seen == [(dt, dt)]
+    for a, e in zip(out_tri, out_ref, strict=True):
+        assert a.dtype == torch.float32
+        assert_close(a.cpu(), e, 2e-3)
+    for a, e, name in zip(grad_tri, grad_ref, NAMES, strict=True):
+        assert a.dtype == torch.float32, name  # through the cast, back to the parameters'
+        assert_close(a.cpu(), e, TOL[dt] if name == "x" else 2e-3)
+
+
+@kernel_test
+def test_autocast_leaves_aggregation_and_merge_in_the_streams_dtype():
+    """A residual add under autocast stays in its dtype: so do pre_aggregate and post_merge
+    of fp32 streams, with the block's output f arriving in the autocast dtype."""
+    device_type, dt = ("cuda", torch.bfloat16) if ON_GPU else ("cpu", torch.float16)
+    x, f, h_pre, h_post, h_res = [t.detach() for t in merge_inputs((6,), 4, 20, torch.float32)]
+    f_half = f.to(dt)
+    want_agg = reference.pre_aggregate(x, h_pre)
+    want_out = reference.post_merge(x, f_half.float(), h_post, h_res)
+    dev = [t.to(DEVICE) for t in (x, f_half, h_pre, h_post, h_res)]
+    with torch.autocast(device_type, dtype=dt):
+        agg = tri.pre_aggregate(dev[0], dev[2])
+        out = tri.post_merge(dev[0], dev[1], dev[3], dev[4])
+    assert agg.dtype == out.dtype == torch.float32
+    assert_close(agg.cpu(), want_agg, TOL[torch.float32])
+    assert_close(out.cpu(), want_out, TOL[torch.float32])
+
+
+# ---------------------------------------------------------------------------------------------
 # (b) pre-aggregation, (c) post-and-merge
 # ---------------------------------------------------------------------------------------------
 

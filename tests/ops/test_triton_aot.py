@@ -71,13 +71,15 @@ def test_every_launch_fits_sm80_sm86_and_sm90(capsys):
         assert 0 < r["occupancy"] <= 1, r
         if r["dtype"] == "fp32":  # exact fp32 dots: no tensor-core TF32
             assert r["mma_tf32"] == 0, r
-        elif r["kernel"] == "mhc_maps_bwd_kernel":  # dz rounded (cvt.rna) before its tf32 dots
-            assert r["mma_tf32"] > 0 and r["cvt_rna_tf32"] > 0, r
+        elif r["kernel"] == "mhc_maps_bwd_kernel":  # dz rounded (cvt.rna) for the tf32 dots
+            assert r["cvt_rna_tf32"] > 0, r
+        elif r["kernel"] in ("mhc_xphi_kernel", "mhc_dx_kernel", "mhc_dphi_kernel"):
+            assert r["mma_tf32"] > 0, r
     # The plans were given each target's limit: fp32 phi beside bf16 streams at n = 16 needs
     # more than sm_86 gives at the tiles sm_90 takes.
     big = {(r["cc"], r["kernel"]): r for r in rows if r["params"] == "fp32" and r["n"] == 16}
-    assert big[(90, "mhc_maps_bwd_kernel")]["shared"] > tri_ops().SMEM_PER_BLOCK[86]
-    assert big[(86, "mhc_maps_bwd_kernel")]["constexprs"]["BLOCK_K"] < 64
+    assert big[(90, "mhc_dx_kernel")]["shared"] > tri_ops().SMEM_PER_BLOCK[86]
+    assert big[(86, "mhc_dx_kernel")]["constexprs"]["BLOCK_K"] < 32
 
 
 def test_the_full_matrix_covers_every_target_dtype_parameter_eps_and_n():
@@ -124,7 +126,13 @@ def test_plans_follow_the_launch_configuration():
         assert maps.constexprs["BLOCK_T"] == cfg["BLOCK_T"]
         assert maps.constexprs["PW"] == max(16, triton.next_power_of_2(2 * n))
         assert maps.grid == (triton.cdiv(64, cfg["BLOCK_T"]),)
-        assert maps.args[0].dtype == dtype and maps.args[0].device.type == "meta"
+        xphi = launches["mhc_xphi_kernel"]
+        cfg = tri.kernel_config("xphi", n, dtype)
+        block_t = tri.token_block(64, cfg["BLOCK_T"])
+        assert xphi.num_warps == cfg["num_warps"] and xphi.constexprs["BLOCK_T"] == block_t
+        splits, _ = tri.k_splits(n * 48, triton.cdiv(64, block_t), cfg["BLOCK_K"])
+        assert xphi.grid == (triton.cdiv(64, block_t), splits)
+        assert xphi.args[0].dtype == dtype and xphi.args[0].device.type == "meta"
 
 
 def test_occupancy_from_registers_shared_memory_and_warps():
@@ -150,22 +158,22 @@ def test_tile_sizes_follow_both_dtypes_and_the_shared_memory_of_the_target():
 
     tri = tri_ops()
     bf16, f32 = torch.bfloat16, torch.float32
-    for kernel in ("maps_fwd", "maps_bwd", "dphi"):
+    for kernel in ("xphi", "dx", "dphi"):
         for cc, limit in tri.SMEM_PER_BLOCK.items():
             for pd in (bf16, f32):
                 cfg = tri.kernel_config(kernel, 16, bf16, pd, limit)
                 est = tri.maps_smem(kernel, 16, cfg["BLOCK_T"], cfg["BLOCK_K"],
                                     cfg["num_stages"], 2, pd.itemsize)
                 assert est <= limit, (kernel, cc, pd, cfg, est)
-    assert tri.kernel_config("maps_bwd", 16, bf16, f32, tri.SMEM_PER_BLOCK[90])["BLOCK_K"] == 64
-    assert tri.kernel_config("maps_bwd", 16, bf16, f32, tri.SMEM_PER_BLOCK[80])["BLOCK_K"] == 32
-    assert tri.kernel_config("maps_fwd", 16, bf16, f32, tri.SMEM_PER_BLOCK[86])["BLOCK_K"] == 32
-    assert tri.kernel_config("maps_fwd", 16, bf16, bf16, tri.SMEM_PER_BLOCK[86])["BLOCK_K"] == 64
+    assert tri.kernel_config("dx", 16, bf16, bf16, tri.SMEM_PER_BLOCK[90])["BLOCK_K"] == 64
+    assert tri.kernel_config("dx", 16, bf16, f32, tri.SMEM_PER_BLOCK[90])["BLOCK_K"] == 32
+    assert tri.kernel_config("dx", 16, bf16, f32, tri.SMEM_PER_BLOCK[86])["BLOCK_K"] == 16
+    assert tri.kernel_config("dx", 16, bf16, bf16, tri.SMEM_PER_BLOCK[86])["BLOCK_K"] == 32
     # The plans pass phi's dtype and the limit through.
     launches = dict((launch.name, launch) for _, launch in triton_aot.op_launches(
         16, bf16, 64, 48, 3, param_dtype=f32, smem=tri.SMEM_PER_BLOCK[86]))
-    assert launches["mhc_maps_fwd_kernel"].constexprs["BLOCK_K"] == 32
-    assert launches["mhc_maps_fwd_kernel"].args[1].dtype == f32
+    assert launches["mhc_dx_kernel"].constexprs["BLOCK_K"] == 16
+    assert launches["mhc_xphi_kernel"].args[1].dtype == f32
 
 
 def test_failures_name_spills_registers_shared_memory_tf32_and_errors():

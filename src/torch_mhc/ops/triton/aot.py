@@ -54,8 +54,9 @@ _SM = {80: (65536, 164 * 1024, 64, 32), 86: (65536, 100 * 1024, 48, 16),
 # Ops whose launches a variant changes: phi's dtype the map kernels, eps also Sinkhorn's.
 _MAPS_OPS = ("mhc_maps_fwd", "mhc_maps_bwd")
 _EPS_OPS = (*_MAPS_OPS, "sinkhorn_fwd", "sinkhorn_bwd")
-# Kernels feeding a tf32 dot an operand they compute in registers (dz): must round it first.
-_ROUNDS_IN_KERNEL = ("mhc_maps_bwd_kernel",)
+# Kernels computing an operand (dz) that tf32 dots of other kernels read from memory: in a
+# half-stream launch they must round it (cvt.rna) before storing it.
+_ROUNDS_FOR_TF32 = ("mhc_maps_bwd_kernel",)
 _CACHE_VERSION = "2"  # rows gained fields: older cached rows are not reused
 
 
@@ -261,15 +262,15 @@ def _problem(r: dict, max_regs: int) -> str | None:
         return r.get("occupancy_error") or "no occupancy"
     if r["dtype"] == "fp32" and r["mma_tf32"]:
         return f"{r['mma_tf32']} tf32 mma in an fp32 launch (its reference is fp32)"
-    if r["kernel"] in _ROUNDS_IN_KERNEL and r["mma_tf32"] and not r["cvt_rna_tf32"]:
-        return "tf32 mma fed by unrounded fp32 registers (no cvt.rna.tf32)"
+    if r["kernel"] in _ROUNDS_FOR_TF32 and r["dtype"] != "fp32" and not r["cvt_rna_tf32"]:
+        return "an operand of tf32 mma stored unrounded (no cvt.rna.tf32)"
     return None
 
 
 def failures(rows: list[dict], max_regs: int = 255) -> list[str]:
     """What breaks the targets: a compile error, a spill, more than max_regs registers, more
     shared memory than the target gives a block, no block fitting on an SM, a tf32 mma in an
-    fp32 launch or one fed by an unrounded register."""
+    fp32 launch or a tf32 operand stored unrounded."""
     bad = []
     for r in rows:
         problem = _problem(r, max_regs)

@@ -8,6 +8,9 @@ M = n*n + 2n):
     logits [T, M] = (x @ phi) / r, r [T] the RMS of each token's x   (float32)
     scratch [T, 2*ITERS, NP] (float32): Sinkhorn's normalisers, written and read by one
     backward program (see below)
+    parts [T, S, M], ss [T, S] (float32): the forward's partial x @ phi and sums of squares
+    of S splits of K; dz [T, M], coef [T] (float32): the backward's dL/d(x @ phi) and r's
+    coefficient of x
 
 Every kernel loads its inputs, computes in float32 and casts on store, so fp16/bf16 streams
 get fp32 arithmetic. Streams are padded to NP = a power of two >= max(n, 4) inside the map
@@ -236,6 +239,20 @@ def _sinkhorn_bwd(h, g, ok, t, t_ok, eps, log_range, scratch_ptr, ITERS: tl.cons
 
 # ---------------------------------------------------------------------------------------------
 # (a) mHC maps
+#
+# The forward is two kernels: mhc_xphi_kernel, the matmul x @ phi and the sum of squares over
+# one token block and one split of K (grid: token blocks x K splits), writing fp32 partial
+# sums; then mhc_maps_fwd_kernel, per token block, adds the splits in a fixed order (no
+# atomics: bitwise reproducible) and computes RMS, gates and Sinkhorn. The backward mirrors
+# it: mhc_maps_bwd_kernel (Sinkhorn's backward, the gates', dz and r's coefficient, no phi),
+# mhc_dx_kernel (dx = dz @ phi^T + coef * x over token blocks x K splits; every dx element is
+# one program's, so nothing is reduced across programs), mhc_dphi_kernel (x^T dz).
+#
+# Why split: every token block of the matmul kernels reads all of phi [K, M]. Keeping the
+# matmul apart from Sinkhorn lets it take larger token blocks (phi read fewer times: the
+# Sinkhorn epilogue is what holds registers), and splitting K lets few tokens (decoding)
+# spread over many programs instead of walking all of K on one SM. The plans choose
+# BLOCK_T and the splits from T and n (ops/triton/ops.py, _k_splits).
 # ---------------------------------------------------------------------------------------------
 
 
@@ -254,19 +271,19 @@ def _gate_params(alpha_ptr, b_pre_ptr, b_post_ptr, b_res_ptr, res_col, res_ok,
 
 
 @triton.jit
-def mhc_maps_fwd_kernel(
-    x_ptr, phi_ptr, alpha_ptr, b_pre_ptr, b_post_ptr, b_res_ptr,
-    h_pre_ptr, h_post_ptr, h_res_ptr, logits_ptr, r_ptr,
-    T, K, norm_eps, sk_eps, pre_eps, log_range,
-    N: tl.constexpr, NP: tl.constexpr, PW: tl.constexpr, ITERS: tl.constexpr,
-    LOG_OK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+def mhc_xphi_kernel(
+    x_ptr, phi_ptr, parts_ptr, ss_ptr, T, K, k_per_split,
+    N: tl.constexpr, NP: tl.constexpr, PW: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One pass over x gives x @ phi (two tiles) and the sum of squares; then the maps."""
+    """One token block, one split of K (k_per_split a multiple of BLOCK_K): partial x @ phi
+    into parts [T, S, M] and partial sums of squares into ss [T, S] (float32; S =
+    num_programs(1))."""
     M: tl.constexpr = N * N + 2 * N
     NQ: tl.constexpr = NP * NP
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     t_ok = t < T
+    split = tl.program_id(1).to(tl.int64)
     res_col, res_ok = _res_columns(N, NP)
     p = tl.arange(0, PW)
     pp_ok = p < 2 * N
@@ -274,8 +291,9 @@ def mhc_maps_fwd_kernel(
     acc_res = tl.zeros([BLOCK_T, NQ], dtype=tl.float32)
     acc_pp = tl.zeros([BLOCK_T, PW], dtype=tl.float32)
     ss = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
+    k_begin = split * k_per_split
+    for k0 in range(0, k_per_split, BLOCK_K):
+        k = k_begin + k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
         xk = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=t_ok[:, None] & k_ok[None, :],
                      other=0.0).to(tl.float32)  # [BT, BK]
@@ -286,6 +304,55 @@ def mhc_maps_fwd_kernel(
                        mask=k_ok[:, None] & pp_ok[None, :], other=0.0).to(tl.float32)
         acc_res = tl.dot(xk, w_res, acc_res, input_precision=PRECISION)
         acc_pp = tl.dot(xk, w_pp, acc_pp, input_precision=PRECISION)
+
+    row = t * tl.num_programs(1) + split  # [BT] rows of parts [T * S, M] and ss [T * S]
+    tl.store(parts_ptr + row[:, None] * M + res_col[None, :], acc_res,
+             mask=t_ok[:, None] & res_ok[None, :])
+    tl.store(parts_ptr + row[:, None] * M + p[None, :], acc_pp,
+             mask=t_ok[:, None] & pp_ok[None, :])
+    tl.store(ss_ptr + row, ss, mask=t_ok)
+
+
+@triton.jit
+def _sum_splits(parts_ptr, ss_ptr, t, t_ok, S, res_col, res_ok, p, pp_ok,
+                N: tl.constexpr, NP: tl.constexpr, PW: tl.constexpr, BLOCK_T: tl.constexpr,
+                UNROLL: tl.constexpr):
+    """x @ phi's two tiles and the sum of squares: the S splits added in order 0 .. S-1
+    (UNROLL loads in flight per step; a split past S adds masked zeros)."""
+    M: tl.constexpr = N * N + 2 * N
+    acc_res = tl.zeros([BLOCK_T, NP * NP], dtype=tl.float32)
+    acc_pp = tl.zeros([BLOCK_T, PW], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for s0 in range(0, S, UNROLL):
+        for j in tl.static_range(UNROLL):
+            row = t * S + (s0 + j)  # [BT] rows of parts [T * S, M], int64 as t
+            m = t_ok & (row < t * S + S)  # split s0 + j < S, written on tensors
+            acc_res += tl.load(parts_ptr + row[:, None] * M + res_col[None, :],
+                               mask=m[:, None] & res_ok[None, :], other=0.0)
+            acc_pp += tl.load(parts_ptr + row[:, None] * M + p[None, :],
+                              mask=m[:, None] & pp_ok[None, :], other=0.0)
+            ss += tl.load(ss_ptr + row, mask=m, other=0.0)
+    return acc_res, acc_pp, ss
+
+
+@triton.jit
+def mhc_maps_fwd_kernel(
+    parts_ptr, ss_ptr, alpha_ptr, b_pre_ptr, b_post_ptr, b_res_ptr,
+    h_pre_ptr, h_post_ptr, h_res_ptr, logits_ptr, r_ptr,
+    T, K, S, norm_eps, sk_eps, pre_eps, log_range,
+    N: tl.constexpr, NP: tl.constexpr, PW: tl.constexpr, ITERS: tl.constexpr,
+    LOG_OK: tl.constexpr, BLOCK_T: tl.constexpr, UNROLL: tl.constexpr,
+):
+    """Per token block: the splits' sums, then RMS, logits, gates and Sinkhorn."""
+    M: tl.constexpr = N * N + 2 * N
+    NQ: tl.constexpr = NP * NP
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    t_ok = t < T
+    res_col, res_ok = _res_columns(N, NP)
+    p = tl.arange(0, PW)
+    pp_ok = p < 2 * N
+    acc_res, acc_pp, ss = _sum_splits(parts_ptr, ss_ptr, t, t_ok, S, res_col, res_ok, p, pp_ok,
+                                      N, NP, PW, BLOCK_T, UNROLL)
 
     r = tl.sqrt(ss / K + norm_eps)  # [BT], RMS over n*C; divide after the matmul
     l_res = acc_res / r[:, None]  # [BT, NQ]
@@ -314,18 +381,17 @@ def mhc_maps_fwd_kernel(
 
 @triton.jit
 def mhc_maps_bwd_kernel(
-    x_ptr, phi_ptr, alpha_ptr, b_pre_ptr, b_post_ptr, b_res_ptr, logits_ptr, r_ptr,
+    alpha_ptr, b_pre_ptr, b_post_ptr, b_res_ptr, logits_ptr, r_ptr,
     g_pre_ptr, g_post_ptr, g_res_ptr,
-    dx_ptr, dgate_ptr, dz_ptr, scratch_ptr,
+    dgate_ptr, dz_ptr, coef_ptr, scratch_ptr,
     T, K, sk_eps, log_range,
     N: tl.constexpr, NP: tl.constexpr, PW: tl.constexpr, ITERS: tl.constexpr,
-    LOG_OK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    LOG_OK: tl.constexpr, BLOCK_T: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Per token block: dL/dgate-logits, dz = dL/d(x @ phi), and dx = dz @ phi^T + coef * x.
+    """Per token block: dL/dgate-logits, dz = dL/d(x @ phi) and r's coefficient.
 
     Writes dgate [T, M] (the host sums it and dgate * logits over tokens for the biases and
-    gates) and dz [T, M] (for dphi = x^T dz, a second kernel).
+    gates), dz [T, M] (for dx = dz phi^T + coef x and dphi = x^T dz) and coef [T].
     """
     M: tl.constexpr = N * N + 2 * N
     NQ: tl.constexpr = NP * NP
@@ -368,14 +434,36 @@ def mhc_maps_bwd_kernel(
     coef = -(tl.sum(dl_res * l_res, axis=1) + tl.sum(dl_pp * l_pp, axis=1)) / (K * r * r)
     dz_res = dl_res / r[:, None]
     dz_pp = dl_pp / r[:, None]
-    if PRECISION == "tf32":  # dz feeds tf32 dots here and in mhc_dphi_kernel: round it once
+    if PRECISION == "tf32":  # dz feeds tf32 dots in mhc_dx_kernel and mhc_dphi_kernel: round it
         dz_res = _tf32(dz_res)
         dz_pp = _tf32(dz_pp)
     tl.store(dz_ptr + t[:, None] * M + res_col[None, :], dz_res, mask=m_res)
     tl.store(dz_ptr + t[:, None] * M + p[None, :], dz_pp, mask=m_pp)
+    tl.store(coef_ptr + t, coef, mask=t_ok)
 
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
+
+@triton.jit
+def mhc_dx_kernel(
+    x_ptr, phi_ptr, dz_ptr, coef_ptr, dx_ptr, T, K, k_per_split,
+    N: tl.constexpr, NP: tl.constexpr, PW: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """dx = dz @ phi^T + coef * x for one token block over one split of K."""
+    M: tl.constexpr = N * N + 2 * N
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    t_ok = t < T
+    res_col, res_ok = _res_columns(N, NP)
+    p = tl.arange(0, PW)
+    pp_ok = p < 2 * N
+    dz_res = tl.load(dz_ptr + t[:, None] * M + res_col[None, :],
+                     mask=t_ok[:, None] & res_ok[None, :], other=0.0)  # [BT, NQ]
+    dz_pp = tl.load(dz_ptr + t[:, None] * M + p[None, :],
+                    mask=t_ok[:, None] & pp_ok[None, :], other=0.0)  # [BT, PW]
+    coef = tl.load(coef_ptr + t, mask=t_ok, other=0.0)
+
+    k_begin = tl.program_id(1).to(tl.int64) * k_per_split
+    for k0 in range(0, k_per_split, BLOCK_K):
+        k = k_begin + k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
         # phi's columns, transposed: [NQ, BK] and [PW, BK]
         wt_res = tl.load(phi_ptr + k[None, :] * M + res_col[:, None],

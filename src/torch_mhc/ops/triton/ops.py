@@ -23,13 +23,18 @@ alpha's gradient, a sum over tokens with cancellation, exceeded the GPU toleranc
 phi rounded to nearest (2.5e-3 of max|reference| at one of 40 emulated cases), and by more
 when truncated. The backward's dots (dx = dz phi^T, dphi = x^T dz) are single tf32 with every
 operand rounded to nearest first: phi on the host (`tf32_operand`), dz in the kernel by
-cvt.rna.tf32.f32, stored rounded for the dphi kernel. Emulated on the CPU over 20 seeds
+cvt.rna.tf32.f32, stored rounded for the dx and dphi kernels. Emulated on the CPU over 20 seeds
 (tests/ops/test_triton.py, test_tf32_rounding_stays_within_the_gpu_tolerance), x's and phi's
 gradients differ from the fp32 reference by at most about 5e-4 of their max|reference| (the
 GPU tests allow 2e-3 for phi, 1.6e-2 for bf16 x; truncating gave 1.2e-3 in x's gradient);
 maps and the other gradients are as fp32. The ahead-of-time check (ops/triton/aot.py)
 asserts that fp32 launches contain no tf32 mma and that the backward rounds (cvt.rna) before
 its tf32 mma.
+
+The maps run as matmul kernels over token blocks x splits of K (K = n*C) and per-token
+kernels (RMS, gates, Sinkhorn); the plans choose the token blocks and splits from T and n
+(`token_block`, `k_splits`; ops/triton/kernels.py (a) says why). Under torch.autocast the
+maps op casts x and phi to the autocast dtype (`_register_maps_autocast`).
 
 The kernels need CUDA tensors, or CPU tensors when triton.kernels was imported with
 TRITON_INTERPRET=1 (Triton's interpreter; how the tests run without a GPU).
@@ -143,6 +148,10 @@ class Launch:
     # TRITON_DEFAULT_FP_FUSION, whose unset value changes in Triton 3.10) cannot change the
     # compiled code between installs. The interpreter ignores it (numpy rounds each step).
     enable_fp_fusion: bool = True
+    # Tensors the launch's programs read more than once between them, as (argument index,
+    # times): phi read once per token block, dz once per K block (the bytes model,
+    # ops/triton/traffic.py). Every other tensor argument is read or written once.
+    reads: tuple[tuple[int, int], ...] = ()
 
     @property
     def name(self) -> str:
@@ -208,17 +217,18 @@ def smem_limit(device: torch.device) -> int:
 
 def maps_smem(kernel: str, n: int, block_t: int, block_k: int, num_stages: int,
               x_bytes: int, phi_bytes: int) -> int:
-    """An upper estimate of the shared memory of a map kernel (bytes), fitted to what the
-    compiled kernels use (ops/triton/aot.py): num_stages - 1 buffers of each pipelined tile
-    (phi's [BLOCK_K, NP*NP + PW] columns and x's [BLOCK_T, BLOCK_K]), one more x tile of slack,
-    the backward's dz operand [BLOCK_T, NP*NP + PW] (fp32), dphi's [BLOCK_K, NP*NP] result."""
+    """An upper estimate of the shared memory of a matmul kernel of the maps (bytes), fitted to
+    what the compiled kernels use (ops/triton/aot.py): num_stages - 1 buffers of each pipelined
+    tile (phi's [BLOCK_K, NP*NP + PW] columns and x's [BLOCK_T, BLOCK_K]), one more x tile of
+    slack, dx's dz operand [BLOCK_T, NP*NP + PW] (fp32), dphi's [BLOCK_K, NP*NP] result.
+    kernel: xphi, dx or dphi."""
     cols = _padded(n) ** 2 + _pp_width(n)
     bufs = max(1, num_stages - 1)
     x_tile = block_t * block_k * x_bytes
     if kernel == "dphi":
         return max(bufs * (x_tile + block_t * cols * 4), block_k * _padded(n) ** 2 * 4) + x_tile
     est = bufs * (block_k * cols * phi_bytes + x_tile) + x_tile
-    return est + (block_t * cols * 4 if kernel == "maps_bwd" else 0)
+    return est + (block_t * cols * 4 if kernel == "dx" else 0)
 
 
 def _fit_smem(kernel: str, n: int, cfg: dict, x_bytes: int, phi_bytes: int, limit: int) -> dict:
@@ -242,27 +252,43 @@ def kernel_config(kernel: str, n: int, dtype: torch.dtype, param_dtype: torch.dt
     (ops/triton/aot.py, table in benchmarks/README.md) so that no kernel spills or needs more
     shared memory than sm_80, sm_86/89 and sm_90 give, and registers stay below 255.
 
-    kernel: maps_fwd, maps_bwd, dphi (BLOCK_T, BLOCK_K); sinkhorn_fwd, sinkhorn_bwd (BLOCK_T);
-    pre_fwd, pre_bwd, merge_fwd, merge_bwd (TILE: elements per [BLOCK_T, NP, BLOCK_C] tile);
-    each also num_warps, num_stages and maxnreg (None: no register cap).
+    kernel: xphi, dx, dphi (the maps' matmuls: BLOCK_T, BLOCK_K); maps_fwd, maps_bwd (the maps'
+    per-token work, Sinkhorn included), sinkhorn_fwd, sinkhorn_bwd (BLOCK_T); pre_fwd,
+    pre_bwd, merge_fwd, merge_bwd (TILE: elements per [BLOCK_T, NP, BLOCK_C] tile); each also
+    num_warps, num_stages and maxnreg (None: no register cap).
     """
     np_ = _padded(n)
     fp32 = dtype == torch.float32
     # maxnreg: an explicit register cap. Without one, ptxas sometimes aims at a low register
     # count and spills a few bytes (seen at 64-128 registers); with one it also uses more
     # registers where it could do with fewer, so caps are set only where the check needs them.
-    if kernel in ("maps_fwd", "maps_bwd", "dphi"):
-        # fp32 streams: ieee dots run on FMA units with the whole tile in registers; n > 8
-        # holds [BLOCK_T, 256]-wide tiles, so fewer tokens per program.
-        cap = {"maps_fwd": not fp32 or np_ >= 16, "maps_bwd": np_ >= 8,
-               "dphi": np_ >= 8}[kernel]
-        cfg = dict(BLOCK_T=32 if np_ <= 8 else 16,
-                   BLOCK_K=32 if (fp32 and np_ >= 16) else 64,
+    if kernel in ("xphi", "dx", "dphi"):
+        # xphi and dx hold no Sinkhorn, so their token blocks are as large as registers allow
+        # (phi is read once per token block: ops/triton/traffic.py). fp32 streams: ieee dots
+        # run on FMA units with the whole tile in registers; n > 8 holds [BLOCK_T, 288]-wide
+        # tiles, so fewer tokens per program.
+        # tf32x3 (fp32 phi beside half streams) splits phi's tile in two: fewer tokens. These
+        # are the largest token blocks that compile without spills (ops/triton/aot.py).
+        # n > 8 with half streams: xphi's [BLOCK_T, 288] tensor-core accumulator spills on
+        # sm_80 and sm_86 past 16 tokens (64 tokens at 16 warps fit sm_90 only).
+        cap = {"xphi": True, "dx": np_ >= 8, "dphi": np_ >= 8}[kernel]
+        x3 = kernel == "xphi" and _fwd_precision(dtype, param_dtype or dtype) == "tf32x3"
+        if fp32:
+            block_t = 32 if np_ == 8 else 64
+        elif np_ >= 16:
+            block_t = 16 if kernel == "xphi" else 64
+        else:
+            block_t = 64 if x3 else 128
+        cfg = dict(BLOCK_T=block_t if kernel != "dphi" else (32 if np_ <= 8 else 16),
+                   BLOCK_K=32 if (np_ >= 16 and (fp32 or kernel == "xphi")) else 64,
                    num_warps=8 if (np_ >= 8 or fp32) else 4, num_stages=3,
                    maxnreg=255 if cap else None)
         # Shared memory grows with phi's element size: fp32 phi beside half streams (autocast)
         # doubles phi's pipelined tiles.
         return _fit_smem(kernel, n, cfg, dtype.itemsize, (param_dtype or dtype).itemsize, smem)
+    if kernel in ("maps_fwd", "maps_bwd"):
+        return dict(BLOCK_T=32 if np_ <= 8 else 16, num_warps=4 if np_ <= 4 else 8, num_stages=3,
+                    maxnreg=255 if (kernel == "maps_bwd" and np_ >= 16) else None)
     if kernel in ("sinkhorn_fwd", "sinkhorn_bwd"):
         return dict(BLOCK_T=32 if np_ <= 8 else 16, num_warps=4 if np_ <= 4 else 8, num_stages=3,
                     maxnreg=255 if (kernel == "sinkhorn_bwd" and np_ >= 16) else None)
@@ -305,26 +331,64 @@ def _check(name: str, *tensors: Tensor) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+# Splitting K (the maps' matmul kernels, ops/triton/kernels.py (a)): programs aimed at, about
+# two per SM of the largest GPUs (H100/H200: 132 SMs), so that few tokens (decoding, small
+# batches) still spread over the GPU; at least _MIN_K_TILES BLOCK_K steps per split, below
+# which a split's partial sums cost more than its share of the matmul; at most _MAX_SPLITS
+# partial sums per token for the forward's finishing kernel to add.
+_PROGRAMS = 256
+_MIN_K_TILES = 4
+_MAX_SPLITS = 128
+_SPLIT_UNROLL = 4  # partial sums the finishing kernel loads per step
+
+
+def token_block(t: int, block_t: int) -> int:
+    """The matmul kernels' BLOCK_T for T tokens: block_t, or fewer for few tokens (at least
+    tl.dot's 16), so that a decoding step computes no masked rows it could avoid."""
+    return min(block_t, max(16, triton.next_power_of_2(max(1, t))))
+
+
+def k_splits(k: int, token_blocks: int, block_k: int) -> tuple[int, int]:
+    """(splits, K per split, a multiple of block_k) for a matmul over K run by token_blocks
+    blocks: enough splits that the grid has about _PROGRAMS programs, within the bounds above."""
+    tiles = triton.cdiv(k, block_k)
+    want = triton.cdiv(_PROGRAMS, max(1, token_blocks))
+    splits = max(1, min(want, tiles // _MIN_K_TILES, _MAX_SPLITS))
+    per_split = triton.cdiv(tiles, splits) * block_k
+    return triton.cdiv(k, per_split), per_split
+
+
 def plan_maps_fwd(x, phi, alpha, b_pre, b_post, b_res, iters, norm_eps, sk_eps, pre_eps,
                   smem=None):
     """Outputs and launches of mhc_maps_fwd (any device, meta included: nothing runs); smem:
-    the target's shared memory per block (default: that of x's GPU)."""
+    the target's shared memory per block (default: that of x's GPU). Two launches: the
+    partial x @ phi over token blocks x K splits, then the per-token finish."""
     t, n, c = x.shape
-    m = n * n + 2 * n
+    k, m = n * c, n * n + 2 * n
     h_pre, h_post = x.new_empty((t, n), dtype=_F32), x.new_empty((t, n), dtype=_F32)
     h_res = x.new_empty((t, n, n), dtype=_F32)
     logits, r = x.new_empty((t, m), dtype=_F32), x.new_empty((t,), dtype=_F32)
-    cfg = kernel_config("maps_fwd", n, x.dtype, phi.dtype, smem or smem_limit(x.device))
-    launch = Launch(
-        _k.mhc_maps_fwd_kernel, (triton.cdiv(t, cfg["BLOCK_T"]),),
-        (x, phi, alpha, b_pre, b_post, b_res, h_pre, h_post, h_res, logits, r, t, n * c,
-         norm_eps, sk_eps, pre_eps, LINEAR_RANGE),
-        dict(N=n, NP=_padded(n), PW=_pp_width(n), ITERS=iters, LOG_OK=sk_eps == 0.0,
-             BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"],
-             PRECISION=_fwd_precision(x.dtype, phi.dtype)),
-        **_opts(cfg),
-    )
-    return [launch], (h_pre, h_post, h_res, logits, r)
+    cfg = kernel_config("xphi", n, x.dtype, phi.dtype, smem or smem_limit(x.device))
+    fcfg = kernel_config("maps_fwd", n, x.dtype)
+    block_t = token_block(t, cfg["BLOCK_T"])
+    blocks = triton.cdiv(t, block_t)
+    splits, per_split = k_splits(k, blocks, cfg["BLOCK_K"])
+    parts = x.new_empty((t, splits, m), dtype=_F32)  # partial x @ phi per split
+    ss = x.new_empty((t, splits), dtype=_F32)  # partial sums of squares
+    shape = dict(N=n, NP=_padded(n), PW=_pp_width(n))
+    launches = [
+        Launch(_k.mhc_xphi_kernel, (blocks, splits), (x, phi, parts, ss, t, k, per_split),
+               dict(**shape, BLOCK_T=block_t, BLOCK_K=cfg["BLOCK_K"],
+                    PRECISION=_fwd_precision(x.dtype, phi.dtype)),
+               **_opts(cfg), reads=((1, blocks),)),
+        Launch(_k.mhc_maps_fwd_kernel, (triton.cdiv(t, fcfg["BLOCK_T"]),),
+               (parts, ss, alpha, b_pre, b_post, b_res, h_pre, h_post, h_res, logits, r, t, k,
+                splits, norm_eps, sk_eps, pre_eps, LINEAR_RANGE),
+               dict(**shape, ITERS=iters, LOG_OK=sk_eps == 0.0, BLOCK_T=fcfg["BLOCK_T"],
+                    UNROLL=_SPLIT_UNROLL),
+               **_opts(fcfg)),
+    ]
+    return launches, (h_pre, h_post, h_res, logits, r)
 
 
 @torch.library.custom_op("torch_mhc::mhc_maps_fwd", mutates_args=())
@@ -351,35 +415,46 @@ def _(x, phi, alpha, b_pre, b_post, b_res, iters, norm_eps, sk_eps, pre_eps):
 
 def plan_maps_bwd(x, phi, alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post, g_res, iters,
                   sk_eps, smem=None):
-    """Launches of mhc_maps_bwd and its buffers (dx, dgate, dphi parts)."""
+    """Launches of mhc_maps_bwd and its buffers (dx, dgate, dphi parts): the per-token
+    gradients (Sinkhorn's backward, dz), dx over token blocks x K splits, dphi."""
     t, n, c = x.shape
     k, m, np_ = n * c, n * n + 2 * n, _padded(n)
     smem = smem or smem_limit(x.device)
-    cfg = kernel_config("maps_bwd", n, x.dtype, phi.dtype, smem)
+    gcfg = kernel_config("maps_bwd", n, x.dtype)
+    cfg = kernel_config("dx", n, x.dtype, phi.dtype, smem)
     dcfg = kernel_config("dphi", n, x.dtype, phi.dtype, smem)
     dx = torch.empty_like(x)
     dgate = x.new_empty((t, m), dtype=_F32)
     dz = x.new_empty((t, m), dtype=_F32)
+    coef = x.new_empty((t,), dtype=_F32)  # r's share of dx: coef * x
     scratch = x.new_empty((t, 2 * iters, np_), dtype=_F32)  # Sinkhorn's normalisers
+    block_t = token_block(t, cfg["BLOCK_T"])
+    blocks = triton.cdiv(t, block_t)
+    splits, per_split = k_splits(k, blocks, cfg["BLOCK_K"])
     # dphi = x^T dz over T: split the tokens so that about 512 programs run, then sum. No
     # tokens: one split of zeros (the kernel still writes it), so dphi is zero, not empty.
     k_blocks = triton.cdiv(k, dcfg["BLOCK_K"])
-    splits = max(1, min(triton.cdiv(t, dcfg["BLOCK_T"]), 512 // max(1, k_blocks)))
-    per_split = max(1, triton.cdiv(triton.cdiv(t, splits), dcfg["BLOCK_T"])) * dcfg["BLOCK_T"]
-    splits = max(1, triton.cdiv(t, per_split))
-    dphi_parts = x.new_empty((splits, k, m), dtype=_F32)
+    t_splits = max(1, min(triton.cdiv(t, dcfg["BLOCK_T"]), 512 // max(1, k_blocks)))
+    per_t_split = max(1, triton.cdiv(triton.cdiv(t, t_splits), dcfg["BLOCK_T"])) * dcfg["BLOCK_T"]
+    t_splits = max(1, triton.cdiv(t, per_t_split))
+    dphi_parts = x.new_empty((t_splits, k, m), dtype=_F32)
     shape = dict(N=n, NP=np_, PW=_pp_width(n))
+    precision = _precision(x.dtype)
     launches = [
-        Launch(_k.mhc_maps_bwd_kernel, (triton.cdiv(t, cfg["BLOCK_T"]),),
-               (x, tf32_operand(phi, x.dtype), alpha, b_pre, b_post, b_res, logits, r, g_pre,
-                g_post, g_res, dx, dgate, dz, scratch, t, k, sk_eps, LINEAR_RANGE),
-               dict(**shape, ITERS=iters, LOG_OK=sk_eps == 0.0, BLOCK_T=cfg["BLOCK_T"],
-                    BLOCK_K=cfg["BLOCK_K"], PRECISION=_precision(x.dtype)),
-               **_opts(cfg)),
-        Launch(_k.mhc_dphi_kernel, (k_blocks, splits), (x, dz, dphi_parts, t, k, per_split),
+        Launch(_k.mhc_maps_bwd_kernel, (triton.cdiv(t, gcfg["BLOCK_T"]),),
+               (alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post, g_res, dgate, dz, coef,
+                scratch, t, k, sk_eps, LINEAR_RANGE),
+               dict(**shape, ITERS=iters, LOG_OK=sk_eps == 0.0, BLOCK_T=gcfg["BLOCK_T"],
+                    PRECISION=precision),
+               **_opts(gcfg)),
+        Launch(_k.mhc_dx_kernel, (blocks, splits),
+               (x, tf32_operand(phi, x.dtype), dz, coef, dx, t, k, per_split),
+               dict(**shape, BLOCK_T=block_t, BLOCK_K=cfg["BLOCK_K"], PRECISION=precision),
+               **_opts(cfg), reads=((1, blocks), (2, splits), (3, splits))),
+        Launch(_k.mhc_dphi_kernel, (k_blocks, t_splits), (x, dz, dphi_parts, t, k, per_t_split),
                dict(**shape, BLOCK_T=dcfg["BLOCK_T"], BLOCK_K=dcfg["BLOCK_K"],
-                    PRECISION=_precision(x.dtype)),
-               **_opts(dcfg)),
+                    PRECISION=precision),
+               **_opts(dcfg), reads=((1, k_blocks),)),
     ]
     return launches, (dx, dgate, dphi_parts)
 
@@ -439,6 +514,30 @@ def _maps_backward(ctx, g_pre, g_post, g_res, _g_logits, _g_r):
 
 
 _maps_fwd.register_autograd(_maps_backward, setup_context=_maps_setup)
+
+
+# Autocast: the maps' matmul runs in the autocast dtype, as a Linear's would (x and phi cast
+# to it; the gates and biases stay as they are, the kernels read them in fp32). The
+# aggregation and merge ops have no rule, so under autocast they keep the streams' dtype, as
+# a residual add does. torch.library.register_autocast would cast every floating input, and
+# to a dtype fixed when registering: this rule reads the region's dtype at each call.
+_AUTOCAST = torch.library.Library("torch_mhc", "FRAGMENT")
+
+
+def _register_maps_autocast(device_type: str) -> None:
+    key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+    keyset = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+
+    def kernel(_keys, x, phi, *rest):
+        dtype = torch.get_autocast_dtype(device_type)
+        with torch._C._ExcludeDispatchKeyGuard(keyset):
+            return torch.ops.torch_mhc.mhc_maps_fwd(x.to(dtype), phi.to(dtype), *rest)
+
+    _AUTOCAST.impl("mhc_maps_fwd", kernel, key, with_keyset=True)
+
+
+for _device_type in ("cuda", "cpu"):
+    _register_maps_autocast(_device_type)
 
 
 def mhc_maps(
