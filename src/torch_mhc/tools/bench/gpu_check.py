@@ -228,13 +228,11 @@ def _real_maker(device: str, n: int):
 
 
 def _launch_bytes(launch) -> int:
-    """Bytes a launch must move at least: each tensor argument read or written once."""
-    seen, total = set(), 0
-    for a in launch.args:
-        if isinstance(a, torch.Tensor) and a.data_ptr() not in seen:
-            seen.add(a.data_ptr())
-            total += a.numel() * a.element_size()
-    return total
+    """Bytes a launch must move at least: each tensor argument once, phi once per token block
+    that reads it (ops/triton/traffic.py, the model docs/performance.md states)."""
+    from torch_mhc.ops.triton.traffic import launch_bytes
+
+    return launch_bytes(launch)
 
 
 def _copy_ms(nbytes: int, device: str, repeats: int) -> float:
