@@ -660,7 +660,7 @@ def test_native_library_falls_back_with_one_warning(monkeypatch, tmp_path, cc):
     assert len(caught) == 1
     text = str(caught[0].message)
     assert "pure-torch fallback" in text and "TORCH_MHC_NATIVE=0" in text
-    assert not cpu._use_native(torch.zeros(2, 4, 8))  # the ops take the torch path
+    assert not cpu.use_native(torch.zeros(2, 4, 8))  # the ops take the torch path
     monkeypatch.setattr(native, "_tried", False)
     monkeypatch.setenv("TORCH_MHC_NATIVE", "0")
     with warnings.catch_warnings():

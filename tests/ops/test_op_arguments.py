@@ -71,7 +71,7 @@ def check_bad_scalars(impl, device="cpu"):
             fn(x, *hc, norm_eps=0.0)
 
 
-@pytest.mark.parametrize("name", ["reference", "cpu"])
+@pytest.mark.parametrize("name", ["reference", "cpu", "inductor"])
 def test_empty_batches_run_forward_and_backward(name):
     check_empty_batch(ops.get_impl(name))
 
@@ -80,3 +80,27 @@ def test_empty_batches_run_forward_and_backward(name):
 def test_bad_scalars_are_refused_by_the_ops(name):
     # Refused before anything compiles: cheap for inductor too.
     check_bad_scalars(ops.get_impl(name))
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_misshapen_parameters_are_refused_by_the_cpu_ops(grad):
+    """The native loops index phi and the static maps by n and C without bounds: a parameter
+    of another shape is one ValueError naming it, with or without autograd (decoding)."""
+    cpu = ops.get_impl("cpu")
+    ins = [t.detach().requires_grad_(grad) for t in maps_inputs((2,), 4, 8, torch.float32)]
+    x, phi, alpha, b_pre, b_post, b_res = ins
+    cases = {"phi": (phi[:-1], alpha, b_pre, b_post, b_res),
+             "alpha": (phi, alpha[:2], b_pre, b_post, b_res),
+             "b_res": (phi, alpha, b_pre, b_post, b_res[:, :3])}
+    for name, params in cases.items():
+        for fn in (cpu.mhc_maps, cpu.mhc_maps_pre):
+            with pytest.raises(ValueError, match=rf"expects {name} of shape"):
+                fn(x, *params, sinkhorn_iters=3)
+    w, one = torch.randn(8, 6), torch.tensor(1.0)
+    hc_cases = {"w": (w[:, :5], one, one, torch.ones(4), torch.ones(4), torch.eye(4)),
+                "static_pre": (w, one, one, torch.ones(3), torch.ones(4), torch.eye(4)),
+                "s_beta": (w, one, torch.ones(2), torch.ones(4), torch.ones(4), torch.eye(4))}
+    for name, params in hc_cases.items():
+        for fn in (cpu.hc_maps, cpu.hc_maps_pre):
+            with pytest.raises(ValueError, match=rf"expects {name} (of shape|to hold)"):
+                fn(x, *params)

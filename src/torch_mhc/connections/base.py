@@ -31,6 +31,8 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import threading
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -89,6 +91,11 @@ def check_gate(value, owner: str) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{owner} expects a finite gate_init, got {value!r}")
     return float(value)
+
+
+# Connection -> {(streams shape, dtype, thread): Decoder or None}; outside the modules, whose
+# deep copies and pickles must not carry native argument blocks.
+_DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class Connection(nn.Module):
@@ -155,12 +162,42 @@ class Connection(nn.Module):
             self._check_finite("the input streams", x)
         # expand_streams' broadcast view: copy once here rather than once inside every op.
         x = x if x.is_contiguous() else x.contiguous()
+        if not torch.is_grad_enabled():
+            dec = self._decoder(x)
+            if dec is not None:  # decoding: two prepared native calls (ops/cpu/decode.py)
+                f = self.branch(dec.mix_in(x), *args, **kwargs)
+                self._check_branch_output(f)
+                return dec.mix_out(x, f)
         if _recompute.ACTIVE is not None and torch.is_grad_enabled():
             return _recompute.ACTIVE.run(self, x, args, kwargs)
         h_in, state = self.mix_in(x)
         f = self.branch(h_in, *args, **kwargs)
         self._check_branch_output(f)
         return self.mix_out(x, f, state)
+
+    def _decoder(self, x: torch.Tensor):
+        """The implementation's prepared no-autograd path for x (Ops.decoder), kept per
+        streams shape, dtype and thread while it matches the parameters; None where there
+        is none, and while diagnostics record the maps or check_finite checks them (the
+        prepared path returns neither)."""
+        if _diag.ACTIVE is not None or self.check_finite:
+            return None
+        ops = _ops.get_impl(self.impl, x.device, x.dtype)
+        if ops.decoder is None:
+            return None
+        args = self.map_args(x)
+        decoders = _DECODERS.get(self)
+        if decoders is None:
+            decoders = _DECODERS[self] = {}
+        key = (x.shape, x.dtype, threading.get_ident())
+        dec = decoders.get(key)
+        if dec is None or not dec.current(args):
+            dec = decoders[key] = ops.decoder(self.kind, args)
+        return dec
+
+    def map_args(self, x: torch.Tensor) -> tuple:
+        """The arguments of this kind's map op (x first), for Ops.decoder."""
+        return (x,)
 
     def mix_in(self, x: torch.Tensor):
         """Maps and pre-aggregation: x [..., n, C] -> (h_in [..., C], state for mix_out)."""

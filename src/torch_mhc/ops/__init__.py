@@ -18,11 +18,13 @@ and `functional.successors` (the plain-torch oracles):
                                               (functional.successors.variant_maps)
     variant_maps_pre(same arguments)          -> the same plus pre_aggregate(x, H_pre)
 
-Optionally (Ops.fused_dx, the `cpu` implementation): mhc_maps_pre(..., fused_dx=True) and
-hc_maps_pre(..., fused_dx=True) also return x_for_merge, and post_merge(x_for_merge, f,
-h_post, h_res, fused_dx=True) leaves x's gradient through the merge to the maps node, so that
-a connection writes x's gradient once (hc_maps_pre's x_for_merge is None where it made no
-single node); so does variant_maps_pre(..., fused_dx=True).
+Optionally (the `cpu` implementation): Ops.decoder(kind, map_args) prepares a connection's
+decoding step without autograd as two native calls (ops/cpu/decode.py). Ops.fused_dx:
+mhc_maps_pre(..., fused_dx=True) and hc_maps_pre(..., fused_dx=True) also return x_for_merge,
+and post_merge(x_for_merge, f, h_post, h_res, fused_dx=True) leaves x's gradient through the
+merge to the maps node, so that a connection writes x's gradient once (hc_maps_pre's
+x_for_merge is None where it made no single node); so does variant_maps_pre(...,
+fused_dx=True).
 
 The successors' maps (variant_maps, variant_maps_pre) are fused on `cpu` (ops/cpu/variants.py:
 mHC's native matmul, aggregation and backward passes around a closed-form H_res). `triton`
@@ -58,6 +60,7 @@ from torch_mhc.ops import checks
 
 # Imported here, outside any torch.compile trace: importing `cpu` registers its custom ops
 # (its native library is built or loaded by the first native op, ops/cpu/native.py).
+from torch_mhc.ops.cpu import decode as cpu_decode
 from torch_mhc.ops.cpu import ops as cpu
 from torch_mhc.ops.cpu import variants as cpu_variants
 
@@ -117,6 +120,9 @@ class Ops:
     # mhc_maps_pre(..., fused_dx=True) and post_merge(..., fused_dx=True) exist
     # (ops/cpu/ops.py: x's gradient through maps, aggregation and merge written once).
     fused_dx: bool = False
+    # decoder(kind, map_args) -> a prepared no-autograd path for one connection, or None
+    # (ops/cpu/decode.py; `cpu` only).
+    decoder: Callable | None = None
 
 
 _default: str | None = None  # set by set_default_impl
@@ -259,6 +265,7 @@ def _load(resolved: str) -> Ops:
         sinkhorn=fns["sinkhorn"],
         **_variant_ops(resolved, module),
         fused_dx=getattr(module, "FUSED_DX", False),
+        decoder=cpu_decode.decoder if resolved == "cpu" else None,
     )
     _loaded[resolved] = ops
     return ops

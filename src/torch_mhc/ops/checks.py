@@ -4,7 +4,9 @@ A kernel takes sinkhorn_iters as a loop count and writes 2 * iters normalisers p
 scratch buffer: zero iterations would index past an empty buffer, so the ops refuse it rather
 than trusting every caller (a module checks its own configuration; a direct caller of an op
 does not). The epsilons enter a square root, a sum or a denominator: a negative or non-finite
-one gives NaN maps or Sinkhorn denominators that are no longer positive.
+one gives NaN maps or Sinkhorn denominators that are no longer positive. The parameters'
+shapes are checked against the streams for the same reason: the native loops and the kernels
+index phi (or W) by n and C without bounds, so a misshapen one would be read past its end.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from __future__ import annotations
 import math
 import numbers
 
-__all__ = ["check_hc_scalars", "check_maps_scalars", "check_sinkhorn_scalars"]
+__all__ = ["check_hc_scalars", "check_hc_shapes", "check_maps_scalars", "check_mhc_shapes",
+           "check_sinkhorn_scalars"]
 
 
 def _number(op: str, name: str, value) -> None:
@@ -55,3 +58,32 @@ def check_sinkhorn_scalars(op: str, iters, eps) -> None:
     """ValueError unless iters >= 1 and eps >= 0 (finite)."""
     _positive_int(op, "iters", iters)
     _non_negative(op, "eps", eps)
+
+
+def _shapes(op: str, x, named: dict) -> None:
+    for name, (t, shape) in named.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{op} expects {name} of shape {shape} for streams x of shape "
+                             f"{tuple(x.shape)}, got {tuple(t.shape)}")
+
+
+def check_mhc_shapes(op: str, x, phi, alpha, b_pre, b_post, b_res) -> None:
+    """ValueError unless, for streams x [..., n, C]: phi [n C, n n + 2 n], alpha [3],
+    b_pre [n], b_post [n], b_res [n, n]."""
+    n, c = x.shape[-2:]
+    _shapes(op, x, {"phi": (phi, (n * c, n * n + 2 * n)), "alpha": (alpha, (3,)),
+                    "b_pre": (b_pre, (n,)), "b_post": (b_post, (n,)), "b_res": (b_res, (n, n))})
+
+
+def check_hc_shapes(op: str, x, w, s_alpha, s_beta, static_pre, static_post, static_res) -> None:
+    """ValueError unless, for streams x [..., n, C]: W [C, n + 2] (or None: static maps),
+    one-element s_alpha and s_beta, static_pre [n], static_post [n], static_res [n, n]."""
+    n, c = x.shape[-2:]
+    named = {"static_pre": (static_pre, (n,)), "static_post": (static_post, (n,)),
+             "static_res": (static_res, (n, n))}
+    if w is not None:
+        named["w"] = (w, (c, n + 2))
+    _shapes(op, x, named)
+    for name, t in (("s_alpha", s_alpha), ("s_beta", s_beta)):
+        if t.numel() != 1:
+            raise ValueError(f"{op} expects {name} to hold one number, got shape {tuple(t.shape)}")

@@ -1206,3 +1206,44 @@ EXPORT_BOTH(hc_bwd,
 
 EXPORT_ROWS(f32, 0)
 EXPORT_ROWS(bf16, 1)
+
+/* ---------------------------------------------------------------------------------------
+   Decoding: a connection's two calls per step without autograd, for a few tokens: its maps
+   and aggregation before the branch, its merge after it. Every argument sits in one block
+   prepared once per connection and shape (ops/cpu/decode.py sets the pointers that change
+   per call): converting twenty ctypes arguments per call cost more than the arithmetic of
+   one token. They call the exported entry points on one thread (the team is skipped: the
+   parallel region's if clause), so a decoded step runs the very code, and gets the very
+   bits, of the autograd path.
+   --------------------------------------------------------------------------------------- */
+
+typedef struct {
+    const void* x;       /* streams [t, n, C] */
+    const void* f;       /* the branch output [t, C] (merge) */
+    void* a;             /* the branch input [t, C] (maps) */
+    void* out;           /* the merge's output [t, n, C] */
+    const float* table;  /* mHC: phi [n C, Mp]; HC: W [C, Mp] (padded float32) */
+    const float* gates;  /* mHC: [2, M] gate and bias per logit; HC: its scalars */
+    float* hpre;         /* [t, n] */
+    float* hpost;        /* [t, n] */
+    float* hres;         /* [t, n, n] */
+    int64_t t, n, C, M, MV, iters, bf, kind;  /* kind: 0 mHC, 1 HC */
+    double norm_eps, sk_eps, pre_eps;
+} decode_call;
+
+void decode_maps(const decode_call* d) {
+    if (d->kind == 0) {
+        (d->bf ? maps_fwd_bf16 : maps_fwd_f32)(
+            d->x, d->table, d->gates, NULL, NULL, d->hpre, d->hpost, d->hres, d->a, 0, d->t, 1,
+            d->n, d->C, d->M, d->MV, d->iters, d->norm_eps, d->sk_eps, d->pre_eps);
+    } else {
+        (d->bf ? hc_fwd_bf16 : hc_fwd_f32)(
+            d->x, d->table, d->gates, d->hpre, d->hpost, d->hres, d->a, 0, d->t, 1, d->n, d->C,
+            d->MV, d->norm_eps);
+    }
+}
+
+void decode_merge(const decode_call* d) {
+    (d->bf ? merge_fwd_bf16 : merge_fwd_f32)(d->x, d->f, d->hpost, d->hres, d->out, 0, d->t, 1,
+                                             d->n, d->C);
+}

@@ -42,7 +42,7 @@ import torch
 
 from torch_mhc.ops.cpu.build import build_library, warn_fallback
 
-__all__ = ["load", "NativeOps"]
+__all__ = ["DecodeCall", "load", "NativeOps"]
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _MIN_TOKENS_PER_THREAD = 64
@@ -129,6 +129,15 @@ _SIGNATURES = {
 }
 
 
+class DecodeCall(ctypes.Structure):
+    """native.c's decode_call: every argument of a connection's two decoding calls."""
+
+    _fields_ = [(name, _P) for name in
+                ("x", "f", "a", "out", "table", "gates", "hpre", "hpost", "hres")]
+    _fields_ += [(name, _I) for name in ("t", "n", "C", "M", "MV", "iters", "bf", "kind")]
+    _fields_ += [(name, _D) for name in ("norm_eps", "sk_eps", "pre_eps")]
+
+
 class PerThread:
     """A [threads, ...] buffer: each thread of a call gets its own slice (partial sums)."""
 
@@ -154,6 +163,10 @@ class NativeOps:
                 fn.argtypes = [_P] * n_ptrs + [_I, _I, _I] + sizes
                 fn.restype = None
                 self._fns[name, dtype] = fn
+        # decode_maps(&call), decode_merge(&call): the call's address as the one argument.
+        self.decode_maps, self.decode_merge = self._lib.decode_maps, self._lib.decode_merge
+        for fn in (self.decode_maps, self.decode_merge):
+            fn.argtypes, fn.restype = [_P], None
         self.openmp = bool(self._lib.native_openmp())
         # Threads this process started itself: used where OpenMP cannot be (a forked child,
         # or a library built without OpenMP). Reset in a forked child (its threads are gone).

@@ -47,11 +47,17 @@ import torch
 from torch_mhc.functional import maps as _ref
 from torch_mhc.functional.sinkhorn import compute_dtype as _maps_dtype
 from torch_mhc.functional.sinkhorn import sinkhorn_backward, sinkhorn_forward
-from torch_mhc.ops.checks import check_hc_scalars, check_maps_scalars, check_sinkhorn_scalars
+from torch_mhc.ops.checks import (
+    check_hc_scalars,
+    check_hc_shapes,
+    check_maps_scalars,
+    check_mhc_shapes,
+    check_sinkhorn_scalars,
+)
 from torch_mhc.ops.cpu import native as _native
 
 __all__ = ["mhc_maps", "mhc_maps_pre", "hc_maps", "hc_maps_pre", "pre_aggregate", "post_merge",
-           "sinkhorn"]
+           "sinkhorn", "use_native", "mhc_tables", "hc_tables"]
 
 # mhc_maps_pre(..., fused_dx=True) and post_merge(..., fused_dx=True) exist; see ops/__init__
 FUSED_DX = True
@@ -139,7 +145,7 @@ class _MhcMaps(torch.autograd.Function):
         ctx.iters, ctx.sk_eps, ctx.pre_eps = iters, sk_eps, pre_eps
         ctx.with_pre, ctx.fused_dx = with_pre, fused_dx
         ctx.b_dtypes = (b_pre.dtype, b_post.dtype, b_res.dtype)
-        ctx.native = _use_native(x)
+        ctx.native = use_native(x)
         if ctx.native:
             ab = _gate_table(alpha, b_pre, b_post, b_res)
             lt, r, h_pre, h_post, h_res, a = torch.ops.torch_mhc.cpu_mhc_maps_fwd(
@@ -324,6 +330,7 @@ def mhc_maps(
 ):
     """Same contract as functional.maps.mhc_maps."""
     check_maps_scalars("mhc_maps", sinkhorn_iters, norm_eps, sinkhorn_eps, pre_eps)
+    check_mhc_shapes("mhc_maps", x, phi, alpha, b_pre, b_post, b_res)
     lead, (n, c) = x.shape[:-2], x.shape[-2:]
     h_pre, h_post, h_res = _MhcMaps.apply(
         x.reshape(-1, n, c), phi, alpha, b_pre, b_post, b_res,
@@ -352,11 +359,12 @@ def mhc_maps_pre(
     fused_dx=True) in place of x: the merge's share of x's gradient then joins the same single dx.
     """
     check_maps_scalars("mhc_maps_pre", sinkhorn_iters, norm_eps, sinkhorn_eps, pre_eps)
+    check_mhc_shapes("mhc_maps_pre", x, phi, alpha, b_pre, b_post, b_res)
     params = (phi, alpha, b_pre, b_post, b_res)
-    if _no_autograd(x, *params) and _use_native(x):
+    if _no_autograd(x, *params) and use_native(x):
         # Decoding: the maps in x's leading shape straight from the native loops; x_for_merge
         # is x itself (without autograd there is no gradient to fuse).
-        phip, ab = _cached_tables(_mhc_tables, *params)
+        phip, ab = _cached_tables(mhc_tables, *params)
         maps = _lib().maps_infer(x.contiguous(), phip, ab, int(sinkhorn_iters),
                                  float(norm_eps), float(sinkhorn_eps), float(pre_eps))
         return (*maps, x) if fused_dx else maps
@@ -397,9 +405,10 @@ _param_cache: dict[int, tuple] = {}
 def _cached_tables(make, *tensors: torch.Tensor) -> tuple:
     """make(*tensors), cached per first tensor (phi, HC's W) while every tensor is the same
     object (a view counts as its base: HC passes s_alpha.view(()) at each call) with the same
-    version (an in-place update bumps it, in a view or its base alike)."""
-    try:
-        versions = [t._version for t in tensors]
+    version (an in-place update bumps it, in a view or its base alike) over the same
+    storage."""
+    try:  # `param.data = ...` swaps the storage without a new version: both are compared
+        versions = [(t._version, t.data_ptr()) for t in tensors]
     except RuntimeError:  # inference tensors have no version counter: nothing to key on
         return make(*tensors)
     bases = [t if t._base is None else t._base for t in tensors]
@@ -415,12 +424,12 @@ def _cached_tables(make, *tensors: torch.Tensor) -> tuple:
     return tables
 
 
-def _mhc_tables(phi, alpha, b_pre, b_post, b_res) -> tuple[torch.Tensor, torch.Tensor]:
+def mhc_tables(phi, alpha, b_pre, b_post, b_res) -> tuple[torch.Tensor, torch.Tensor]:
     """(phi padded [K, Mp], gate table [2, M]) in float32 for the native maps."""
     return _padded(phi), _gate_table(alpha, b_pre, b_post, b_res)
 
 
-def _hc_tables(w, s_alpha, s_beta, static_pre, static_post, static_res):
+def hc_tables(w, s_alpha, s_beta, static_pre, static_post, static_res):
     """(W padded [C, Mp], (s_alpha, s_beta, static_pre, static_post, static_res) as one
     float32 vector) for the native HC maps."""
     scalars = [s_alpha.reshape(1), s_beta.reshape(1), static_pre, static_post,
@@ -522,6 +531,7 @@ def hc_maps(
     ops, 16 tokens 87 and 97 us; n = 4, C = 512, measured without autograd)."""
     check_hc_scalars("hc_maps", norm_eps)
     args = (w, s_alpha, s_beta, static_pre, static_post, static_res)
+    check_hc_shapes("hc_maps", x, *args)
     if _hc_native(x, w, 1) and _no_autograd(x, *args):
         return _hc_inference(x, args, norm_eps, False)
     if not _hc_native(x, w):
@@ -587,14 +597,14 @@ def _hc_native(x: torch.Tensor, w: torch.Tensor | None,
                min_tokens: int = _HC_NATIVE_MIN_TOKENS) -> bool:
     """Whether HC's dynamic maps of x [..., n, C] run on the native loops (W [C, n + 2],
     at least min_tokens tokens)."""
-    return (w is not None and _use_native(x) and x.shape[-1] == w.shape[0]
+    return (w is not None and use_native(x) and x.shape[-1] == w.shape[0]
             and w.shape[1] == x.shape[-2] + 2 and math.prod(x.shape[:-2]) >= min_tokens)
 
 
 def _hc_inference(x, args, norm_eps, with_pre):
     """HC's maps (and the aggregation) of x [..., n, C] without autograd: one native call
     in the caller's shapes (native.c's hc_fwd), W and the scalars cached."""
-    wp, p = _cached_tables(_hc_tables, *args)
+    wp, p = _cached_tables(hc_tables, *args)
     return _lib().hc_infer(x.contiguous(), wp, p, float(norm_eps), with_pre)
 
 
@@ -619,6 +629,7 @@ def hc_maps_pre(
     """
     check_hc_scalars("hc_maps_pre", norm_eps)
     args = (w, s_alpha, s_beta, static_pre, static_post, static_res)
+    check_hc_shapes("hc_maps_pre", x, *args)
     native = _hc_native(x, w, 1)
     if native and _no_autograd(x, *args):  # decoding
         maps = _hc_inference(x, args, norm_eps, True)
@@ -902,7 +913,7 @@ def _(x, wt, dz, coef):
     return torch.empty_like(x), wt.new_empty(wt.t().shape)
 
 
-def _use_native(x: torch.Tensor) -> bool:
+def use_native(x: torch.Tensor) -> bool:
     """Whether x [..., n, C] takes the native loops (built library, fp32/bf16, n <= 8)."""
     return _native.supports(x) and _native_available()
 
@@ -920,7 +931,7 @@ def pre_aggregate(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"pre_aggregate expects h_pre of shape {tuple(x.shape[:-1])}, got {tuple(h_pre.shape)}"
         )
-    if _use_native(x):
+    if use_native(x):
         h = h_pre.reshape(-1, n).to(torch.float32).contiguous()
         return _native_pre_fwd(x.reshape(-1, n, c).contiguous(), h).reshape(*lead, c)
     h = h_pre.to(x.dtype).reshape(-1, n)
@@ -942,7 +953,7 @@ def post_merge(
     if f.shape[:-1] != lead or h_post.shape[:-1] != lead or h_res.shape[:-2] != lead \
             or f.shape[-1] != c or h_post.shape[-1] != n or h_res.shape[-2:] != (n, n):
         _ref.check_merge_shapes(x, f, h_post, h_res)
-    native = _use_native(x)
+    native = use_native(x)
     if native and _no_autograd(x, f, h_post, h_res):  # decoding: in the callers' shapes
         return _lib().merge_fwd(x.contiguous(), _contiguous_in(f, x.dtype),
                                 _contiguous_in(h_post, torch.float32),

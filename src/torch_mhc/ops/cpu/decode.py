@@ -1,0 +1,151 @@
+"""Decoding without autograd: a connection's step as two prepared native calls.
+
+A KV-cached decode step calls every connection on one token (or one per sequence of a
+batch). The arithmetic is then a few microseconds: mHC's maps are a [1, n C] x [n C, M]
+product, a 20-iteration n x n Sinkhorn and an aggregation over n C numbers. Through the op
+interface the same call spent most of its time around the arithmetic: checks of the
+scalars, the cache lookup of phi's padded copy, five output tensors, and twenty ctypes
+arguments converted one by one. A Decoder does that work once per connection, streams
+shape and thread:
+
+    dec = decoder(conn.kind, conn.map_args(x))   # None where the native loops do not apply
+    a = dec.mix_in(x)                            # H_pre, H_post, H_res and sum_j H_pre[j] x[j]
+    out = dec.mix_out(x, branch(a))              # H_res x + H_post^T f
+
+Each call sets the pointers that change in one prepared argument block (native.c's
+decode_call) and runs on the caller's thread; it allocates only the tensor it returns. The
+maps live in buffers of the Decoder, written by mix_in and read by the following mix_out,
+so one Decoder serves one thread at a time (Connection keys them by thread).
+
+`current(args)` says whether a Decoder still describes the arguments: the same parameter
+objects, over the same storage, at the same version (an optimizer step or load_state_dict
+bumps the version; `param.data = ...` swaps the storage) and equal scalars. The padded
+parameter tables are copies made when the Decoder was built.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from torch_mhc.functional import maps as _ref
+from torch_mhc.ops.checks import (
+    check_hc_scalars,
+    check_hc_shapes,
+    check_maps_scalars,
+    check_mhc_shapes,
+)
+from torch_mhc.ops.cpu import native as _native
+from torch_mhc.ops.cpu.ops import hc_tables, mhc_tables, use_native
+
+__all__ = ["Decoder", "decoder"]
+
+_KINDS = {"mhc": 0, "hc": 1}
+
+
+def decoder(kind: str, args: tuple) -> Decoder | None:
+    """A Decoder for connection kind "mhc" (args: ops.mhc_maps' arguments) or "hc"
+    (ops.hc_maps' arguments, dynamic W), or None where the native loops do not apply
+    (another kind, dtype, device or n; no native library; HC without W; parameters made
+    in inference mode, which have no version to check)."""
+    if kind not in _KINDS:
+        return None
+    x = args[0]
+    if not (x.is_contiguous() and use_native(x)) or torch.compiler.is_compiling():
+        return None
+    if not _shapes_fit(kind, x, args[1:]):
+        return None  # the ops' own path says what is wrong
+    try:
+        _fingerprint(args[1:])
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return None
+    return Decoder(_native.load(), kind, args)
+
+
+def _shapes_fit(kind: str, x: torch.Tensor, params: tuple) -> bool:
+    """Whether the parameters have the shapes the native loops read (they index without
+    bounds; ops.checks) and HC has a W (without it the maps are static: nothing to
+    prepare)."""
+    try:
+        if kind == "mhc":
+            check_mhc_shapes("mhc_maps", x, *params[:5])
+        else:
+            check_hc_shapes("hc_maps", x, *params[:6])
+    except ValueError:
+        return False
+    if kind == "mhc":
+        return params[0].shape[1] <= _native.MAX_MAP_LOGITS
+    return params[0] is not None
+
+
+def _fingerprint(args: tuple) -> tuple:
+    """What `current` compares: each tensor's identity (a view counts as its base: HC passes
+    s_alpha.view(()) at each call), storage and version; other values as they are. The
+    Decoder keeps the tensors alive, so an identity cannot pass to a new tensor."""
+    return tuple((id(t if t._base is None else t._base), t.data_ptr(), t._version)
+                 if isinstance(t, torch.Tensor) else t for t in args)
+
+
+class Decoder:
+    """One connection's prepared decoding calls for streams of one shape and dtype."""
+
+    __slots__ = ("shape", "dtype", "a_shape", "params", "fingerprint", "tables", "maps",
+                 "_call", "_addr", "_lib")
+
+    def __init__(self, lib: _native.NativeOps, kind: str, args: tuple):
+        x, params = args[0], args[1:]
+        *lead, n, c = x.shape
+        # shapes as tuples: torch.empty parses a tuple twice as fast as a torch.Size
+        self.shape, self.dtype, self.a_shape = tuple(x.shape), x.dtype, (*lead, c)
+        call = _native.DecodeCall()
+        if kind == "mhc":
+            phi, alpha, b_pre, b_post, b_res, iters, norm_eps, sk_eps, pre_eps = params
+            check_maps_scalars("mhc_maps", iters, norm_eps, sk_eps, pre_eps)
+            self.tables = mhc_tables(phi, alpha, b_pre, b_post, b_res)  # phi [K, Mp], [2, M]
+            call.M, call.iters = self.tables[1].shape[1], int(iters)
+            call.sk_eps, call.pre_eps = float(sk_eps), float(pre_eps)
+        else:
+            w, s_alpha, s_beta, static_pre, static_post, static_res, norm_eps = params
+            check_hc_scalars("hc_maps", norm_eps)
+            self.tables = hc_tables(w, s_alpha, s_beta, static_pre, static_post, static_res)
+            call.M = n + 2
+        # H_pre [..., n], H_post [..., n], H_res [..., n, n]: read by mix_out only
+        f32 = torch.float32
+        self.maps = (torch.empty((*lead, n), dtype=f32), torch.empty((*lead, n), dtype=f32),
+                     torch.empty((*lead, n, n), dtype=f32))
+        call.table, call.gates = self.tables[0].data_ptr(), self.tables[1].data_ptr()
+        call.hpre, call.hpost, call.hres = (m.data_ptr() for m in self.maps)
+        call.t, call.n, call.C = x.numel() // (n * c) if x.numel() else 0, n, c
+        call.MV, call.bf, call.kind = self.tables[0].shape[1] // 8, int(x.dtype != f32), \
+            _KINDS[kind]
+        call.norm_eps = float(norm_eps)
+        self.params, self.fingerprint = params, _fingerprint(params)
+        self._call, self._addr, self._lib = call, ctypes.addressof(call), lib
+
+    def current(self, args: tuple) -> bool:
+        """Whether this Decoder computes the maps of args (see the module docstring)."""
+        x = args[0]
+        return (tuple(x.shape) == self.shape and x.dtype is self.dtype and x.is_cpu
+                and x.is_contiguous() and _fingerprint(args[1:]) == self.fingerprint)
+
+    def mix_in(self, x: torch.Tensor) -> torch.Tensor:
+        """The maps (kept for mix_out) and the branch input a = sum_j H_pre[j] x[j]
+        [..., C] of contiguous x [..., n, C] (shape and dtype as built)."""
+        a = torch.empty(self.a_shape, dtype=self.dtype)
+        call = self._call
+        call.x, call.a = x.data_ptr(), a.data_ptr()
+        self._lib.decode_maps(self._addr)
+        return a
+
+    def mix_out(self, x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+        """H_res x + H_post^T f [..., n, C] with the maps of the last mix_in."""
+        if tuple(f.shape) != self.a_shape:
+            _ref.check_merge_shapes(x, f, *self.maps[1:])
+        if f.dtype is not self.dtype or not f.is_contiguous() or not f.is_cpu:
+            f = f.to(device="cpu", dtype=self.dtype).contiguous()
+        out = torch.empty_like(x)  # x: contiguous, of the shape and dtype built for
+        call = self._call
+        call.x, call.f, call.out = x.data_ptr(), f.data_ptr(), out.data_ptr()
+        self._lib.decode_merge(self._addr)
+        return out

@@ -1,0 +1,232 @@
+"""The `cpu` decoding path (ops/cpu/decode.py): a connection called without autograd runs
+two prepared native calls. Checked against the autograd path of the same connection (the
+same native loops: equal bit for bit) and against the reference connection; and that the
+prepared calls follow every change of the parameters, shapes, threads and copies."""
+
+import copy
+import pickle
+import threading
+
+import pytest
+import torch
+
+from tests.helpers.op_cases import TOL, Branch, assert_close, perturbed
+from torch_mhc import HyperConnection, ManifoldHyperConnection
+from torch_mhc import ops as ops_
+from torch_mhc.connections import base
+from torch_mhc.ops.cpu import decode, native
+from torch_mhc.runtime import diagnostics
+
+C = 40
+
+
+@pytest.fixture(autouse=True)
+def _native_library():
+    if native.load() is None:
+        pytest.skip("native CPU library unavailable (no C compiler, or TORCH_MHC_NATIVE=0)")
+
+
+def _connection(kind: str, n: int = 4, seed: int = 0, impl: str = "cpu", **kw):
+    torch.manual_seed(seed)
+    cls = ManifoldHyperConnection if kind == "mhc" else HyperConnection
+    return perturbed(cls(C, n, 1, Branch(C), impl=impl, **kw), seed=seed)
+
+
+def _reference_of(conn):
+    """The same connection (parameters and options) on the reference ops."""
+    ref = copy.deepcopy(conn)
+    ref.impl = "reference"
+    return ref
+
+
+def _decoders(conn) -> list:
+    return [d for d in base._DECODERS.get(conn, {}).values() if d is not None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lead", [(1, 1), (8, 1), (3,), (2, 5)])
+@pytest.mark.parametrize("kind, n", [("mhc", 4), ("mhc", 3), ("mhc", 8), ("hc", 4), ("hc", 2)])
+def test_decoding_equals_the_autograd_path_bit_for_bit(kind, n, lead, dtype):
+    """The prepared calls run the loops mHC's autograd path runs: equal outputs (HC's
+    autograd path takes the reference's torch ops on fewer than cpu._HC_NATIVE_MIN_TOKENS
+    tokens: equal to float32 rounding), and within the dtype's tolerance of the reference
+    connection."""
+    conn = _connection(kind, n, seed=n).to(dtype)
+    x = torch.randn(*lead, n, C).to(dtype)
+    with_grad = conn(x.clone().requires_grad_()).detach()
+    with torch.no_grad():
+        out = conn(x)
+        again = conn(x)  # the second call reuses the prepared calls
+        expected = _reference_of(conn)(x)
+    assert len(_decoders(conn)) == 1
+    assert out.shape == x.shape and out.dtype == dtype
+    tol = TOL[dtype] if dtype != torch.float32 else 2e-6
+    assert torch.equal(again, out)
+    if kind == "mhc":
+        assert torch.equal(out, with_grad)
+    else:
+        assert_close(out, with_grad, tol)
+    assert_close(out, expected, tol)
+
+
+@pytest.mark.parametrize("kind", ["mhc", "hc"])
+def test_decoding_follows_every_change_of_the_parameters(kind):
+    """In-place updates (an optimizer step), a swapped storage (`param.data = ...`, which
+    keeps the version), a replaced parameter and a changed option are all seen."""
+    conn = _connection(kind, seed=1)
+    x = torch.randn(2, 1, 4, C)
+    opt = torch.optim.SGD(conn.parameters(), lr=1e-3)
+
+    def step_and_check(previous, change):
+        change()
+        with torch.no_grad():
+            out = conn(x)
+            expected = _reference_of(conn)(x)
+        assert (out - previous).abs().max() > 1e-4, change
+        assert_close(out, expected, 2e-6)
+        return out
+
+    with torch.no_grad():
+        out = conn(x)
+
+    def sgd_step():
+        conn(x.clone().requires_grad_()).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    first = "phi" if kind == "mhc" else "w"
+    out = step_and_check(out, sgd_step)
+    p = getattr(conn, first)
+    out = step_and_check(out, lambda: setattr(p, "data", p.data * 1.3))
+    out = step_and_check(out, lambda: setattr(
+        conn, "b_res" if kind == "mhc" else "static_res",
+        torch.nn.Parameter(torch.randn(4, 4) * 0.5)))
+    if kind == "mhc":
+        step_and_check(out, lambda: setattr(conn, "sinkhorn_iters", 2))
+    else:
+        step_and_check(out, lambda: setattr(conn, "norm_eps", 10.0))
+
+
+def test_each_streams_shape_and_thread_has_its_own_prepared_calls():
+    """A prefill shape and a decode shape alternate, and two threads decode at once with the
+    same connection: every output is the one computed alone."""
+    conn = _connection("mhc", seed=2)
+    shapes = [(2, 7, 4, C), (2, 1, 4, C), (5, 4, C)]
+    inputs = [torch.randn(s) for s in shapes]
+    with torch.no_grad():
+        alone = [_reference_of(conn)(x) for x in inputs]
+        for _ in range(2):
+            for x, e in zip(inputs, alone, strict=True):
+                assert_close(conn(x), e, 2e-6)
+    errors = []
+
+    def worker(k):
+        g = torch.Generator().manual_seed(k)
+        xs = [torch.randn(3, 1, 4, C, generator=g) for _ in range(20)]
+        with torch.enable_grad():  # the autograd path: no prepared calls
+            want = [conn(x).detach() for x in xs]
+        with torch.no_grad():
+            for _ in range(20):
+                for x, w in zip(xs, want, strict=True):
+                    if not torch.equal(conn(x), w):
+                        errors.append(k)
+                        return
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len(_decoders(conn)) >= 3 + 3  # three shapes here, one more shape per thread
+
+
+def test_a_decoded_module_deep_copies_and_pickles():
+    """The prepared calls live outside the module: deepcopy (PEFT's modules_to_save) and
+    pickling work after decoding, and the copy decodes with its own parameters."""
+    conn = _connection("mhc", seed=3)
+    x = torch.randn(1, 1, 4, C)
+    with torch.no_grad():
+        out = conn(x)
+    twin = copy.deepcopy(conn)
+    loaded = pickle.loads(pickle.dumps(conn))
+    with torch.no_grad():
+        assert torch.equal(twin(x), out) and torch.equal(loaded(x), out)
+        twin.phi.mul_(2.0)
+        assert not torch.equal(twin(x), out)
+        assert torch.equal(conn(x), out)
+
+
+def test_decoding_steps_aside_where_the_prepared_path_does_not_apply():
+    """Diagnostics record the maps and check_finite checks them: the ops path runs. So it
+    does on the reference implementation, for float64 and for n > 8."""
+    conn = _connection("mhc", seed=4)
+    x = torch.randn(1, 1, 4, C)
+    with torch.no_grad(), diagnostics.collect_gains() as gains:
+        conn(x)
+    assert len(gains.maps) == 1
+    checked = _connection("mhc", seed=4, check_finite=True)
+    with torch.no_grad(), pytest.raises(FloatingPointError, match="input streams"):
+        checked(torch.full((1, 1, 4, C), float("nan")))
+    assert ops_.get_impl("reference").decoder is None
+    for conn, x in [(_connection("mhc", seed=5).double(), torch.randn(1, 1, 4, C).double()),
+                    (_connection("mhc", n=9, seed=5), torch.randn(1, 1, 9, C))]:
+        with torch.no_grad():
+            out = conn(x)
+            assert_close(out, _reference_of(conn)(x), 2e-6)
+        assert _decoders(conn) == []
+
+
+def test_parameters_made_in_inference_mode_and_misshapen_parameters():
+    """Inference tensors have no version to check: no prepared calls, the same values. A
+    parameter of the wrong shape never reaches the native loops (which index without
+    bounds): the ops path reports it."""
+    with torch.inference_mode():
+        conn = _connection("mhc", seed=6)
+        x = torch.randn(1, 1, 4, C)
+        out = conn(x)
+        assert_close(out, _reference_of(conn)(x), 2e-6)
+    assert _decoders(conn) == []
+    assert decode.decoder("mhc", conn.map_args(x)) is None
+    bad = _connection("mhc", seed=6)
+    bad.phi = torch.nn.Parameter(torch.zeros(4 * C - 1, 24))
+    with torch.no_grad(), pytest.raises(ValueError, match=r"phi of shape \(160, 24\)"):
+        bad(x)
+    assert _decoders(bad) == []
+
+
+def test_the_branch_output_is_checked_and_converted():
+    """A branch output of the wrong shape is one clear error; another dtype or a
+    non-contiguous layout is converted, as post_merge does."""
+    torch.manual_seed(7)
+    inner, mode = Branch(C), ["plain"]
+
+    def branch(h):
+        f = inner(h)
+        if mode[0] == "wide":
+            return torch.zeros(*h.shape[:-1], C + 1)
+        if mode[0] == "double":
+            return f.double()
+        if mode[0] == "strided":
+            return f.transpose(0, 1).contiguous().transpose(0, 1)
+        return f
+
+    conn = perturbed(ManifoldHyperConnection(C, 4, 1, branch, impl="cpu"), seed=7)
+    x = torch.randn(2, 3, 4, C)
+    with torch.no_grad():
+        want = conn(x)
+        mode[0] = "wide"
+        with pytest.raises(ValueError, match="post_merge expects f of shape"):
+            conn(x)
+        mode[0] = "double"
+        assert_close(conn(x), want, 2e-6)
+        mode[0] = "strided"
+        assert torch.equal(conn(x), want)
+
+
+@pytest.mark.parametrize("kind", ["mhc", "hc"])
+def test_an_empty_batch_decodes(kind):
+    conn = _connection(kind, seed=8)
+    with torch.no_grad():
+        out = conn(torch.randn(0, 1, 4, C))
+    assert out.shape == (0, 1, 4, C)
