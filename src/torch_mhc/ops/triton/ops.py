@@ -59,7 +59,12 @@ from torch import Tensor
 
 from torch_mhc.functional import maps as _ref
 from torch_mhc.functional.sinkhorn import LINEAR_RANGE
-from torch_mhc.ops.checks import check_hc_scalars, check_maps_scalars, check_sinkhorn_scalars
+from torch_mhc.ops.checks import (
+    check_hc_scalars,
+    check_maps_scalars,
+    check_mhc_shapes,
+    check_sinkhorn_scalars,
+)
 from torch_mhc.ops.triton import kernels as _k
 
 __all__ = ["Launch", "PLANS", "hc_maps", "interpreted", "mhc_maps", "post_merge", "pre_aggregate",
@@ -555,10 +560,8 @@ def mhc_maps(
     """Same contract as functional.maps.mhc_maps; one kernel for all three maps."""
     _check("mhc_maps", x, phi)
     check_maps_scalars("mhc_maps", sinkhorn_iters, norm_eps, sinkhorn_eps, pre_eps)
+    check_mhc_shapes("mhc_maps", x, phi, alpha, b_pre, b_post, b_res)
     lead, (n, c) = x.shape[:-2], x.shape[-2:]
-    m = n * n + 2 * n
-    if tuple(phi.shape) != (n * c, m):
-        raise ValueError(f"mhc_maps expects phi of shape {(n * c, m)}, got {tuple(phi.shape)}")
     h_pre, h_post, h_res, _, _ = _maps_fwd(
         x.reshape(-1, n, c).contiguous(), phi.contiguous(), alpha.contiguous(),
         b_pre.contiguous(), b_post.contiguous(), b_res.contiguous(),
