@@ -1,6 +1,7 @@
 """Time the connection ops per implementation, in one process.
 
     mhc bench --ops --tokens 2048 --streams 4 --dim 512 --impls reference cpu
+    mhc bench --ops --profile ...                            # each native pass alone
     python -m torch_mhc.tools.bench.ops ...                  # the same
 
 For each implementation, maps + pre-aggregation + post-merge, forward and backward with a
@@ -27,7 +28,7 @@ from torch_mhc.tools.bench.timing import CLOCKS, medians, time_interleaved
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _connection_step(impl: str, tokens: int, n: int, c: int, dtype: torch.dtype, device: str):
+def connection_step(impl: str, tokens: int, n: int, c: int, dtype: torch.dtype, device: str):
     """A closure running one forward + backward of the connection's ops."""
     g = torch.Generator().manual_seed(0)
     m = n * n + 2 * n
@@ -55,7 +56,7 @@ def _connection_step(impl: str, tokens: int, n: int, c: int, dtype: torch.dtype,
     return step
 
 
-def _residual_step(tokens: int, c: int, dtype: torch.dtype, device: str):
+def residual_step(tokens: int, c: int, dtype: torch.dtype, device: str):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, c, generator=g).to(device=device, dtype=dtype).requires_grad_()
     upstream = torch.randn(tokens, c, generator=g).to(device=device, dtype=dtype)
@@ -79,8 +80,8 @@ def measure(
 ) -> dict:
     """Median milliseconds of each implementation's connection step and of the residual."""
     dt = _DTYPES[dtype]
-    steps = {name: _connection_step(name, tokens, streams, dim, dt, device) for name in impls}
-    steps["residual"] = _residual_step(tokens, dim, dt, device)
+    steps = {name: connection_step(name, tokens, streams, dim, dt, device) for name in impls}
+    steps["residual"] = residual_step(tokens, dim, dt, device)
     times = time_interleaved(steps, repeats, warmup, clock, device)
     return {
         "config": {"tokens": tokens, "streams": streams, "dim": dim, "dtype": dtype,
@@ -114,12 +115,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--clock", choices=CLOCKS, default="wall")
+    parser.add_argument("--profile", action="store_true",
+                        help="time each native pass of the cpu connection step alone "
+                             "(tools/bench/op_profile.py); --impls is not used")
 
 
 def run_command(args: argparse.Namespace) -> int:
     """Time the implementations; print the JSON, then the markdown table."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.profile:
+        from torch_mhc.tools.bench import op_profile
+
+        result = op_profile.profile(args.tokens, args.streams, args.dim, args.dtype,
+                                    repeats=args.repeats, clock=args.clock)
+        print(json.dumps(result, indent=2))
+        print(op_profile.markdown(result))
+        return 0
     result = measure(args.impls, args.tokens, args.streams, args.dim, args.dtype, args.device,
                      args.repeats, clock=args.clock)
     print(json.dumps(result, indent=2))

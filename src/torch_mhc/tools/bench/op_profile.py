@@ -1,0 +1,117 @@
+"""Where an mHC connection's time goes on the CPU: each native pass of its training step
+timed alone, with the fixed costs around them.
+
+    mhc bench --ops --profile --tokens 2048 --dim 512 --threads 1 --clock process
+
+The connection's forward + backward on the `cpu` ops is four native passes (ops/cpu/native.c):
+maps forward (x @ phi, the RMS, gates, Sinkhorn and the aggregation in one pass), merge
+forward, merge backward (fused_dx: it leaves x's gradient to the next pass) and maps backward
+(Sinkhorn's backward, dphi and the one dx). Each is timed here on the same inputs, in
+interleaved rounds, beside:
+
+- the maps forward with one Sinkhorn iteration instead of the connection's, so the difference
+  is what the other iterations cost;
+- allocating the outputs a step needs ([T, n, C] twice and [T, C] twice, from the pool the
+  ops use) and entering the thread team with no work (the fixed cost of one parallel call);
+- the whole connection step through autograd (what `mhc bench --ops` times) and the plain
+  residual's x + f forward and backward on the same tokens.
+
+The rows sum to less than the autograd step: the rest is autograd, the custom-op dispatch and
+the small tensors around the passes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_mhc.ops.cpu import native
+from torch_mhc.ops.cpu import ops as cpu
+from torch_mhc.tools.bench.timing import medians, time_interleaved
+
+__all__ = ["profile", "markdown"]
+
+
+def _inputs(tokens: int, n: int, c: int, dtype: torch.dtype, iters: int):
+    """Streams, parameters as the native passes take them, and the forward's results."""
+    g = torch.Generator().manual_seed(0)
+    m = n * n + 2 * n
+    x = torch.randn(tokens, n, c, generator=g).to(dtype)
+    phi = torch.randn(n * c, m, generator=g) / (n * c) ** 0.5
+    alpha, b_pre, b_post = torch.full((3,), 0.5), torch.zeros(n), torch.zeros(n)
+    b_res = torch.randn(n, n, generator=g)
+    phip, ab = cpu.mhc_tables(phi, alpha, b_pre, b_post, b_res)
+    return dict(x=x, phip=phip, phit=phip[:, :m].t().contiguous(), ab=ab, iters=iters,
+                g=torch.randn(tokens, n, c, generator=g).to(dtype))
+
+
+def _passes(lib: native.NativeOps, d: dict) -> dict:
+    """name -> a closure running that pass once (around an identity branch: f = a)."""
+    x, phip, ab, iters = d["x"], d["phip"], d["ab"], d["iters"]
+    lt, r, h_pre, h_post, h_res, a = lib.maps_fwd(x, phip, ab, iters, 1e-6, 0.0, 0.0, True)
+    _, df, dh_post, _ = lib.merge_bwd(x, a, h_post, h_res, d["g"], fused_dx=True)
+    t, n, c = x.shape
+    f32 = torch.float32
+
+    def allocate():
+        blocks = lib.blocks
+        return (blocks.empty(x.shape, x.dtype), blocks.empty(x.shape, x.dtype),
+                blocks.empty((t, c), x.dtype), blocks.empty((t, c), x.dtype),
+                torch.empty((t, n * n + 2 * n), dtype=f32))
+
+    def team_entry():  # an empty range on every thread: the parallel region's fixed cost
+        lib._fns["merge_fwd", x.dtype](None, None, None, None, None, 0, 0,
+                                       torch.get_num_threads(), n, c)
+
+    return {
+        "maps forward": lambda: lib.maps_fwd(x, phip, ab, iters, 1e-6, 0.0, 0.0, True),
+        "maps forward, 1 Sinkhorn iteration":
+            lambda: lib.maps_fwd(x, phip, ab, 1, 1e-6, 0.0, 0.0, True),
+        "merge forward": lambda: lib.merge_fwd(x, a, h_post, h_res),
+        "merge backward": lambda: lib.merge_bwd(x, a, h_post, h_res, d["g"], fused_dx=True),
+        "maps backward": lambda: lib.maps_bwd(x, d["phit"], ab, lt, r, None, dh_post, None, df,
+                                              d["g"], iters, 0.0, 0.0),
+        "allocation of the outputs": allocate,
+        "thread team entry": team_entry,
+    }
+
+
+def _autograd_steps(tokens: int, n: int, c: int, dtype: torch.dtype) -> dict:
+    from torch_mhc.tools.bench.ops import connection_step, residual_step
+
+    return {"connection step (autograd)": connection_step("cpu", tokens, n, c, dtype, "cpu"),
+            "residual x + f step (autograd)": residual_step(tokens, c, dtype, "cpu")}
+
+
+def profile(tokens: int = 2048, streams: int = 4, dim: int = 512, dtype: str = "float32",
+            iters: int = 20, repeats: int = 15, warmup: int = 2, clock: str = "wall") -> dict:
+    """Median and min milliseconds of each pass (see the module docstring)."""
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    if dt is None:
+        raise ValueError(f"the native passes run float32 and bfloat16 streams, got {dtype!r}")
+    lib = native.load()
+    if lib is None:
+        raise RuntimeError("the native CPU library is unavailable (no C compiler, or "
+                           "TORCH_MHC_NATIVE=0): there are no native passes to profile")
+    steps = {**_passes(lib, _inputs(tokens, streams, dim, dt, iters)),
+             **_autograd_steps(tokens, streams, dim, dt)}
+    times = time_interleaved(steps, repeats, warmup, clock, "cpu")
+    return {
+        "config": {"tokens": tokens, "streams": streams, "dim": dim, "dtype": dtype,
+                   "sinkhorn_iters": iters, "threads": torch.get_num_threads(),
+                   "repeats": repeats, "clock": clock, "openmp": lib.openmp},
+        "median_ms": medians(times),
+        "min_ms": {k: min(v) for k, v in times.items()},
+        "max_ms": {k: max(v) for k, v in times.items()},
+    }
+
+
+def markdown(result: dict) -> str:
+    """One row per pass: median, min-max, and its share of the autograd connection step."""
+    med, lo, hi = result["median_ms"], result["min_ms"], result["max_ms"]
+    step = med["connection step (autograd)"]
+    lines = ["| pass | median ms | min-max ms | share of the connection step |",
+             "|---|---:|---:|---:|"]
+    for name, ms in med.items():
+        lines.append(f"| {name} | {ms:.3f} | {lo[name]:.3f}-{hi[name]:.3f} | "
+                     f"{ms / step:.1%} |")
+    return "\n".join(lines)

@@ -1,0 +1,61 @@
+"""`mhc bench --ops --profile`: each native pass of the cpu connection step timed alone."""
+
+import json
+
+import pytest
+import torch
+
+from torch_mhc.ops.cpu import native
+from torch_mhc.ops.cpu import ops as cpu
+from torch_mhc.tools.bench import op_profile
+from torch_mhc.tools.cli import main
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="native CPU library unavailable")
+
+
+def test_the_profiled_passes_are_the_connection_step():
+    """The passes profiled compute what the autograd step computes around an identity branch:
+    the branch input, the merge and x's one gradient."""
+    torch.manual_seed(0)
+    d = op_profile._inputs(24, 4, 16, torch.float32, iters=5)
+    passes = op_profile._passes(native.load(), d)
+    *_, a = passes["maps forward"]()
+    m = 24
+    phi = d["phit"].t().clone().requires_grad_()
+    ab = d["ab"]
+    alpha = torch.stack([ab[0, 0], ab[0, 4], ab[0, 8]]).clone().requires_grad_()
+    x = d["x"].clone().requires_grad_()
+    b_pre, b_post, b_res = ab[1, :4], ab[1, 4:8], ab[1, 8:m].reshape(4, 4)
+    with torch.enable_grad():
+        _, h_post, h_res, f, xm = cpu.mhc_maps_pre(x, phi, alpha, b_pre, b_post, b_res,
+                                                   sinkhorn_iters=5, fused_dx=True)
+        out = cpu.post_merge(xm, f, h_post, h_res, fused_dx=True)
+        out.backward(d["g"])
+    assert torch.equal(a, f.detach())
+    assert torch.equal(passes["merge forward"](), out.detach())
+    dx, _, dphi = passes["maps backward"]()
+    torch.testing.assert_close(dx, x.grad, rtol=0, atol=1e-6)
+    torch.testing.assert_close(dphi[:, :m], phi.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_profile_command_prints_json_and_a_table(capsys):
+    argv = ["bench", "--ops", "--profile", "--tokens", "32", "--dim", "16", "--repeats", "2",
+            "--threads", "1", "--clock", "process"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    result = json.loads(text[:text.index("\n| pass")])
+    names = ["maps forward", "maps forward, 1 Sinkhorn iteration", "merge forward",
+             "merge backward", "maps backward", "allocation of the outputs",
+             "thread team entry", "connection step (autograd)",
+             "residual x + f step (autograd)"]
+    assert list(result["median_ms"]) == names
+    assert result["config"]["threads"] == 1 and result["config"]["tokens"] == 32
+    for name in names:
+        assert 0 < result["min_ms"][name] <= result["median_ms"][name] <= result["max_ms"][name]
+        assert f"| {name} |" in text
+    assert "| connection step (autograd) |" in text and "100.0%" in text
+
+
+def test_profile_refuses_what_the_native_passes_do_not_run():
+    with pytest.raises(ValueError, match="float32 and bfloat16"):
+        op_profile.profile(tokens=8, dim=8, dtype="float16", repeats=1)
