@@ -27,6 +27,7 @@ import torch
 from torch_mhc.ops.cpu import native
 from torch_mhc.ops.cpu import ops as cpu
 from torch_mhc.tools.bench.timing import medians, time_interleaved
+from torch_mhc.tools.bench.workloads import connection_step, residual_step
 
 __all__ = ["profile", "markdown"]
 
@@ -76,8 +77,6 @@ def _passes(lib: native.NativeOps, d: dict) -> dict:
 
 
 def _autograd_steps(tokens: int, n: int, c: int, dtype: torch.dtype) -> dict:
-    from torch_mhc.tools.bench.ops import connection_step, residual_step
-
     return {"connection step (autograd)": connection_step("cpu", tokens, n, c, dtype, "cpu"),
             "residual x + f step (autograd)": residual_step(tokens, c, dtype, "cpu")}
 

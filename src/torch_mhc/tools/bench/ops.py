@@ -22,49 +22,10 @@ import json
 
 import torch
 
-from torch_mhc.ops import get_impl
 from torch_mhc.tools.bench.timing import CLOCKS, medians, time_interleaved
+from torch_mhc.tools.bench.workloads import connection_step, residual_step
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def connection_step(impl: str, tokens: int, n: int, c: int, dtype: torch.dtype, device: str):
-    """A closure running one forward + backward of the connection's ops."""
-    g = torch.Generator().manual_seed(0)
-    m = n * n + 2 * n
-    x = torch.randn(tokens, n, c, generator=g).to(device=device, dtype=dtype).requires_grad_()
-    params = [
-        (torch.randn(n * c, m, generator=g) / (n * c) ** 0.5),
-        torch.full((3,), 0.5),
-        torch.zeros(n),
-        torch.zeros(n),
-        torch.randn(n, n, generator=g),
-    ]
-    params = [p.to(device).requires_grad_() for p in params]
-    upstream = torch.randn(tokens, n, c, generator=g).to(device=device, dtype=dtype)
-    ops = get_impl(impl, device, dtype)
-
-    def step():  # what ManifoldHyperConnection runs, around an identity branch
-        if ops.fused_dx:
-            _, h_post, h_res, f, x_for_merge = ops.mhc_maps_pre(x, *params, fused_dx=True)
-            out = ops.post_merge(x_for_merge, f, h_post, h_res, fused_dx=True)
-        else:
-            _, h_post, h_res, f = ops.mhc_maps_pre(x, *params)
-            out = ops.post_merge(x, f, h_post, h_res)
-        out.backward(upstream)
-
-    return step
-
-
-def residual_step(tokens: int, c: int, dtype: torch.dtype, device: str):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(tokens, c, generator=g).to(device=device, dtype=dtype).requires_grad_()
-    upstream = torch.randn(tokens, c, generator=g).to(device=device, dtype=dtype)
-
-    def step():
-        (x + x * 1.0).backward(upstream)  # x + F(x) with a (nearly free) branch
-
-    return step
 
 
 def measure(
