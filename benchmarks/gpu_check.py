@@ -3,8 +3,8 @@
     python benchmarks/gpu_check.py --out gpu_check        # JSON + markdown in gpu_check/
     TRITON_INTERPRET=1 python benchmarks/gpu_check.py --dry-run --out /tmp/gc   # CPU, tiny
 
-The same as `mhc bench --gpu` (errors name gpu_check); the code is
-torch_mhc/tools/bench/gpu_check.py (its docstring lists the sections).
+The same as `mhc bench --gpu` (errors name gpu_check); the code is the package
+torch_mhc/tools/bench/gpu_check/ (its docstring lists the sections).
 """
 
 import sys

@@ -4,6 +4,7 @@ Its dry run (tiny shapes, CPU tensors, Triton's interpreter) runs here so that t
 cannot rot: every section must run without error and the correctness check must pass.
 """
 
+import argparse
 import json
 import os
 import subprocess
@@ -15,6 +16,41 @@ import pytest
 from torch_mhc.tools.bench import gpu_check
 
 ROOT = Path(__file__).resolve().parents[2]
+CASES = ("large", "nan_fill", "params", "compile", "contexts", "eps", "far_logits")
+OP_NAMES = ["mhc_maps_fwd", "mhc_maps_bwd", "pre_aggregate_fwd", "pre_aggregate_bwd",
+            "post_merge_fwd", "post_merge_bwd", "sinkhorn_fwd", "sinkhorn_bwd"]
+# What a CPU cannot run, recorded as skipped rows with their reason.
+GPU_ONLY = {"CUDA graph", "non-default stream"}
+
+
+def _assert_the_cases_ran(sections, cases=CASES):
+    """Every case section passed with a value per row; only the GPU-only rows skipped."""
+    for name in cases:
+        res = sections[name]["result"]
+        assert res["all_pass"] is True, (name, res)
+        for r in res["rows"]:
+            if "skipped" in r:
+                assert r["case"] in GPU_ONLY and r["skipped"] == "needs a CUDA device", r
+                continue
+            assert r["pass"] and r["worst_over_tol"] <= 1, r
+            assert isinstance(r["max_rel_err"], float) and set(r["errors"]) == set(r["tols"]), r
+    cases_of = {name: {r["case"] for r in sections[name]["result"]["rows"]} for name in cases}
+    assert cases_of["contexts"] == {"autocast float16", "non-contiguous (strided)",
+                                    "non-contiguous (transposed)", "non-contiguous (expanded)",
+                                    "non-default stream"}
+    assert cases_of["far_logits"] == {"far logits (far)", "far logits (mixed)"}
+    assert cases_of["compile"] == {"torch.compile(fullgraph=True)", "CUDA graph"}
+    far = sections["far_logits"]["result"]["rows"]
+    assert all(r["log_domain_fraction"] > 0 for r in far)
+    assert {r["log_domain_fraction"] for r in far if "far)" in r["case"]} == {1.0}
+    eps = sections["eps"]["result"]["rows"]
+    assert {r["op"] for r in eps} == {"mhc_maps", "sinkhorn"} and all(r["deterministic"]
+                                                                      for r in eps)
+    large = sections["large"]["result"]["rows"]
+    assert sections["large"].get("process", "own (isolated)") == "own (isolated)"
+    assert {r["case"] for r in large} == {"> 2^31 elements (first tokens)",
+                                          "> 2^31 elements (last tokens)"}
+    assert all(r["finite_everywhere"] for r in large)
 
 
 @pytest.mark.slow
@@ -33,11 +69,16 @@ def test_dry_run_writes_every_section(tmp_path):
     assert list(sections) == list(gpu_check.SECTIONS)
     for name, sec in sections.items():
         assert "error" not in sec and "skipped" not in sec, (name, sec)
-    rows = sections["correctness"]["result"]["rows"]
+    rows = [r for name in ("correctness", "correctness_rest")
+            for r in sections[name]["result"]["rows"]]
     assert {r["op"] for r in rows} == {"mhc_maps", "pre_aggregate", "post_merge", "sinkhorn"}
+    assert {(r["dtype"], r["n"]) for r in rows} == {(d, n) for d in ("float32", "float16")
+                                                    for n in (2, 4)}
     assert all(r["pass"] and r["worst_over_tol"] <= 1 and r["deterministic"] for r in rows), rows
+    _assert_the_cases_ran(sections)
     kernels = sections["kernels"]["result"]["rows"]
-    assert len({r["kernel"] for r in kernels}) == 9
+    assert {r["op"] for r in kernels} == set(OP_NAMES)
+    assert all("error" not in r and r["method"] == "wall" for r in kernels), kernels
     assert all(r["ms"] > 0 and r["bytes"] > 0 and r["fraction_of_copy"] > 0 for r in kernels)
     step = sections["step"]["result"]["entries"]
     assert set(step) == {"residual", "hc", "mhc", "mhc+recompute"}
@@ -119,4 +160,136 @@ def test_plan_lists_the_cases_without_a_gpu(capsys):
     for part in ("determinism", "2^31", "NaN", "CUDA-graph", "autocast", "L2", "eps > 0"):
         assert part in text, part
     for case in plan:  # what the dry run cannot run says why
-        assert set(case) >= {"case", "implemented", "dry_run_skip"}
+        assert set(case) >= {"case", "implemented", "dry_run_skip", "section"}
+    assert all(case["implemented"] is True for case in plan), plan
+    sections = {s.strip() for case in plan for s in case["section"].split(",")}
+    assert sections - {"every check section"} == set(gpu_check.SECTIONS)
+
+
+# ---------------------------------------------------------------------------------------------
+# The case sections in this process, with the reference ops standing in for the kernels
+# ---------------------------------------------------------------------------------------------
+
+
+def _exact(fn, same_dtype):
+    """fn computed in float32 whatever autocast says, as the kernels (the maps on x and phi
+    in the autocast dtype, as the triton maps' autocast rule hands them); the result cast back
+    to the first input's dtype where the op's contract keeps it (aggregation, merge, Sinkhorn)."""
+    import torch
+
+    def run(*args, **kwargs):
+        if not same_dtype and torch.is_autocast_enabled("cpu"):
+            dt = torch.get_autocast_dtype("cpu")
+            args = (args[0].to(dt), args[1].to(dt), *args[2:])
+        with torch.autocast("cpu", enabled=False):
+            out = fn(*(a.float() if isinstance(a, torch.Tensor) else a for a in args), **kwargs)
+        return out.to(args[0].dtype) if same_dtype else out
+
+    return run
+
+
+def _stand_in(monkeypatch, **broken):
+    """ops.get_impl("triton") as the reference computed in fp32 (within every tolerance), with
+    the ops named in `broken` replaced."""
+    import dataclasses
+
+    from torch_mhc import ops
+
+    real = ops.get_impl
+    ref = real("reference")
+    fake = dataclasses.replace(
+        ref, name="triton", mhc_maps=_exact(ref.mhc_maps, False),
+        pre_aggregate=_exact(ref.pre_aggregate, True),
+        post_merge=_exact(ref.post_merge, True), sinkhorn=_exact(ref.sinkhorn, True))
+    fake = dataclasses.replace(fake, **{k: v(getattr(fake, k)) for k, v in broken.items()})
+
+    def get_impl(name="auto", device=None, dtype=None):
+        return fake if name == "triton" else real(name, device, dtype)
+
+    monkeypatch.setattr(ops, "get_impl", get_impl)
+    monkeypatch.setitem(gpu_check.DRY, "isolated", ())  # the stand-in lives in this process
+
+
+def test_every_case_reports_values_in_json_and_markdown(tmp_path, monkeypatch):
+    _stand_in(monkeypatch)
+    report = gpu_check.run(str(tmp_path), dry_run=True, only=CASES)
+    _assert_the_cases_ran(report["sections"])
+    on_disk = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert on_disk["sections"]["eps"]["result"] == report["sections"]["eps"]["result"]
+    md = (tmp_path / "gpu_check.md").read_text()
+    for part in ("## far_logits", "far logits (mixed)", "> 2^31 elements (last tokens)",
+                 "non-contiguous (expanded)", "skipped: needs a CUDA device", "worst_over_tol"):
+        assert part in md, part
+
+
+def test_a_wrong_map_fails_its_rows_and_the_command(tmp_path, monkeypatch):
+    """H_res off by 1% (well past 2e-5): every mhc_maps row fails, naming h_res."""
+    def wrong(maps):
+        def run(*args, **kwargs):
+            h_pre, h_post, h_res = maps(*args, **kwargs)
+            return h_pre, h_post, h_res * 1.01
+        return run
+
+    _stand_in(monkeypatch, mhc_maps=wrong)
+    only = ("correctness", "params", "eps", "far_logits")
+    report = gpu_check.run(str(tmp_path), dry_run=True, only=only)
+    for name in only:
+        rows = report["sections"][name]["result"]["rows"]
+        assert report["sections"][name]["result"]["all_pass"] is False
+        for r in rows:
+            if r["op"] == "mhc_maps" and r["case"] != "eps > 0, only H_post used":
+                assert not r["pass"] and r["errors"]["h_res"] > r["tols"]["h_res"], r
+            else:  # the other ops, and H_post alone, are right
+                assert r["pass"], r
+    args = argparse.Namespace(out=str(tmp_path), budget_s=270.0, dry_run=True,
+                              only=("eps",), plan=False)
+    assert gpu_check.run_command(args) == 1
+    assert "| False |" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_the_large_case_catches_an_error_in_the_last_tokens_only(tmp_path, monkeypatch):
+    """As an offset overflowing past 2^31 elements would: the last token's merge is wrong."""
+    def last_token_wrong(merge):
+        def run(*args):
+            out = merge(*args)
+            return out.index_fill(0, out.new_tensor([out.shape[0] - 1], dtype=int), 0.0)
+        return run
+
+    _stand_in(monkeypatch, post_merge=last_token_wrong)
+    rows = gpu_check.run(str(tmp_path), dry_run=True, only=("large",))["sections"]["large"]
+    failed = {(r["op"], r["case"]) for r in rows["result"]["rows"] if not r["pass"]}
+    assert failed == {("post_merge", "> 2^31 elements (last tokens)")}
+
+
+def test_an_error_in_one_case_is_recorded_and_the_next_case_runs(tmp_path, monkeypatch):
+    def raises(op):
+        def run(*args, **kwargs):
+            raise RuntimeError("launch failed")
+        return run
+
+    _stand_in(monkeypatch, sinkhorn=raises)
+    rows = gpu_check.run(str(tmp_path), dry_run=True, only=("eps",))["sections"]["eps"]
+    rows = rows["result"]["rows"]
+    assert all("launch failed" in r["error"] for r in rows if r["op"] == "sinkhorn")
+    assert all(r["pass"] for r in rows if r["op"] == "mhc_maps")
+
+
+def test_cases_past_the_budget_are_skipped_with_the_reason(tmp_path, monkeypatch):
+    _stand_in(monkeypatch)
+    cfg = {**gpu_check.DRY, "deadline": 0.0}
+    res = gpu_check.check_eps(cfg)
+    assert res["rows"] and all(r["skipped"] == "time budget spent" for r in res["rows"])
+    assert res["all_pass"] is True  # nothing ran, nothing failed: the report lists them
+
+
+def test_a_crashed_isolated_section_is_recorded_and_the_next_runs(tmp_path, monkeypatch):
+    def crashed(cmd, **kwargs):
+        assert kwargs["env"][gpu_check.CHILD_ENV] == "1" and cmd[-1] == "--dry-run"
+        return subprocess.CompletedProcess(cmd, -11, "", "an illegal memory access")
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", crashed)
+    monkeypatch.setattr(gpu_check, "bench_kernels", lambda cfg: {"rows": []})
+    report = gpu_check.run(str(tmp_path), dry_run=True, only=("large", "kernels"))
+    assert "exited with -11" in report["sections"]["large"]["error"]
+    assert "an illegal memory access" in report["sections"]["large"]["error"]
+    assert report["sections"]["kernels"]["result"] == {"rows": []}
