@@ -81,6 +81,7 @@ def _section_lines(name: str, res: dict) -> list[str]:
     elif name == "decode":
         rows = [{"batch": r["batch"], "variant": k, **v} for r in res["results"]
                 for k, v in r["entries"].items()]
+        lines.append(f"method: {res.get('method')}")
         lines += _table(rows, ["batch", "variant", "tokens_per_s", "tokens_per_s_ratio",
                                "decode_tokens_per_s_ratio"])
     return lines
