@@ -293,3 +293,20 @@ def test_a_crashed_isolated_section_is_recorded_and_the_next_runs(tmp_path, monk
     assert "exited with -11" in report["sections"]["large"]["error"]
     assert "an illegal memory access" in report["sections"]["large"]["error"]
     assert report["sections"]["kernels"]["result"] == {"rows": []}
+
+
+def test_tolerances_are_the_kernel_tests_per_output():
+    import torch
+
+    from torch_mhc.tools.bench.gpu_check.checks import tolerances
+
+    bf16, f32 = torch.bfloat16, torch.float32
+    x, h = torch.zeros(2, 4, 8, dtype=bf16), torch.zeros(2, 4)
+    # out and x's gradient at bf16's resolution; the fp32 map's gradient at fp32's (the
+    # kernels compute in fp32); an implementation computing in bf16 at bf16's for all.
+    assert tolerances("pre_aggregate", [x, h]) == [1.6e-2, 1.6e-2, 2e-5]
+    assert tolerances("pre_aggregate", [x, h], impl="inductor") == [1.6e-2] * 3
+    params = [torch.zeros(32, 24, dtype=dt) for dt in (f32, bf16)]
+    # maps 2e-3 (TF32 for half streams), x 1.6e-2, parameters max(2e-3, their dtype's)
+    assert tolerances("mhc_maps", [x, *params]) == [2e-3] * 3 + [1.6e-2, 2e-3, 1.6e-2]
+    assert tolerances("mhc_maps", [x.float(), params[0]]) == [2e-5] * 3 + [2e-5, 1e-4]
