@@ -55,8 +55,9 @@ has bf16 (the interpreter has no bf16), torch.compile with aot_eager; the CUDA g
 non-default stream are recorded as skipped.
 
 Compile options: the Triton launches pass enable_fp_fusion explicitly (ops/triton/ops.py,
-Launch), so TRITON_DEFAULT_FP_FUSION, whose default changes in Triton 3.10, changes nothing
-this check measures.
+Launch), and so do Inductor's kernels (the inductor ops, torch.compile), so
+TRITON_DEFAULT_FP_FUSION, whose default changes in Triton 3.10, changes nothing this check
+measures and is not set here.
 """
 
 from __future__ import annotations
