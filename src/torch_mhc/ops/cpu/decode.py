@@ -57,7 +57,7 @@ def decoder(kind: str, args: tuple) -> Decoder | None:
     if not _shapes_fit(kind, x, args[1:]):
         return None  # the ops' own path says what is wrong
     try:
-        _fingerprint(args[1:])
+        _marks(args[1:])
     except RuntimeError:  # "Inference tensors do not track version counter"
         return None
     return Decoder(_native.load(), kind, args)
@@ -79,25 +79,31 @@ def _shapes_fit(kind: str, x: torch.Tensor, params: tuple) -> bool:
     return params[0] is not None
 
 
-def _fingerprint(args: tuple) -> tuple:
+def _marks(params: tuple) -> tuple[list, list]:
     """What `current` compares: each tensor's identity (a view counts as its base: HC passes
-    s_alpha.view(()) at each call), storage and version; other values as they are. The
-    Decoder keeps the tensors alive, so an identity cannot pass to a new tensor."""
-    return tuple((id(t if t._base is None else t._base), t.data_ptr(), t._version)
-                 if isinstance(t, torch.Tensor) else t for t in args)
+    s_alpha.view(()) at each call; the Decoder keeps the bases alive, so an identity cannot
+    pass to a new tensor), storage and version; other values as they are."""
+    tensors, scalars = [], []
+    for i, t in enumerate(params, start=1):  # positions in the map arguments (x is 0)
+        if isinstance(t, torch.Tensor):
+            tensors.append((i, t if t._base is None else t._base, t.data_ptr(), t._version))
+        else:
+            scalars.append((i, t))
+    return tensors, scalars
 
 
 class Decoder:
     """One connection's prepared decoding calls for streams of one shape and dtype."""
 
-    __slots__ = ("shape", "dtype", "a_shape", "params", "fingerprint", "tables", "maps",
-                 "_call", "_addr", "_lib")
+    __slots__ = ("size", "shape", "dtype", "a_shape", "tensor_marks", "scalar_marks", "tables",
+                 "maps", "_call", "_addr", "_lib")
 
     def __init__(self, lib: _native.NativeOps, kind: str, args: tuple):
         x, params = args[0], args[1:]
         *lead, n, c = x.shape
         # shapes as tuples: torch.empty parses a tuple twice as fast as a torch.Size
-        self.shape, self.dtype, self.a_shape = tuple(x.shape), x.dtype, (*lead, c)
+        self.size, self.shape, self.dtype, self.a_shape = x.shape, tuple(x.shape), x.dtype, \
+            (*lead, c)
         call = _native.DecodeCall()
         if kind == "mhc":
             phi, alpha, b_pre, b_post, b_res, iters, norm_eps, sk_eps, pre_eps = params
@@ -120,14 +126,25 @@ class Decoder:
         call.MV, call.bf, call.kind = self.tables[0].shape[1] // 8, int(x.dtype != f32), \
             _KINDS[kind]
         call.norm_eps = float(norm_eps)
-        self.params, self.fingerprint = params, _fingerprint(params)
+        self.tensor_marks, self.scalar_marks = _marks(params)
         self._call, self._addr, self._lib = call, ctypes.addressof(call), lib
 
     def current(self, args: tuple) -> bool:
         """Whether this Decoder computes the maps of args (see the module docstring)."""
         x = args[0]
-        return (tuple(x.shape) == self.shape and x.dtype is self.dtype and x.is_cpu
-                and x.is_contiguous() and _fingerprint(args[1:]) == self.fingerprint)
+        if x.shape != self.size or x.dtype is not self.dtype or not x.is_cpu \
+                or not x.is_contiguous():
+            return False
+        for i, base, ptr, version in self.tensor_marks:
+            t = args[i]
+            b = t._base
+            if (t if b is None else b) is not base or t._version != version \
+                    or t.data_ptr() != ptr:
+                return False
+        for i, value in self.scalar_marks:
+            if args[i] != value:
+                return False
+        return True
 
     def mix_in(self, x: torch.Tensor) -> torch.Tensor:
         """The maps (kept for mix_out) and the branch input a = sum_j H_pre[j] x[j]
