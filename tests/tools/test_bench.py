@@ -259,3 +259,26 @@ def test_native_kernels_script_subtracts_the_eviction_time(capsys):
         assert minus[name] == pytest.approx(ms - evict)
     with pytest.raises(SystemExit):
         module.main(["--evict", "-1"])
+
+
+def test_decode_pools_rounds_over_builds_in_rotated_order(monkeypatch):
+    """Each build times every variant; the rounds of all builds are pooled, and every build
+    puts another variant first."""
+    from torch_mhc.tools.bench import decode as decode_bench
+
+    built = []
+    real_build = decode_bench.build_model
+
+    def build(kind, *args, **kwargs):
+        built.append(kind)
+        return real_build(kind, *args, **kwargs)
+
+    monkeypatch.setattr(decode_bench, "build_model", build)
+    out = decode_bench.bench_decode(dim=16, layers=1, batches=(1,), prompt=4, new_tokens=3,
+                                    repeats=2, warmup=0, builds=3, clock="process")
+    assert built == ["residual", "hc", "mhc", "hc", "mhc", "residual", "mhc", "residual", "hc"]
+    assert out["config"]["builds"] == 3
+    for e in out["results"][0]["entries"].values():
+        assert len(e["runs_ms"]) == 6
+    with pytest.raises(ValueError, match="builds must be >= 1"):
+        decode_bench.bench_decode(builds=0)

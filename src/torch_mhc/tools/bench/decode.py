@@ -26,54 +26,77 @@ def bench_decode(
     repeats: int = 3,
     warmup: int = 1,
     clock: str = "wall",
+    builds: int = 2,
 ) -> dict:
     """KV-cached greedy generation (LM.generate, temperature 0) per variant and batch size.
 
     Timed side by side: the whole generate call (prefill of the prompt, then new_tokens - 1
     one-token steps) and the prefill alone. tokens_per_s = batch * new_tokens / generate time;
     decode_tokens_per_s = batch * (new_tokens - 1) / (generate - prefill), from the medians.
+
+    builds: the models are built this many times, each time in a rotated order, and every
+    build's rounds are pooled. Decoding streams every weight from memory at each token, and
+    where a model's weights land matters: two identical models built one after the other in
+    one process decoded at batch 8 up to 15% apart (2026-12-02, 2-core EPYC), about the
+    difference being measured. Rotating and pooling builds keeps that from favouring one
+    variant.
     """
     if "residual" not in variants:
         variants = ("residual", *variants)
+    if builds < 1:
+        raise ValueError(f"builds must be >= 1, got {builds}")
     dt = DTYPES[dtype]
     seq = prompt + new_tokens
-    models = {v: build_model(v, dim, layers, streams, seq, dtype=dt, device=device).eval()
-              for v in variants}
-    results = []
-    for batch in batches:
-        idx = random_tokens(batch, prompt, device=device)  # [B, T0]
-
-        def generate(model, idx=idx):
-            _ops.set_default_impl(impl)
-            try:
-                return model.generate(idx, new_tokens, temperature=0.0)
-            finally:
-                _ops.set_default_impl(None)
-
-        def prefill(model, idx=idx, batch=batch):
-            _ops.set_default_impl(impl)
-            try:
-                with torch.no_grad():
-                    return model(idx, kv_cache=model.new_kv_cache(batch, prompt))
-            finally:
-                _ops.set_default_impl(None)
-
-        steps = {}
-        for v, m in models.items():
-            steps[v] = lambda m=m: generate(m)
-            steps[f"{v}/prefill"] = lambda m=m: prefill(m)
-        log(f"decode B={batch}: {prompt} + {new_tokens} tokens, {', '.join(variants)}; "
-            f"{warmup} + {repeats} rounds")
-        times = time_interleaved(steps, repeats, warmup, clock, device)
-        entries = _entries(times, variants, batch, new_tokens)
-        results.append({"batch": batch, "entries": entries})
+    times: dict[int, dict[str, list[float]]] = {b: {} for b in batches}
+    for build in range(builds):
+        order = variants[build % len(variants):] + variants[:build % len(variants)]
+        models = {v: build_model(v, dim, layers, streams, seq, dtype=dt, device=device).eval()
+                  for v in order}
+        for batch in batches:
+            log(f"decode B={batch}, build {build + 1}/{builds}: {prompt} + {new_tokens} "
+                f"tokens, {', '.join(order)}; {warmup} + {repeats} rounds")
+            got = _time_batch(models, batch, prompt, new_tokens, impl, repeats, warmup, clock,
+                              device)
+            for name, ts in got.items():
+                times[batch].setdefault(name, []).extend(ts)
+        del models
+    results = [{"batch": b, "entries": _entries(times[b], variants, b, new_tokens)}
+               for b in batches]
     return {
         "config": {"dim": dim, "layers": layers, "streams": streams, "prompt": prompt,
                    "new_tokens": new_tokens, "dtype": dtype, "device": device,
                    "impl": _ops.resolve_impl_name(impl, device, dt), "repeats": repeats,
-                   "warmup": warmup, "clock": clock, "sampling": "greedy, KV cache"},
+                   "builds": builds, "warmup": warmup, "clock": clock,
+                   "sampling": "greedy, KV cache"},
         "results": results,
     }
+
+
+def _time_batch(models: dict, batch: int, prompt: int, new_tokens: int, impl: str,
+                repeats: int, warmup: int, clock: str, device: str) -> dict[str, list[float]]:
+    """Interleaved rounds of generate and of the prefill alone, per model, at one batch size."""
+    idx = random_tokens(batch, prompt, device=device)  # [B, T0]
+
+    def generate(model, idx=idx):
+        _ops.set_default_impl(impl)
+        try:
+            return model.generate(idx, new_tokens, temperature=0.0)
+        finally:
+            _ops.set_default_impl(None)
+
+    def prefill(model, idx=idx, batch=batch):
+        _ops.set_default_impl(impl)
+        try:
+            with torch.no_grad():
+                return model(idx, kv_cache=model.new_kv_cache(batch, prompt))
+        finally:
+            _ops.set_default_impl(None)
+
+    steps = {}
+    for v, m in models.items():
+        steps[v] = lambda m=m: generate(m)
+        steps[f"{v}/prefill"] = lambda m=m: prefill(m)
+    return time_interleaved(steps, repeats, warmup, clock, device)
 
 
 def _entries(times: dict[str, list[float]], variants: tuple[str, ...], batch: int,

@@ -89,8 +89,10 @@ def _md_decode(result: dict) -> list[str]:
         "",
         f"d = {cfg['dim']}, {cfg['layers']} blocks, n = {cfg['streams']}, {cfg['dtype']}, "
         f"ops `{cfg['impl']}`, {cfg['prompt']} prompt + {cfg['new_tokens']} new tokens; "
-        f"{cfg['clock']} clock, median of {cfg['repeats']} rounds. Decode tokens/s leaves out "
-        "the prefill (median generate - median prefill).",
+        f"{cfg['clock']} clock, median of {cfg['repeats']} rounds"
+        + (f" on each of {cfg['builds']} builds of the models (rotated order, pooled)"
+           if cfg.get("builds", 1) > 1 else "")
+        + ". Decode tokens/s leaves out the prefill (median generate - median prefill).",
         "",
         "| batch | variant | generate ms | prefill ms | tokens/s | x residual | decode tokens/s "
         "| x residual |",

@@ -7,7 +7,9 @@ from torch_mhc import ops as _ops
 from torch_mhc.tools.bench.timing import summarize, time_interleaved
 from torch_mhc.tools.bench.workloads import DTYPES, build_model, log, random_tokens, train_step
 
-__all__ = ["bench_training_steps", "default_step_repeats", "select_variants"]
+__all__ = ["INDUCTOR_SUFFIX", "bench_training_steps", "default_step_repeats", "select_variants"]
+
+INDUCTOR_SUFFIX = "_inductor"  # a step variant "<kind>_inductor": that kind on the inductor ops
 
 
 def default_step_repeats(dim: int) -> int:
@@ -44,8 +46,11 @@ def bench_training_steps(
         idx = random_tokens(batch, seq + 1, device=device)  # [B, T + 1]
         steps = {}
         for v in variants:
-            # mhc_inductor: mHC on the inductor ops (the reference under torch.compile).
-            kind, ops_impl = ("mhc", "inductor") if v == "mhc_inductor" else (v, impl)
+            # <kind>_inductor: that kind on the inductor ops (the reference under
+            # torch.compile), beside the same kind on `impl`.
+            on_inductor = v.endswith(INDUCTOR_SUFFIX)
+            kind = v[:-len(INDUCTOR_SUFFIX)] if on_inductor else v
+            ops_impl = "inductor" if on_inductor else impl
             model = build_model(kind, dim, layers, streams, seq, dtype=dt, device=device)
             steps[v] = train_step(model, idx, impl=None if v == "residual" else ops_impl,
                                   optimizer=optimizer)

@@ -154,6 +154,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-batches", type=_int_list, default=None, help="default 1,8")
     p.add_argument("--prompt", type=_positive, default=None, help="decode prompt (128)")
     p.add_argument("--new-tokens", type=_positive, default=None, help="decode new tokens (128)")
+    p.add_argument("--decode-builds", type=_positive, default=None,
+                   help="decode: build the models this many times, in rotated order, and pool "
+                        "the rounds (default 2; where weights land moves decoding speed)")
     p.add_argument("--json", metavar="PATH", default=None,
                    help="write the JSON here (atomically) instead of to stdout")
     p.add_argument("--quick", action="store_true",
@@ -162,8 +165,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time mHC's successors (mhc-lite, kromhc, mhc-static-res) in the "
                         "step benchmark, beside mHC")
     p.add_argument("--inductor", action="store_true",
-                   help="also time the inductor ops (reference under torch.compile): an "
-                        "mhc_inductor step variant and an ops.inductor Sinkhorn entry")
+                   help="also time the inductor ops (reference under torch.compile): a "
+                        "<kind>_inductor step variant for every kind timed (hc, mhc, and the "
+                        "successors with --successors) and an ops.inductor Sinkhorn entry")
     p.add_argument("--gpu", action="store_true",
                    help="run benchmarks/gpu_check.py instead (its own options follow; "
                         "mhc bench --gpu --help)")
@@ -186,6 +190,7 @@ _DEFAULTS = {
     "decode_batches": ([1, 8], [1, 2]),
     "prompt": (128, 8),
     "new_tokens": (128, 8),
+    "decode_builds": (2, 1),
 }
 
 
@@ -287,7 +292,9 @@ def run_benchmarks(args: argparse.Namespace) -> dict:
         variants = ["residual"] + (["hc"] if want_step else []) + ["mhc"]
         variants += ["lucidrains_mhc"] if want_hc else []
         variants += list(SUCCESSORS) if args.successors and want_step else []
-        variants += ["mhc_inductor"] if args.inductor and want_step else []
+        kinds = [v for v in variants if v not in ("residual", "lucidrains_mhc")]
+        inductor = [f"{k}_inductor" for k in kinds] if args.inductor and want_step else []
+        variants += inductor
         steps = bench_training_steps(
             args.sizes, variants, layers=args.layers, streams=args.streams, batch=args.batch,
             seq=args.seq, dtype=args.dtype, impl=args.impl, optimizer=args.optimizer,
@@ -295,7 +302,7 @@ def run_benchmarks(args: argparse.Namespace) -> dict:
         )
         if want_step:
             out["step"] = select_variants(steps, ["residual", "hc", "mhc", *SUCCESSORS,
-                                                  "mhc_inductor"])
+                                                  *inductor])
         if want_hc:
             out["hyper_connections"] = select_variants(steps, ["residual", "mhc", "lucidrains_mhc"])
             out["hyper_connections"]["config"]["hyper_connections_version"] = (
@@ -317,7 +324,8 @@ def run_benchmarks(args: argparse.Namespace) -> dict:
         out["decode"] = bench_decode(
             dim=args.dim, layers=args.layers, streams=args.streams,
             batches=tuple(args.decode_batches), prompt=args.prompt, new_tokens=args.new_tokens,
-            dtype=args.dtype, impl=args.impl, repeats=args.repeats or 3, **timing,
+            dtype=args.dtype, impl=args.impl, repeats=args.repeats or 3,
+            builds=args.decode_builds, **timing,
         )
     # Keep the order of BENCHMARKS in the report.
     return {name: out[name] for name in BENCHMARKS if name in out}
