@@ -190,6 +190,12 @@ def test_quick_decode(quick_report):
             assert e[v]["tokens_per_s"] > 0 and e[v]["prefill_median_ms"] > 0
             want = res["batch"] * d["config"]["new_tokens"] / e[v]["median_ms"] * 1e3
             assert e[v]["tokens_per_s"] == pytest.approx(want, rel=1e-12)
+            # the interleaved one-token steps: every step after the prefill, once per build
+            assert e[v]["steps"] == (d["config"]["new_tokens"] - 1) * d["config"]["builds"]
+            want = res["batch"] / e[v]["step_median_ms"] * 1e3
+            assert e[v]["step_tokens_per_s"] == pytest.approx(want, rel=1e-12)
+            ratio = e[v]["step_tokens_per_s"] / e["residual"]["step_tokens_per_s"]
+            assert e[v]["step_tokens_per_s_ratio"] == pytest.approx(ratio, rel=1e-12)
 
 
 def test_saved_bytes_are_deterministic_across_calls(quick_report, capsys):

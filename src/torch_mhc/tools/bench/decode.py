@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from torch_mhc import ops as _ops
-from torch_mhc.tools.bench.timing import medians, summarize, time_interleaved
+from torch_mhc.tools.bench.timing import medians, summarize, time_interleaved, time_once
 from torch_mhc.tools.bench.workloads import DTYPES, build_model, log, random_tokens
 
 __all__ = ["bench_decode"]
@@ -33,6 +33,8 @@ def bench_decode(
     Timed side by side: the whole generate call (prefill of the prompt, then new_tokens - 1
     one-token steps) and the prefill alone. tokens_per_s = batch * new_tokens / generate time;
     decode_tokens_per_s = batch * (new_tokens - 1) / (generate - prefill), from the medians.
+    Then new_tokens - 1 one-token steps of every model interleaved step by step (_time_steps):
+    step_tokens_per_s = batch / median step time, the steadier figure on a shared machine.
 
     builds: the models are built this many times, each time in a rotated order, and every
     build's rounds are pooled. Decoding streams every weight from memory at each token, and
@@ -96,13 +98,49 @@ def _time_batch(models: dict, batch: int, prompt: int, new_tokens: int, impl: st
     for v, m in models.items():
         steps[v] = lambda m=m: generate(m)
         steps[f"{v}/prefill"] = lambda m=m: prefill(m)
-    return time_interleaved(steps, repeats, warmup, clock, device)
+    times = time_interleaved(steps, repeats, warmup, clock, device)
+    _ops.set_default_impl(impl)
+    try:
+        times.update(_time_steps(models, idx, new_tokens, warmup, clock, device))
+    finally:
+        _ops.set_default_impl(None)
+    return times
+
+
+@torch.no_grad()
+def _time_steps(models: dict, idx: torch.Tensor, new_tokens: int, warmup: int, clock: str,
+                device: str) -> dict[str, list[float]]:
+    """"<variant>/step": the time of each one-token KV-cached step after the prefill of idx,
+    the steps of all models interleaved (one step of each in turn, the first rotating).
+
+    A whole generate call takes seconds, long enough for the machine's memory bandwidth to
+    change under it (rounds of the same model spread by 10% here); a step of every model in
+    turn puts the models' steps side by side within tens of milliseconds.
+    """
+    batch, prompt = idx.shape
+    caches = {}
+    for v, m in models.items():
+        caches[v] = m.new_kv_cache(batch, prompt + new_tokens)
+        m(idx, kv_cache=caches[v])
+    token = idx[:, -1:]  # [B, 1]: the cost of a step does not depend on the token
+    names = list(models)
+    times: dict[str, list[float]] = {f"{v}/step": [] for v in names}
+    for s in range(warmup + new_tokens - 1):
+        for v in names[s % len(names):] + names[:s % len(names)]:
+            cache = caches[v]
+            ms = time_once(lambda v=v, cache=cache: models[v](token, kv_cache=cache,
+                                                              start_pos=cache.pos),
+                           clock, device)
+            if s >= warmup:
+                times[f"{v}/step"].append(ms)
+    return times
 
 
 def _entries(times: dict[str, list[float]], variants: tuple[str, ...], batch: int,
              new_tokens: int) -> dict[str, dict]:
-    """Per variant: the generate timings against the residual's, the prefill's median, and
-    tokens/s of the whole call and of the decode steps alone, with their ratios."""
+    """Per variant: the generate timings against the residual's, the prefill's median,
+    tokens/s of the whole call and of its decode part (generate - prefill), and the median of
+    the interleaved one-token steps with the tokens/s it gives; each with its ratio."""
     gen = summarize({v: times[v] for v in variants}, "residual")
     median = medians(times)
     pre = {v: median[f"{v}/prefill"] for v in variants}
@@ -117,6 +155,12 @@ def _entries(times: dict[str, list[float]], variants: tuple[str, ...], batch: in
             "decode_tokens_per_s": batch * (new_tokens - 1) / decode_ms * 1e3
             if decode_ms > 0 else None,
         }
+    step = summarize({v: times[f"{v}/step"] for v in variants}, "residual")
+    for v in variants:
+        entries[v]["step_median_ms"] = step[v]["median_ms"]
+        entries[v]["step_tokens_per_s"] = batch / step[v]["median_ms"] * 1e3
+        entries[v]["step_tokens_per_s_ratio"] = 1.0 / step[v]["ratio"]
+        entries[v]["steps"] = len(times[f"{v}/step"])
     for v in variants:
         e, base = entries[v], entries["residual"]
         e["tokens_per_s_ratio"] = e["tokens_per_s"] / base["tokens_per_s"]

@@ -92,23 +92,22 @@ def _md_decode(result: dict) -> list[str]:
         f"{cfg['clock']} clock, median of {cfg['repeats']} rounds"
         + (f" on each of {cfg['builds']} builds of the models (rotated order, pooled)"
            if cfg.get("builds", 1) > 1 else "")
-        + ". Decode tokens/s leaves out the prefill (median generate - median prefill).",
+        + ". Decode step: the median of the one-token steps after the prefill, every model's "
+        "steps interleaved one by one (decode tokens/s = batch / step); the JSON also has the "
+        "decode part of the whole call (generate - prefill).",
         "",
-        "| batch | variant | generate ms | prefill ms | tokens/s | x residual | decode tokens/s "
-        "| x residual |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| batch | variant | generate ms | prefill ms | tokens/s | x residual | decode step ms "
+        "| decode tokens/s | x residual |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-
-    def fmt(x, spec):
-        return "n/a" if x is None else format(x, spec)
 
     for res in result["results"]:
         for v, e in res["entries"].items():
             lines.append(
                 f"| {res['batch']} | {v} | {e['median_ms']:.0f} | {e['prefill_median_ms']:.0f} "
                 f"| {e['tokens_per_s']:.1f} | {e['tokens_per_s_ratio']:.3f} | "
-                f"{fmt(e['decode_tokens_per_s'], '.1f')} | "
-                f"{fmt(e['decode_tokens_per_s_ratio'], '.3f')} |"
+                f"{e['step_median_ms']:.2f} | {e['step_tokens_per_s']:.1f} | "
+                f"{e['step_tokens_per_s_ratio']:.3f} |"
             )
     return lines
 

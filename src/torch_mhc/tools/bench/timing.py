@@ -6,6 +6,8 @@ the others'. `clock="process"` measures this process's CPU time instead of wall 
 when other processes compete for the cores (it counts every thread of the process, so compare
 entries run with the same thread count). summarize and medians turn its lists into figures.
 
+time_once: one run on either clock (the decode benchmark interleaves single steps with it).
+
 time_ms: one function alone, timed with CUDA events on a GPU (the GPU check's kernels take
 microseconds, below what a host clock around a synchronisation resolves).
 
@@ -21,7 +23,8 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["CLOCKS", "medians", "summarize", "synchronize", "time_interleaved", "time_ms"]
+__all__ = ["CLOCKS", "medians", "summarize", "synchronize", "time_interleaved", "time_ms",
+           "time_once"]
 
 CLOCKS = ("wall", "process")
 
@@ -50,19 +53,25 @@ def time_interleaved(
         raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
     if not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
-    now = time.process_time if clock == "process" else time.perf_counter
     for _ in range(warmup):
         for step in steps.values():
             step()
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats):
         for name, step in steps.items():
-            synchronize(device)
-            t0 = now()
-            step()
-            synchronize(device)
-            times[name].append((now() - t0) * 1e3)
+            times[name].append(time_once(step, clock, device))
     return times
+
+
+def time_once(step: Callable[[], object], clock: str = "wall",
+              device: torch.device | str = "cpu") -> float:
+    """Milliseconds of one run of step on `clock` (its device synchronised before and after)."""
+    now = time.process_time if clock == "process" else time.perf_counter
+    synchronize(device)
+    t0 = now()
+    step()
+    synchronize(device)
+    return (now() - t0) * 1e3
 
 
 def summarize(times: dict[str, list[float]], baseline: str) -> dict[str, dict]:
