@@ -396,9 +396,9 @@ def test_maps_split_and_block_paths_match_reference(t, n, c, grid, seed, small_g
 
 @kernel_test
 def test_maps_split_paths_in_half_precision_match_reference(small_grid):
-    """fp16 streams beside fp32 phi: the forward's token blocks are 64 (tf32x3), here split in
-    3 (17 tokens) and 2 (129 tokens)."""
-    for t, grid in ((17, (1, 3)), (129, (3, 2))):
+    """fp16 streams beside fp32 phi: the forward's token blocks are 64 and its K tiles 32
+    (tf32x3; K = 300 is 10 tiles), here split in 4 (17 tokens) and 2 (129 tokens)."""
+    for t, grid in ((17, (1, 4)), (129, (3, 2))):
         assert _grids(t, 4, 75, torch.float16, torch.float32)["mhc_xphi_kernel"] == grid
         inputs = maps_inputs((t,), 4, 75, torch.float16, seed=t)
         ref_inputs = [inputs[0].detach().float().requires_grad_(), *clone_inputs(inputs[1:])]

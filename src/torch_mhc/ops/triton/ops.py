@@ -277,15 +277,20 @@ def kernel_config(kernel: str, n: int, dtype: torch.dtype, param_dtype: torch.dt
         # n > 8 with half streams: xphi's [BLOCK_T, 288] tensor-core accumulator spills on
         # sm_80 and sm_86 past 16 tokens (64 tokens at 16 warps fit sm_90 only).
         cap = {"xphi": True, "dx": np_ >= 8, "dphi": np_ >= 8}[kernel]
+        # The full matrix of the check (every n, target and dtype pair) found spills in xphi
+        # with 64-wide K tiles in tf32x3 (up to 700 bytes at n = 5 and 8 on sm_80, a few at
+        # n = 2): 32-wide tiles there; and with fp32 streams at n = 3 on sm_90 (24 bytes with
+        # 64 tokens): 32 tokens.
         x3 = kernel == "xphi" and _fwd_precision(dtype, param_dtype or dtype) == "tf32x3"
         if fp32:
-            block_t = 32 if np_ == 8 else 64
+            block_t = 32 if np_ == 8 or (kernel == "xphi" and n == 3) else 64
         elif np_ >= 16:
             block_t = 16 if kernel == "xphi" else 64
         else:
             block_t = 64 if x3 else 128
         cfg = dict(BLOCK_T=block_t if kernel != "dphi" else (32 if np_ <= 8 else 16),
-                   BLOCK_K=32 if (np_ >= 16 and (fp32 or kernel == "xphi")) else 64,
+                   BLOCK_K=32 if ((np_ >= 16 and (fp32 or kernel == "xphi"))
+                                  or x3) else 64,
                    num_warps=8 if (np_ >= 8 or fp32) else 4, num_stages=3,
                    maxnreg=255 if cap else None)
         # Shared memory grows with phi's element size: fp32 phi beside half streams (autocast)
