@@ -6,8 +6,8 @@ wheel and asserts: every kernel compiles, spills nothing, uses at most 255 regis
 more shared memory than the target gives a block, fits on an SM, and uses TF32 deliberately.
 
 The full matrix (3 targets x streams fp32/bf16/fp16 x parameters same/fp32 x eps 0/0.01 x
-n = 2 .. 16: 1,554 launches, about 25 minutes on two CPU cores) runs with `mhc bench --aot`;
-the test compiles a representative subset (SUBSET, about 80 launches): every
+n = 2 .. 16: 1,554 launches, 8 minutes on two CPU cores) runs with `mhc bench --aot`;
+the test compiles a representative subset (SUBSET, 101 launches): every
 launch on every target (sm_86 fp32 n = 16, sm_80 fp32 n = 8, sm_90 bf16 n = 4, sm_86 bf16
 n = 5), and the cases with the most shared memory on every target: n = 16 (n = 12 pads to
 the same tiles) with fp32 phi beside bf16 streams (autocast) and fp16 with eps > 0, plus fp16

@@ -12,7 +12,8 @@ interleaved rounds, beside:
 - the maps forward with one Sinkhorn iteration instead of the connection's, so the difference
   is what the other iterations cost;
 - allocating the outputs a step needs ([T, n, C] twice and [T, C] twice, from the pool the
-  ops use) and entering the thread team with no work (the fixed cost of one parallel call);
+  ops use) and entering the thread team with no work (the fixed cost of one parallel call),
+  each timed over 100 calls and given per call;
 - the whole connection step through autograd (what `mhc bench --ops` times) and the plain
   residual's x + f forward and backward on the same tokens.
 
@@ -63,6 +64,12 @@ def _passes(lib: native.NativeOps, d: dict) -> dict:
         lib._fns["merge_fwd", x.dtype](None, None, None, None, None, 0, 0,
                                        torch.get_num_threads(), n, c)
 
+    def many(fn):  # fixed costs of microseconds: _CALLS calls a run (a clock read costs ~1 us)
+        def run():
+            for _ in range(_CALLS):
+                fn()
+        return run
+
     return {
         "maps forward": lambda: lib.maps_fwd(x, phip, ab, iters, 1e-6, 0.0, 0.0, True),
         "maps forward, 1 Sinkhorn iteration":
@@ -71,9 +78,13 @@ def _passes(lib: native.NativeOps, d: dict) -> dict:
         "merge backward": lambda: lib.merge_bwd(x, a, h_post, h_res, d["g"], fused_dx=True),
         "maps backward": lambda: lib.maps_bwd(x, d["phit"], ab, lt, r, None, dh_post, None, df,
                                               d["g"], iters, 0.0, 0.0),
-        "allocation of the outputs": allocate,
-        "thread team entry": team_entry,
+        "allocation of the outputs": many(allocate),
+        "thread team entry": many(team_entry),
     }
+
+
+_CALLS = 100  # calls per timed run of the two fixed-cost rows (their figures are per call)
+_PER_CALL = ("allocation of the outputs", "thread team entry")
 
 
 def _autograd_steps(tokens: int, n: int, c: int, dtype: torch.dtype) -> dict:
@@ -94,6 +105,8 @@ def profile(tokens: int = 2048, streams: int = 4, dim: int = 512, dtype: str = "
     steps = {**_passes(lib, _inputs(tokens, streams, dim, dt, iters)),
              **_autograd_steps(tokens, streams, dim, dt)}
     times = time_interleaved(steps, repeats, warmup, clock, "cpu")
+    for name in _PER_CALL:
+        times[name] = [t / _CALLS for t in times[name]]
     return {
         "config": {"tokens": tokens, "streams": streams, "dim": dim, "dtype": dtype,
                    "sinkhorn_iters": iters, "threads": torch.get_num_threads(),
