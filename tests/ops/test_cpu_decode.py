@@ -40,7 +40,7 @@ def _reference_of(conn):
 
 
 def _decoders(conn) -> list:
-    return [d for d in base._DECODERS.get(conn, {}).values() if d is not None]
+    return [d for d in base._DECODERS.get(id(conn), {}).values() if d is not None]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -230,3 +230,30 @@ def test_an_empty_batch_decodes(kind):
     with torch.no_grad():
         out = conn(torch.randn(0, 1, 4, C))
     assert out.shape == (0, 1, 4, C)
+
+
+def test_a_connection_takes_its_prepared_calls_with_it():
+    """The prepared calls are kept outside the module and leave when it goes."""
+    import gc
+
+    conn = _connection("mhc", seed=9)
+    with torch.no_grad():
+        conn(torch.randn(1, 1, 4, C))
+    ident = id(conn)
+    assert ident in base._DECODERS
+    del conn
+    gc.collect()
+    assert ident not in base._DECODERS
+
+
+def test_the_implementation_follows_the_environment(monkeypatch):
+    """TORCH_MHC_IMPL set or removed between two calls is seen by the next one."""
+    monkeypatch.setenv("TORCH_MHC_IMPL", "reference")
+    assert ops_.resolve_impl_name("auto", torch.device("cpu"), torch.float32) == "reference"
+    monkeypatch.setenv("TORCH_MHC_IMPL", " cpu ")
+    assert ops_.resolve_impl_name("auto", torch.device("cpu"), torch.float32) == "cpu"
+    monkeypatch.delenv("TORCH_MHC_IMPL")
+    assert ops_.resolve_impl_name("auto", "cuda", torch.float32) in ("triton", "reference")
+    monkeypatch.setenv("TORCH_MHC_IMPL", "nope")
+    with pytest.raises(ValueError, match="environment variable TORCH_MHC_IMPL"):
+        ops_.resolve_impl_name("auto", "cpu", torch.float32)

@@ -93,9 +93,10 @@ def check_gate(value, owner: str) -> float:
     return float(value)
 
 
-# Connection -> {(streams shape, dtype, thread): Decoder or None}; outside the modules, whose
-# deep copies and pickles must not carry native argument blocks.
-_DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# id(connection) -> {(streams shape, dtype, thread): Decoder or None}; outside the modules,
+# whose deep copies and pickles must not carry native argument blocks. A plain dict (its get
+# is one C call, a WeakKeyDictionary's three Python ones); an entry leaves with its module.
+_DECODERS: dict[int, dict] = {}
 
 
 class Connection(nn.Module):
@@ -186,9 +187,10 @@ class Connection(nn.Module):
         if ops.decoder is None:
             return None
         args = self.map_args(x)
-        decoders = _DECODERS.get(self)
+        decoders = _DECODERS.get(id(self))
         if decoders is None:
-            decoders = _DECODERS[self] = {}
+            decoders = _DECODERS[id(self)] = {}
+            weakref.finalize(self, _DECODERS.pop, id(self), None)
         key = (x.shape, x.dtype, threading.get_ident())
         dec = decoders.get(key)
         if dec is None or not dec.current(args):

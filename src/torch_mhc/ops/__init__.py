@@ -153,6 +153,21 @@ def _triton_available() -> bool:
 _triton_available._dynamo_marked_constant = True
 
 
+# os.environ's own mapping, read directly: os.environ.get runs four Python functions (the
+# key's encoding among them), which a connection's decoding step, at every call, felt. The
+# mapping is the one os.environ's setters and deleters update, so it answers the same.
+_ENV_DATA = getattr(os.environ, "_data", None)
+_ENV_KEY = os.environ.encodekey(ENV_VAR) if _ENV_DATA is not None else None
+
+
+def _env_impl() -> str:
+    """TORCH_MHC_IMPL as os.environ holds it, stripped ("" when unset)."""
+    if _ENV_DATA is None:
+        return os.environ.get(ENV_VAR, "").strip()
+    value = _ENV_DATA.get(_ENV_KEY)
+    return "" if value is None else os.environ.decodevalue(value).strip()
+
+
 def resolve_impl_name(
     name: str = "auto",
     device: torch.device | str | None = None,
@@ -164,7 +179,7 @@ def resolve_impl_name(
         return name
     if _default is not None:
         return _default
-    env = os.environ.get(ENV_VAR, "").strip()
+    env = _env_impl()
     if env:
         try:
             if check_impl_name(env) != "auto":

@@ -79,24 +79,23 @@ def _shapes_fit(kind: str, x: torch.Tensor, params: tuple) -> bool:
     return params[0] is not None
 
 
-def _marks(params: tuple) -> tuple[list, list]:
+def _marks(params: tuple) -> tuple[list, int, tuple]:
     """What `current` compares: each tensor's identity (a view counts as its base: HC passes
     s_alpha.view(()) at each call; the Decoder keeps the bases alive, so an identity cannot
-    pass to a new tensor), storage and version; other values as they are."""
-    tensors, scalars = [], []
-    for i, t in enumerate(params, start=1):  # positions in the map arguments (x is 0)
-        if isinstance(t, torch.Tensor):
-            tensors.append((i, t if t._base is None else t._base, t.data_ptr(), t._version))
-        else:
-            scalars.append((i, t))
-    return tensors, scalars
+    pass to a new tensor), storage and version; then the trailing options (the map arguments
+    after the last tensor: iterations, epsilons) as one tuple, from their position on."""
+    last = max(i for i, t in enumerate(params) if isinstance(t, torch.Tensor))
+    tensors = [(i, t if t._base is None else t._base, t.data_ptr(), t._version)
+               for i, t in enumerate(params[:last + 1], start=1)  # x is argument 0
+               if isinstance(t, torch.Tensor)]
+    return tensors, last + 2, tuple(params[last + 1:])
 
 
 class Decoder:
     """One connection's prepared decoding calls for streams of one shape and dtype."""
 
-    __slots__ = ("size", "shape", "dtype", "a_shape", "tensor_marks", "scalar_marks", "tables",
-                 "maps", "_call", "_addr", "_lib")
+    __slots__ = ("size", "shape", "dtype", "a_shape", "tensor_marks", "options_from",
+                 "options", "tables", "maps", "_call", "_addr", "_lib")
 
     def __init__(self, lib: _native.NativeOps, kind: str, args: tuple):
         x, params = args[0], args[1:]
@@ -126,7 +125,7 @@ class Decoder:
         call.MV, call.bf, call.kind = self.tables[0].shape[1] // 8, int(x.dtype != f32), \
             _KINDS[kind]
         call.norm_eps = float(norm_eps)
-        self.tensor_marks, self.scalar_marks = _marks(params)
+        self.tensor_marks, self.options_from, self.options = _marks(params)
         self._call, self._addr, self._lib = call, ctypes.addressof(call), lib
 
     def current(self, args: tuple) -> bool:
@@ -141,10 +140,7 @@ class Decoder:
             if (t if b is None else b) is not base or t._version != version \
                     or t.data_ptr() != ptr:
                 return False
-        for i, value in self.scalar_marks:
-            if args[i] != value:
-                return False
-        return True
+        return args[self.options_from:] == self.options
 
     def mix_in(self, x: torch.Tensor) -> torch.Tensor:
         """The maps (kept for mix_out) and the branch input a = sum_j H_pre[j] x[j]

@@ -8,7 +8,7 @@ from torch_mhc import ops as _ops
 from torch_mhc.tools.bench.timing import medians, summarize, time_interleaved, time_once
 from torch_mhc.tools.bench.workloads import DTYPES, build_model, log, random_tokens
 
-__all__ = ["bench_decode"]
+__all__ = ["bench_decode", "time_decode_steps"]
 
 
 def bench_decode(
@@ -33,8 +33,9 @@ def bench_decode(
     Timed side by side: the whole generate call (prefill of the prompt, then new_tokens - 1
     one-token steps) and the prefill alone. tokens_per_s = batch * new_tokens / generate time;
     decode_tokens_per_s = batch * (new_tokens - 1) / (generate - prefill), from the medians.
-    Then new_tokens - 1 one-token steps of every model interleaved step by step (_time_steps):
-    step_tokens_per_s = batch / median step time, the steadier figure on a shared machine.
+    Then new_tokens - 1 one-token steps of every model interleaved step by step
+    (time_decode_steps): step_tokens_per_s = batch / median step time, the steadier figure on
+    a shared machine.
 
     builds: the models are built this many times, each time in a rotated order, and every
     build's rounds are pooled. Decoding streams every weight from memory at each token, and
@@ -101,15 +102,15 @@ def _time_batch(models: dict, batch: int, prompt: int, new_tokens: int, impl: st
     times = time_interleaved(steps, repeats, warmup, clock, device)
     _ops.set_default_impl(impl)
     try:
-        times.update(_time_steps(models, idx, new_tokens, warmup, clock, device))
+        times.update(time_decode_steps(models, idx, new_tokens, warmup, clock, device))
     finally:
         _ops.set_default_impl(None)
     return times
 
 
 @torch.no_grad()
-def _time_steps(models: dict, idx: torch.Tensor, new_tokens: int, warmup: int, clock: str,
-                device: str) -> dict[str, list[float]]:
+def time_decode_steps(models: dict, idx: torch.Tensor, new_tokens: int, warmup: int,
+                      clock: str, device: str) -> dict[str, list[float]]:
     """"<variant>/step": the time of each one-token KV-cached step after the prefill of idx,
     the steps of all models interleaved (one step of each in turn, the first rotating).
 
