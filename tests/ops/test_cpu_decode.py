@@ -257,3 +257,15 @@ def test_the_implementation_follows_the_environment(monkeypatch):
     monkeypatch.setenv("TORCH_MHC_IMPL", "nope")
     with pytest.raises(ValueError, match="environment variable TORCH_MHC_IMPL"):
         ops_.resolve_impl_name("auto", "cpu", torch.float32)
+
+
+def test_a_connection_compiles_without_autograd_after_decoding_eagerly():
+    """torch.compile(fullgraph=True) under no_grad traces the ops' custom ops, not the
+    prepared calls the eager calls before it made."""
+    conn = _connection("mhc", seed=10)
+    x = torch.randn(2, 1, 4, C)
+    with torch.no_grad():
+        eager = conn(x)
+        assert len(_decoders(conn)) == 1
+        compiled = torch.compile(conn, fullgraph=True, backend="aot_eager")
+        assert_close(compiled(x), eager, 1e-6)

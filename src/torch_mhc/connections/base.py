@@ -181,8 +181,8 @@ class Connection(nn.Module):
         streams shape, dtype and thread while it matches the parameters; None where there
         is none, and while diagnostics record the maps or check_finite checks them (the
         prepared path returns neither)."""
-        if _diag.ACTIVE is not None or self.check_finite:
-            return None
+        if _diag.ACTIVE is not None or self.check_finite or torch.compiler.is_compiling():
+            return None  # (a trace needs the ops' custom ops, not ctypes calls)
         ops = _ops.get_impl(self.impl, x.device, x.dtype)
         if ops.decoder is None:
             return None
