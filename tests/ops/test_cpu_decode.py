@@ -269,3 +269,103 @@ def test_a_connection_compiles_without_autograd_after_decoding_eagerly():
         assert len(_decoders(conn)) == 1
         compiled = torch.compile(conn, fullgraph=True, backend="aot_eager")
         assert_close(compiled(x), eager, 1e-6)
+
+
+def test_a_branch_calling_its_own_connection_gets_the_right_maps():
+    """The prepared maps wait in the Decoder between its two calls: a branch that calls the
+    same connection in between (same shape, same thread) takes the ops' path instead of
+    overwriting them."""
+    torch.manual_seed(11)
+    inner, depth = Branch(C), [0]
+
+    def branch(h):
+        if depth[0] == 0:
+            depth[0] += 1
+            try:
+                conn(other)  # the same connection, shape and thread
+            finally:
+                depth[0] -= 1
+        return inner(h)
+
+    conn = perturbed(ManifoldHyperConnection(C, 4, 1, branch, impl="cpu"), seed=11)
+    x, other = torch.randn(2, 1, 4, C), torch.randn(2, 1, 4, C) * 3
+    want = conn(x.clone().requires_grad_()).detach()
+    with torch.no_grad():
+        assert torch.equal(conn(x), want)
+        assert torch.equal(conn(x), want)  # and the Decoder is free again afterwards
+    assert not any(d.busy for d in _decoders(conn))
+
+
+def test_a_subclass_that_changes_the_mixing_keeps_its_change_without_autograd():
+    """A subclass overriding mix_out (or forward, mix_in, _maps_and_input) has no prepared
+    path, which would skip its override; one mapping only its parameters keeps it."""
+
+    class Clamped(ManifoldHyperConnection):
+        def mix_out(self, x, f, state):
+            ops, h_post, h_res, x_for_merge = state
+            return super().mix_out(x, f, (ops, h_post.clamp(max=0.5), h_res, x_for_merge))
+
+    class Remapped(ManifoldHyperConnection):
+        def map_args(self, x):
+            return super().map_args(x)
+
+    assert Clamped.decode_kind is None and Remapped.decode_kind == "mhc"
+    torch.manual_seed(12)
+    conn = perturbed(Clamped(C, 4, 1, Branch(C), impl="cpu"), seed=12)
+    x = torch.randn(2, 1, 4, C)
+    with torch.no_grad():
+        out = conn(x)
+    assert torch.equal(out, conn(x.clone().requires_grad_()).detach())
+    assert _decoders(conn) == []
+
+
+def test_many_tokens_take_the_threaded_ops_path_and_few_shapes_are_kept():
+    """From native.SINGLE_THREAD_TOKENS tokens on, the ops' path (split over threads) runs;
+    at most base._MAX_DECODERS shapes are kept per connection, sharing one table copy."""
+    conn = _connection("mhc", seed=13)
+    with torch.no_grad():
+        conn(torch.randn(1, native.SINGLE_THREAD_TOKENS, 4, C))
+        assert _decoders(conn) == []
+        conn(torch.randn(1, native.SINGLE_THREAD_TOKENS - 1, 4, C))
+        assert len(_decoders(conn)) == 1
+        for batch in range(1, 2 * base._MAX_DECODERS):
+            conn(torch.randn(batch, 1, 4, C))
+    kept = _decoders(conn)
+    assert len(base._DECODERS[id(conn)]) <= base._MAX_DECODERS
+    assert len({id(d.tables[0]) for d in kept}) == 1
+
+
+@pytest.mark.parametrize("setup", ["meta", "fake"])
+def test_meta_and_fake_parameters_never_reach_the_native_loops(setup):
+    """(In a child process: reading a meta tensor's memory would end it.) Meta parameters
+    are a clean torch error; under FakeTensorMode (any dispatch mode) the custom ops run,
+    also where prepared calls were made for the shape before."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import torch
+        from torch_mhc import ManifoldHyperConnection
+        x = torch.randn(1, 1, 4, 16)
+        if "{setup}" == "meta":
+            with torch.device("meta"):
+                conn = ManifoldHyperConnection(16, 4, 0, torch.nn.Linear(16, 16))
+            try:
+                with torch.no_grad():
+                    conn(x)
+            except RuntimeError as err:
+                print("refused:", err)
+        else:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+            conn = ManifoldHyperConnection(16, 4, 0, torch.nn.Linear(16, 16))
+            with torch.no_grad():
+                conn(x)  # prepared calls for this shape, made outside the mode
+            with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+                print("ran:", type(conn(x)).__name__)
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert ("refused: Tensor on device meta" if setup == "meta" else "ran: FakeTensor") \
+        in run.stdout

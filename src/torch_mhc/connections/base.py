@@ -99,10 +99,25 @@ def check_gate(value, owner: str) -> float:
 _DECODERS: dict[int, dict] = {}
 
 
+_MAX_DECODERS = 8  # prepared shapes kept per connection (batch sizes, threads)
+
+
 class Connection(nn.Module):
     """Shared checks and the branch call; subclasses define `maps`."""
 
     kind = ""
+    # Ops.decoder's name for this class's maps (ops/cpu/decode.py), or None: no prepared
+    # decoding path. A subclass that changes how a call mixes (forward, mix_in, mix_out,
+    # _maps_and_input) loses it, since the prepared path would skip its change, unless it
+    # sets decode_kind itself.
+    decode_kind: str | None = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__
+        if "decode_kind" not in own and any(
+                name in own for name in ("forward", "mix_in", "mix_out", "_maps_and_input")):
+            cls.decode_kind = None
 
     def __init__(
         self,
@@ -163,12 +178,16 @@ class Connection(nn.Module):
             self._check_finite("the input streams", x)
         # expand_streams' broadcast view: copy once here rather than once inside every op.
         x = x if x.is_contiguous() else x.contiguous()
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() and self.decode_kind is not None:
             dec = self._decoder(x)
             if dec is not None:  # decoding: two prepared native calls (ops/cpu/decode.py)
-                f = self.branch(dec.mix_in(x), *args, **kwargs)
-                self._check_branch_output(f)
-                return dec.mix_out(x, f)
+                dec.busy = True  # its maps wait in its buffers for mix_out
+                try:
+                    f = self.branch(dec.mix_in(x), *args, **kwargs)
+                    self._check_branch_output(f)
+                    return dec.mix_out(x, f)
+                finally:
+                    dec.busy = False
         if _recompute.ACTIVE is not None and torch.is_grad_enabled():
             return _recompute.ACTIVE.run(self, x, args, kwargs)
         h_in, state = self.mix_in(x)
@@ -181,8 +200,9 @@ class Connection(nn.Module):
         streams shape, dtype and thread while it matches the parameters; None where there
         is none, and while diagnostics record the maps or check_finite checks them (the
         prepared path returns neither)."""
-        if _diag.ACTIVE is not None or self.check_finite or torch.compiler.is_compiling():
-            return None  # (a trace needs the ops' custom ops, not ctypes calls)
+        if (_diag.ACTIVE is not None or self.check_finite or torch.compiler.is_compiling()
+                or _ops.cpu.dispatch_mode_active()):
+            return None  # (a trace or a dispatch mode needs the ops' custom ops)
         ops = _ops.get_impl(self.impl, x.device, x.dtype)
         if ops.decoder is None:
             return None
@@ -193,8 +213,12 @@ class Connection(nn.Module):
             weakref.finalize(self, _DECODERS.pop, id(self), None)
         key = (x.shape, x.dtype, threading.get_ident())
         dec = decoders.get(key)
+        if dec is not None and dec.busy:  # called again from its own branch: the ops' path
+            return None
         if dec is None or not dec.current(args):
-            dec = decoders[key] = ops.decoder(self.kind, args)
+            if key not in decoders and len(decoders) >= _MAX_DECODERS:
+                del decoders[next(iter(decoders))]  # the oldest shape
+            dec = decoders[key] = ops.decoder(self.decode_kind, args)
         return dec
 
     def map_args(self, x: torch.Tensor) -> tuple:

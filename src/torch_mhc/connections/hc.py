@@ -28,6 +28,7 @@ class HyperConnection(Connection):
     """
 
     kind = "hc"
+    decode_kind = "hc"
 
     def __init__(
         self,

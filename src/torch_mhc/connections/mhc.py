@@ -32,6 +32,7 @@ class ManifoldHyperConnection(Connection):
     """
 
     kind = "mhc"
+    decode_kind = "mhc"
 
     def __init__(
         self,

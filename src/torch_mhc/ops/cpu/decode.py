@@ -8,19 +8,24 @@ scalars, the cache lookup of phi's padded copy, five output tensors, and twenty 
 arguments converted one by one. A Decoder does that work once per connection, streams
 shape and thread:
 
-    dec = decoder(conn.kind, conn.map_args(x))   # None where the native loops do not apply
-    a = dec.mix_in(x)                            # H_pre, H_post, H_res and sum_j H_pre[j] x[j]
-    out = dec.mix_out(x, branch(a))              # H_res x + H_post^T f
+    dec = decoder(conn.decode_kind, conn.map_args(x))  # None where this does not apply
+    a = dec.mix_in(x)                        # H_pre, H_post, H_res and sum_j H_pre[j] x[j]
+    out = dec.mix_out(x, branch(a))          # H_res x + H_post^T f
 
-Each call sets the pointers that change in one prepared argument block (native.c's
-decode_call) and runs on the caller's thread; it allocates only the tensor it returns. The
-maps live in buffers of the Decoder, written by mix_in and read by the following mix_out,
-so one Decoder serves one thread at a time (Connection keys them by thread).
+For fewer than native.SINGLE_THREAD_TOKENS tokens only (more take the ops' path, which
+splits them over torch's threads). Each call sets the pointers that change in one prepared
+argument block (native.c's decode_call) and runs on the caller's thread; it allocates only
+the tensor it returns. The maps live in buffers of the Decoder, written by mix_in and read
+by the following mix_out, so one Decoder serves one call at a time: Connection keys them by
+thread and takes the ops' path when its branch calls it again in between (`busy`).
 
 `current(args)` says whether a Decoder still describes the arguments: the same parameter
-objects, over the same storage, at the same version (an optimizer step or load_state_dict
-bumps the version; `param.data = ...` swaps the storage) and equal scalars. The padded
-parameter tables are copies made when the Decoder was built.
+objects, over the same storage, at the same version (an optimizer step, load_state_dict or
+any in-place op on a parameter bumps the version; `param.data = ...` swaps the storage) and
+equal options. Not seen: a write into `param.data` (`p.data.copy_(...)`), which torch does
+not count; write into the parameter under torch.no_grad() instead. The padded parameter
+tables are copies made once per parameter version (ops.cpu.cached_tables), shared by the
+shapes.
 """
 
 from __future__ import annotations
@@ -37,7 +42,13 @@ from torch_mhc.ops.checks import (
     check_mhc_shapes,
 )
 from torch_mhc.ops.cpu import native as _native
-from torch_mhc.ops.cpu.ops import hc_tables, mhc_tables, use_native
+from torch_mhc.ops.cpu.ops import (
+    cached_tables,
+    dispatch_mode_active,
+    hc_tables,
+    mhc_tables,
+    use_native,
+)
 
 __all__ = ["Decoder", "decoder"]
 
@@ -52,8 +63,13 @@ def decoder(kind: str, args: tuple) -> Decoder | None:
     if kind not in _KINDS:
         return None
     x = args[0]
-    if not (x.is_contiguous() and use_native(x)) or torch.compiler.is_compiling():
+    if not (x.is_contiguous() and use_native(x)) or torch.compiler.is_compiling() \
+            or dispatch_mode_active():
         return None
+    if x.dim() < 2 or x.numel() >= _native.SINGLE_THREAD_TOKENS * x.shape[-2] * x.shape[-1]:
+        return None  # many tokens: the ops' path splits them over torch's threads
+    if not all(_plain(t) for t in args if isinstance(t, torch.Tensor)):
+        return None  # meta, fake or wrapped tensors: no memory for the loops to read
     if not _shapes_fit(kind, x, args[1:]):
         return None  # the ops' own path says what is wrong
     try:
@@ -61,6 +77,11 @@ def decoder(kind: str, args: tuple) -> Decoder | None:
     except RuntimeError:  # "Inference tensors do not track version counter"
         return None
     return Decoder(_native.load(), kind, args)
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A CPU tensor with memory of its own (not meta, not a FakeTensor or other subclass)."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
 
 
 def _shapes_fit(kind: str, x: torch.Tensor, params: tuple) -> bool:
@@ -95,7 +116,7 @@ class Decoder:
     """One connection's prepared decoding calls for streams of one shape and dtype."""
 
     __slots__ = ("size", "shape", "dtype", "a_shape", "tensor_marks", "options_from",
-                 "options", "tables", "maps", "_call", "_addr", "_lib")
+                 "options", "tables", "maps", "busy", "_call", "_addr", "_lib")
 
     def __init__(self, lib: _native.NativeOps, kind: str, args: tuple):
         x, params = args[0], args[1:]
@@ -107,13 +128,15 @@ class Decoder:
         if kind == "mhc":
             phi, alpha, b_pre, b_post, b_res, iters, norm_eps, sk_eps, pre_eps = params
             check_maps_scalars("mhc_maps", iters, norm_eps, sk_eps, pre_eps)
-            self.tables = mhc_tables(phi, alpha, b_pre, b_post, b_res)  # phi [K, Mp], [2, M]
+            # phi [K, Mp], [2, M]: one copy per parameter version, shared by every shape
+            self.tables = cached_tables(mhc_tables, phi, alpha, b_pre, b_post, b_res)
             call.M, call.iters = self.tables[1].shape[1], int(iters)
             call.sk_eps, call.pre_eps = float(sk_eps), float(pre_eps)
         else:
             w, s_alpha, s_beta, static_pre, static_post, static_res, norm_eps = params
             check_hc_scalars("hc_maps", norm_eps)
-            self.tables = hc_tables(w, s_alpha, s_beta, static_pre, static_post, static_res)
+            self.tables = cached_tables(hc_tables, w, s_alpha, s_beta, static_pre, static_post,
+                                        static_res)
             call.M = n + 2
         # H_pre [..., n], H_post [..., n], H_res [..., n, n]: read by mix_out only
         f32 = torch.float32
@@ -126,6 +149,7 @@ class Decoder:
             _KINDS[kind]
         call.norm_eps = float(norm_eps)
         self.tensor_marks, self.options_from, self.options = _marks(params)
+        self.busy = False  # between mix_in and mix_out (Connection.forward sets it)
         self._call, self._addr, self._lib = call, ctypes.addressof(call), lib
 
     def current(self, args: tuple) -> bool:

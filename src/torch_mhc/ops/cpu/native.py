@@ -42,10 +42,13 @@ import torch
 
 from torch_mhc.ops.cpu.build import build_library, warn_fallback
 
-__all__ = ["DecodeCall", "load", "NativeOps"]
+__all__ = ["DecodeCall", "SINGLE_THREAD_TOKENS", "load", "NativeOps"]
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _MIN_TOKENS_PER_THREAD = 64
+# Below this many tokens a call runs on one thread (decoding); ops/cpu/decode.py prepares
+# calls for such calls only.
+SINGLE_THREAD_TOKENS = 2 * _MIN_TOKENS_PER_THREAD
 
 
 class BlockPool:
@@ -182,7 +185,7 @@ class NativeOps:
 
     def threads_for(self, tokens: int) -> int:
         """How many threads a call over `tokens` tokens uses."""
-        if tokens < 2 * _MIN_TOKENS_PER_THREAD:  # decoding: skip the query
+        if tokens < SINGLE_THREAD_TOKENS:  # decoding: skip the query
             return 1
         return max(1, min(torch.get_num_threads(), tokens // _MIN_TOKENS_PER_THREAD))
 

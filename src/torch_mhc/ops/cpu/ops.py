@@ -57,7 +57,8 @@ from torch_mhc.ops.checks import (
 from torch_mhc.ops.cpu import native as _native
 
 __all__ = ["mhc_maps", "mhc_maps_pre", "hc_maps", "hc_maps_pre", "pre_aggregate", "post_merge",
-           "sinkhorn", "use_native", "mhc_tables", "hc_tables"]
+           "sinkhorn", "use_native", "mhc_tables", "hc_tables", "cached_tables",
+           "dispatch_mode_active"]
 
 # mhc_maps_pre(..., fused_dx=True) and post_merge(..., fused_dx=True) exist; see ops/__init__
 FUSED_DX = True
@@ -364,7 +365,7 @@ def mhc_maps_pre(
     if _no_autograd(x, *params) and use_native(x):
         # Decoding: the maps in x's leading shape straight from the native loops; x_for_merge
         # is x itself (without autograd there is no gradient to fuse).
-        phip, ab = _cached_tables(mhc_tables, *params)
+        phip, ab = cached_tables(mhc_tables, *params)
         maps = _lib().maps_infer(x.contiguous(), phip, ab, int(sinkhorn_iters),
                                  float(norm_eps), float(sinkhorn_eps), float(pre_eps))
         return (*maps, x) if fused_dx else maps
@@ -390,11 +391,25 @@ def mhc_maps_pre(
 
 
 def _no_autograd(*tensors: torch.Tensor) -> bool:
-    """No gradient can be needed (no_grad / inference mode, or nothing requires grad) and no
-    torch.compile trace is running (it needs the custom ops)."""
+    """No gradient can be needed (no_grad / inference mode, or nothing requires grad), no
+    torch.compile trace is running (it needs the custom ops) and every tensor is a plain CPU
+    tensor (meta, fake and wrapped tensors have no memory for the loops: the custom ops'
+    dispatch takes them)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
-    return not torch.compiler.is_compiling()
+    if not all(type(t) in _PLAIN and t.device.type == "cpu" for t in tensors):
+        return False
+    return not (torch.compiler.is_compiling() or dispatch_mode_active())
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def dispatch_mode_active() -> bool:
+    """Whether a TorchDispatchMode is active (FakeTensorMode, FlopCounterMode, ...): it must
+    see the custom ops, which direct native calls would hide from it (and under
+    FakeTensorMode the parameters' tables would be fake, with no memory to read)."""
+    return torch._C._len_torch_dispatch_stack() > 0
 
 
 # id(phi or W) -> (make, weak references to the tensors, their versions, tables); an entry
@@ -402,7 +417,7 @@ def _no_autograd(*tensors: torch.Tensor) -> bool:
 _param_cache: dict[int, tuple] = {}
 
 
-def _cached_tables(make, *tensors: torch.Tensor) -> tuple:
+def cached_tables(make, *tensors: torch.Tensor) -> tuple:
     """make(*tensors), cached per first tensor (phi, HC's W) while every tensor is the same
     object (a view counts as its base: HC passes s_alpha.view(()) at each call) with the same
     version (an in-place update bumps it, in a view or its base alike) over the same
@@ -604,7 +619,7 @@ def _hc_native(x: torch.Tensor, w: torch.Tensor | None,
 def _hc_inference(x, args, norm_eps, with_pre):
     """HC's maps (and the aggregation) of x [..., n, C] without autograd: one native call
     in the caller's shapes (native.c's hc_fwd), W and the scalars cached."""
-    wp, p = _cached_tables(hc_tables, *args)
+    wp, p = cached_tables(hc_tables, *args)
     return _lib().hc_infer(x.contiguous(), wp, p, float(norm_eps), with_pre)
 
 
