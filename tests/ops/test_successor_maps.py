@@ -156,3 +156,16 @@ def test_ops_interface():
         assert torch.equal(a, e)
     # no successor kernel on inductor (nor triton): the reference maps, its own aggregation
     assert ops.get_impl("inductor").variant_maps is ref.variant_maps
+
+
+@pytest.mark.parametrize("kind", ["mhc-lite", "kromhc", "mhc-static-res"])
+@pytest.mark.parametrize("grad", [True, False])
+def test_misshapen_parameters_are_refused_before_the_native_loops(kind, grad):
+    """phi's n C rows and the n gates are read without bounds: another shape is one
+    ValueError naming the parameter (a phi one row short once read past its end)."""
+    x, phi, alpha, b_pre, b_post, b_res = variant_inputs(kind, (3,), 4, 16, torch.float32)
+    x = x.detach().requires_grad_(grad)
+    cases = {"phi": (phi[:-1], b_pre), "b_pre": (phi, b_pre[:3])}
+    for name, (p, bp) in cases.items():
+        with pytest.raises(ValueError, match=rf"{kind} with n = 4, C = 16 expects {name} of"):
+            cpu_variants.variant_maps_pre(kind, x, p, alpha, bp, b_post, b_res)

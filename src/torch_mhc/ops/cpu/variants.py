@@ -276,13 +276,17 @@ def _(x, phit, dz, coef, hp, hr, ga, gmerge):
 
 
 def _run(kind, x, phi, alpha, b_pre, b_post, b_res, norm_eps, with_pre, fused_dx):
-    n, c = x.shape[-2:]
-    _ref.check_variant(kind, n)
-    if phi.shape[1] != 2 * n + _ref.res_count(kind, n):
-        raise ValueError(f"{kind} with n = {n} expects phi [{n * c}, "
-                         f"{2 * n + _ref.res_count(kind, n)}], got {tuple(phi.shape)}")
     if x.dim() < 2:
         raise ValueError(f"variant maps expect streams x [..., n, C], got {tuple(x.shape)}")
+    n, c = x.shape[-2:]
+    _ref.check_variant(kind, n)
+    # the native loops read phi's n C rows and the n gates without bounds
+    want = {"phi": (phi, (n * c, 2 * n + _ref.res_count(kind, n))), "b_pre": (b_pre, (n,)),
+            "b_post": (b_post, (n,))}
+    for name, (t, shape) in want.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{kind} with n = {n}, C = {c} expects {name} of shape {shape}, "
+                             f"got {tuple(t.shape)}")
     lead = x.shape[:-2]
     outs = _VariantMaps.apply(kind, x.reshape(-1, n, c).contiguous(), phi, alpha, b_pre,
                               b_post, b_res, float(norm_eps), with_pre, fused_dx)
