@@ -56,12 +56,16 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--builds", type=int, default=2)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--clock", choices=("wall", "process"), default="process")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--clock", choices=("wall", "process"), default="process",
+                   help="process: this process's CPU time (one thread only: idle OpenMP "
+                        "threads spin and are counted)")
     p.add_argument("--unchecked", action="store_true")
     args = p.parse_args()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    if args.clock == "process" and args.threads != 1:
+        p.error("--clock process measures one thread only; use --clock wall with --threads "
+                f"{args.threads}")
+    torch.set_num_threads(args.threads)
     names = ["residual", "mhc", "mhc (ops path)"] + (["mhc (unchecked)"] if args.unchecked
                                                       else [])
     times: dict[str, list[float]] = {}

@@ -288,3 +288,14 @@ def test_decode_pools_rounds_over_builds_in_rotated_order(monkeypatch):
         assert len(e["runs_ms"]) == 6
     with pytest.raises(ValueError, match="builds must be >= 1"):
         decode_bench.bench_decode(builds=0)
+
+
+def test_decode_steps_after_any_warmup_fit_the_cache():
+    """The warm-up steps rewrite the positions the timed steps use: warm-ups beyond one do
+    not run past the cache (prompt + new_tokens positions)."""
+    from torch_mhc.tools.bench.decode import time_decode_steps
+    from torch_mhc.tools.bench.workloads import build_model, random_tokens
+
+    model = build_model("mhc", 16, 1, 4, 8 + 4).eval()
+    times = time_decode_steps({"mhc": model}, random_tokens(1, 8), 4, 3, "process", "cpu")
+    assert len(times["mhc/step"]) == 3 and all(t > 0 for t in times["mhc/step"])

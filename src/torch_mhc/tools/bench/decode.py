@@ -127,10 +127,12 @@ def time_decode_steps(models: dict, idx: torch.Tensor, new_tokens: int, warmup: 
     names = list(models)
     times: dict[str, list[float]] = {f"{v}/step": [] for v in names}
     for s in range(warmup + new_tokens - 1):
+        # the warm-up steps write positions the timed steps then write again: the cache and
+        # the model hold prompt + new_tokens positions whatever the warm-up
+        pos = prompt + (s - warmup if s >= warmup else s)
         for v in names[s % len(names):] + names[:s % len(names)]:
-            cache = caches[v]
-            ms = time_once(lambda v=v, cache=cache: models[v](token, kv_cache=cache,
-                                                              start_pos=cache.pos),
+            ms = time_once(lambda v=v, pos=pos: models[v](token, kv_cache=caches[v],
+                                                          start_pos=pos),
                            clock, device)
             if s >= warmup:
                 times[f"{v}/step"].append(ms)

@@ -167,7 +167,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inductor", action="store_true",
                    help="also time the inductor ops (reference under torch.compile): a "
                         "<kind>_inductor step variant for every kind timed (hc, mhc, and the "
-                        "successors with --successors) and an ops.inductor Sinkhorn entry")
+                        "successors with --successors, whose maps there are the eager "
+                        "reference around compiled aggregation and merge) and an "
+                        "ops.inductor Sinkhorn entry")
     p.add_argument("--gpu", action="store_true",
                    help="run benchmarks/gpu_check.py instead (its own options follow; "
                         "mhc bench --gpu --help)")
