@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["CLOCKS", "medians", "summarize", "synchronize", "time_interleaved", "time_ms",
-           "time_once"]
+__all__ = ["CLOCKS", "cuda_event_ms", "medians", "summarize", "synchronize", "time_interleaved",
+           "time_ms", "time_once"]
 
 CLOCKS = ("wall", "process")
 
@@ -107,20 +107,28 @@ def medians(times: dict[str, list[float]]) -> dict[str, float]:
 def time_ms(fn: Callable[[], object], repeats: int, device: torch.device | str) -> float:
     """Median milliseconds of fn() over `repeats` runs after one warm-up run; on CUDA each run
     is timed between two events recorded on the stream, elsewhere with the wall clock."""
+    if torch.device(device).type == "cuda":
+        return statistics.median(cuda_event_ms(fn, repeats))
     fn()
-    synchronize(device)
-    cuda = torch.device(device).type == "cuda"
     times = []
     for _ in range(repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def cuda_event_ms(fn: Callable[[], object], repeats: int) -> list[float]:
+    """Milliseconds of fn() between two CUDA events recorded on the stream, per repeat, after
+    one warm-up run."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times

@@ -25,7 +25,7 @@ import torch
 
 from torch_mhc import ops as _ops
 from torch_mhc.tools.bench import decode
-from torch_mhc.tools.bench.timing import time_ms
+from torch_mhc.tools.bench.timing import cuda_event_ms, time_ms
 from torch_mhc.tools.bench.workloads import build_model, random_tokens, train_step
 
 MIB = 2**20
@@ -62,21 +62,6 @@ def flush_buffer(device: str, min_mib: int) -> torch.Tensor:
     return torch.empty(size, dtype=torch.uint8, device=device)
 
 
-def _event_ms(body, repeats: int) -> list[float]:
-    """Milliseconds of body() between two CUDA events, per repeat (after one warm-up)."""
-    body()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        body()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
-
-
 def _graph_ms(body, repeats: int) -> list[float]:
     """Milliseconds of a CUDA graph of body() per replay (captured after a warm-up run on a
     side stream)."""
@@ -88,7 +73,7 @@ def _graph_ms(body, repeats: int) -> list[float]:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         body()
-    return _event_ms(graph.replay, repeats)
+    return cuda_event_ms(graph.replay, repeats)
 
 
 def time_launch(fn, flush: torch.Tensor, launches: int, repeats: int, device: str) -> dict:
@@ -122,7 +107,7 @@ def time_launch(fn, flush: torch.Tensor, launches: int, repeats: int, device: st
         timer, method = _graph_ms, "cuda_graph"
         both = timer(flushed, repeats)
     except Exception as err:  # a launch that cannot be captured: events around the sequences
-        timer, method = _event_ms, f"events ({type(err).__name__} capturing a graph)"
+        timer, method = cuda_event_ms, f"events ({type(err).__name__} capturing a graph)"
         both = timer(flushed, repeats)
     alone, back_to_back = timer(flush_only, repeats), timer(warm, repeats)
     return {"ms": (statistics.median(both) - statistics.median(alone)) / k,
