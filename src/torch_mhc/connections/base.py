@@ -221,10 +221,6 @@ class Connection(nn.Module):
             dec = decoders[key] = ops.decoder(self.decode_kind, args)
         return dec
 
-    def map_args(self, x: torch.Tensor) -> tuple:
-        """The arguments of this kind's map op (x first), for Ops.decoder."""
-        return (x,)
-
     def mix_in(self, x: torch.Tensor):
         """Maps and pre-aggregation: x [..., n, C] -> (h_in [..., C], state for mix_out)."""
         ops = _ops.get_impl(self.impl, x.device, x.dtype)

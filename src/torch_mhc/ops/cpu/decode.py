@@ -115,15 +115,14 @@ def _marks(params: tuple) -> tuple[list, int, tuple]:
 class Decoder:
     """One connection's prepared decoding calls for streams of one shape and dtype."""
 
-    __slots__ = ("size", "shape", "dtype", "a_shape", "tensor_marks", "options_from",
+    __slots__ = ("size", "dtype", "a_shape", "tensor_marks", "options_from",
                  "options", "tables", "maps", "busy", "_call", "_addr", "_lib")
 
     def __init__(self, lib: _native.NativeOps, kind: str, args: tuple):
         x, params = args[0], args[1:]
         *lead, n, c = x.shape
-        # shapes as tuples: torch.empty parses a tuple twice as fast as a torch.Size
-        self.size, self.shape, self.dtype, self.a_shape = x.shape, tuple(x.shape), x.dtype, \
-            (*lead, c)
+        # a_shape a tuple: torch.empty parses a tuple twice as fast as a torch.Size
+        self.size, self.dtype, self.a_shape = x.shape, x.dtype, (*lead, c)
         call = _native.DecodeCall()
         if kind == "mhc":
             phi, alpha, b_pre, b_post, b_res, iters, norm_eps, sk_eps, pre_eps = params
