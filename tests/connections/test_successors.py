@@ -189,14 +189,17 @@ def test_reset_parameters_and_meta_device(kind):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", VARIANT_KINDS)
-def test_cpu_ops_agree_with_reference(kind):
-    c, n = 24, 4
+def _reference_and_cpu(kind, n, c):
+    """A random successor on the reference ops and the same one on the cpu ops."""
     ref = _random_variant(kind, n, c=c, dtype=torch.float32, scale=0.2)
     ref.impl = "reference"
     fused = make_connection(kind, c, n, 1, ref.branch, impl="cpu")
     fused.load_state_dict(ref.state_dict())
-    x = torch.randn(2, 17, n, c, requires_grad=True)
+    return ref, fused
+
+
+def _assert_same_layer(ref, fused, x):
+    """Equal outputs and gradients (input and every parameter) under a random upstream."""
     out_r, out_f = ref(x), fused(x)
     torch.testing.assert_close(out_f, out_r, rtol=1e-5, atol=1e-5)
     g = torch.randn_like(out_r)
@@ -204,6 +207,13 @@ def test_cpu_ops_agree_with_reference(kind):
     grads_f = torch.autograd.grad(out_f, [x, *fused.parameters()], g)
     for a, b in zip(grads_f, grads_r, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", VARIANT_KINDS)
+def test_cpu_ops_agree_with_reference(kind):
+    c, n = 24, 4
+    ref, fused = _reference_and_cpu(kind, n, c)
+    _assert_same_layer(ref, fused, torch.randn(2, 17, n, c, requires_grad=True))
 
 
 @pytest.mark.parametrize("kind,n", CASES)
@@ -211,20 +221,11 @@ def test_cpu_connection_is_one_fused_node(kind, n):
     """impl="cpu" runs the maps, aggregation and (through x_for_merge) the merge's x gradient
     as ops.cpu's one variant_maps_pre node; the layer equals the reference one."""
     c = 24
-    ref = _random_variant(kind, n, c=c, dtype=torch.float32, scale=0.2)
-    ref.impl = "reference"
-    fused = make_connection(kind, c, n, 1, ref.branch, impl="cpu")
-    fused.load_state_dict(ref.state_dict())
+    ref, fused = _reference_and_cpu(kind, n, c)
     x = torch.randn(3, 23, n, c, requires_grad=True)
     _, state = fused.mix_in(x)
     assert state[-1] is not None  # x_for_merge: the merge's x gradient joins the maps' dx
-    out_r, out_f = ref(x), fused(x)
-    torch.testing.assert_close(out_f, out_r, rtol=1e-5, atol=1e-5)
-    g = torch.randn_like(out_r)
-    grads_r = torch.autograd.grad(out_r, [x, *ref.parameters()], g)
-    grads_f = torch.autograd.grad(out_f, [x, *fused.parameters()], g)
-    for a, b in zip(grads_f, grads_r, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    _assert_same_layer(ref, fused, x)
 
 
 @pytest.mark.parametrize("kind", VARIANT_KINDS)
