@@ -169,3 +169,80 @@ def test_misshapen_parameters_are_refused_before_the_native_loops(kind, grad):
     for name, (p, bp) in cases.items():
         with pytest.raises(ValueError, match=rf"{kind} with n = 4, C = 16 expects {name} of"):
             cpu_variants.variant_maps_pre(kind, x, p, alpha, bp, b_post, b_res)
+
+
+@pytest.mark.parametrize(("kind", "n"), [("mhc-lite", 4), ("kromhc", 4), ("mhc-static-res", 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_empty_batch(kind, n, dtype):
+    """No tokens: empty maps and aggregation, an empty dx and zero parameter gradients (a
+    sum over no tokens), as the reference gives."""
+    inputs = variant_inputs(kind, (0,), n, 16, dtype)
+    f = torch.zeros(0, 16, dtype=dtype)
+    out_c = merged(cpu_variants.variant_maps_pre, kind, inputs, f, True)
+    out_r = merged(ref.variant_maps_pre, kind, inputs, f, False)
+    for a, e in zip(out_c, out_r, strict=True):
+        assert a.shape == e.shape and a.dtype == e.dtype
+    wrt = [t for t in inputs if t is not None]
+    for outs in (out_c, out_r):
+        keep = [o for o in outs if o.requires_grad]
+        got = torch.autograd.grad(keep, wrt, [torch.ones_like(o) for o in keep],
+                                  allow_unused=True)
+        for t, d in zip(wrt, got, strict=True):
+            d = torch.zeros_like(t) if d is None else d  # unused: the reference's x
+            assert d.shape == t.shape and torch.equal(d, torch.zeros_like(t))
+
+
+@pytest.mark.parametrize(("kind", "n"), [("mhc-lite", 4), ("kromhc", 4), ("mhc-static-res", 2)])
+def test_non_contiguous_input(kind, n):
+    """Streams seen through a transpose give the contiguous copy's maps and gradients,
+    bit for bit."""
+    x, *params = variant_inputs(kind, (6,), n, 16, torch.float32)
+    xt = x.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()  # [6, n, C]
+    assert not xt.is_contiguous()
+    xc = x.detach().clone().requires_grad_()
+    ups = None
+    results = []
+    for xin in (xt, xc):
+        outs = cpu_variants.variant_maps_pre(kind, xin, *params)
+        if ups is None:
+            g = torch.Generator().manual_seed(3)
+            ups = [torch.randn(o.shape, generator=g) for o in outs]
+        keep = [i for i, o in enumerate(outs) if o.requires_grad]
+        dx = torch.autograd.grad([outs[i] for i in keep], xin, [ups[i] for i in keep])[0]
+        results.append([o.detach() for o in outs] + [dx])
+    for a, e in zip(*results, strict=True):
+        assert torch.equal(a, e)
+
+
+@pytest.mark.parametrize(("kind", "n"), [("mhc-lite", 3), ("mhc-lite", 4), ("kromhc", 8)])
+@pytest.mark.parametrize("only", ["h_pre", "h_post", "h_res"])
+def test_native_gradient_of_one_map(kind, n, only):
+    """A gradient arriving for one map only (the others None in the backward) matches the
+    reference's."""
+    inputs = variant_inputs(kind, (2, 37), n, 24, torch.float32)
+    which = ["h_pre", "h_post", "h_res"].index(only)
+    got = cpu_variants.variant_maps(kind, *inputs)[which]
+    want = ref.variant_maps(kind, *inputs)[which]
+    up = torch.randn(got.shape, generator=torch.Generator().manual_seed(4))
+    wrt = [t for t in inputs if t is not None]
+    for a, e in zip(torch.autograd.grad(got, wrt, up, allow_unused=True),
+                    torch.autograd.grad(want, wrt, up, allow_unused=True), strict=True):
+        if e is None:  # this map does not depend on the input (b_res for H_pre)
+            assert a is None or torch.equal(a, torch.zeros_like(a))
+        else:
+            assert_close(a, e, TOL[torch.float32])
+
+
+@pytest.mark.parametrize(("kind", "n"), [("mhc-lite", 2), ("mhc-lite", 3), ("mhc-lite", 4),
+                                         ("kromhc", 2), ("kromhc", 4), ("kromhc", 8)])
+def test_native_initial_res_map_is_the_references_bit_for_bit(kind, n):
+    """At a connection's initialisation (phi = 0: H_res from b_res alone) the native H_res,
+    built in double and rounded once, is the reference's exactly (0.625, 0.125, 9/16 ...)."""
+    from torch_mhc.connections.successors import make_variant
+
+    conn = make_variant(kind, 16, n, 0, torch.nn.Identity())
+    x = torch.randn(5, n, 16)
+    args = conn.map_args(x)
+    got = cpu_variants.variant_maps(*args)[2]
+    want = ref.variant_maps(*args)[2]
+    assert torch.equal(got, want)

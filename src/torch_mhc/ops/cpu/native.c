@@ -3,7 +3,8 @@
    Built and loaded by native.py (plain C11 with GCC/Clang vector extensions, no torch
    headers); called through ctypes on contiguous tensors. Shapes: x [T, n, C] streams in fp32
    or bf16 (the `bf` flag; bf16 is converted to fp32 in registers and rounded once on store),
-   K = n C, maps in fp32, M = n n + 2 n map logits per token (pre, post, then res row-major),
+   K = n C, maps in fp32, M = 2 n + R map logits per token (pre, post, then the R res logits:
+   n n row-major for mHC's Sinkhorn, fewer for its successors, see `res` below),
    Mp = 8 MV >= M the padded width of phi's rows. Every entry point processes the token
    range [t0, t1): native.py splits the tokens over threads.
 
@@ -22,9 +23,9 @@
                 and g it reads anyway, and the merge's backward does not read x);
      rows_fwd / rows_bwd, hc_bwd  the same for HC's maps, per stream row: x_j @ W, and a
                 backward whose dx also takes the aggregation's and the merge's shares;
-     hc_fwd     HC's maps and aggregation for inference (decoding), one call per step;
-     vmaps_dots / vmaps_bwd  the maps backward of mHC's successors (no Sinkhorn: their H_res
-                map's backward runs in torch between the two passes). */
+     hc_fwd     HC's maps and aggregation for inference (decoding), one call per step.
+   mHC's successors (mHC-lite, KromHC, static H_res) run maps_fwd and maps_bwd too: only
+   the per-token step from the res logits to H_res differs (the `res` argument). */
 
 #include <math.h>
 #include <stdint.h>
@@ -626,6 +627,112 @@ INLINE float sum_squares(const void* x, int64_t t, int64_t K, int bf) {
 }
 
 /* ---------------------------------------------------------------------------------------
+   H_res of mHC's successors from the R gated res logits z of one token
+   (functional/successors.py): in double and rounded once, as the reference builds them.
+     RES_LITE    a = softmax(z) over the n! permutations, H = sum_k a_k P_k, P_k[i, p_k(i)] = 1
+     RES_KROM    a = sigmoid(z) (m = log2 n), H[i, j] = prod_k (bit k of i == bit k of j ?
+                 a_k : 1 - a_k), bit 0 the most significant (torch.kron's order)
+     RES_STATIC  H = I, no logits
+   RES_SINKHORN is mHC's own (the lanes above).
+   --------------------------------------------------------------------------------------- */
+
+enum { RES_SINKHORN = 0, RES_LITE = 1, RES_KROM = 2, RES_STATIC = 3 };
+#define MAX_PERMS 24  /* n! within the skinny matmuls' M <= 80: n <= 4 */
+
+/* The n! permutations of 0..n-1 in lexicographic order (itertools.permutations'), p_k(i) at
+   perm[k n + i]; returns their count. */
+static int64_t lex_permutations(int64_t n, int8_t* perm) {
+    int8_t p[MAXN];
+    for (int64_t i = 0; i < n; ++i) p[i] = (int8_t)i;
+    int64_t count = 0;
+    for (;;) {
+        memcpy(perm + count * n, p, (size_t)n);
+        ++count;
+        int64_t i = n - 2;  /* the next permutation: the longest decreasing suffix's pivot */
+        while (i >= 0 && p[i] > p[i + 1]) --i;
+        if (i < 0) return count;
+        int64_t j = n - 1;
+        while (p[j] < p[i]) --j;
+        int8_t tmp = p[i]; p[i] = p[j]; p[j] = tmp;
+        for (int64_t lo = i + 1, hi = n - 1; lo < hi; ++lo, --hi) {
+            tmp = p[lo]; p[lo] = p[hi]; p[hi] = tmp;
+        }
+    }
+}
+
+/* The mixture weights a [R] (double) of the res logits z [R]. */
+INLINE void variant_weights(int res, const float* z, double* a, int64_t R) {
+    if (res == RES_LITE) {
+        double mx = z[0], sum = 0.0;
+        for (int64_t k = 1; k < R; ++k) mx = z[k] > mx ? z[k] : mx;
+        for (int64_t k = 0; k < R; ++k) sum += (a[k] = exp((double)z[k] - mx));
+        for (int64_t k = 0; k < R; ++k) a[k] /= sum;
+    } else {
+        for (int64_t k = 0; k < R; ++k) a[k] = 1.0 / (1.0 + exp(-(double)z[k]));
+    }
+}
+
+/* KromHC's factor k at (i, j): a_k where bit k of i and j agree, else 1 - a_k. */
+INLINE double krom_factor(const double* a, int64_t k, int64_t m, int64_t i, int64_t j) {
+    const int64_t bit = m - 1 - k;
+    return ((i >> bit) & 1) == ((j >> bit) & 1) ? a[k] : 1.0 - a[k];
+}
+
+/* H [n n] (float, rounded once) from the weights a [R]. */
+INLINE void variant_res_fwd(int res, const double* a, const int8_t* perm, float* h,
+                            const int64_t n, int64_t R) {
+    const int64_t nn = n * n;
+    double hd[nn];
+    if (res == RES_LITE) {
+        for (int64_t q = 0; q < nn; ++q) hd[q] = 0.0;
+        for (int64_t k = 0; k < R; ++k)
+            for (int64_t i = 0; i < n; ++i) hd[i * n + perm[k * n + i]] += a[k];
+    } else if (res == RES_KROM) {
+        for (int64_t i = 0; i < n; ++i)
+            for (int64_t j = 0; j < n; ++j) {
+                double v = 1.0;
+                for (int64_t k = 0; k < R; ++k) v *= krom_factor(a, k, R, i, j);
+                hd[i * n + j] = v;
+            }
+    } else {
+        for (int64_t q = 0; q < nn; ++q) hd[q] = q % (n + 1) == 0 ? 1.0 : 0.0;
+    }
+    for (int64_t q = 0; q < nn; ++q) h[q] = (float)hd[q];
+}
+
+/* dL/dz [R] (float) for dL/dH = g [n n], from the weights a [R]:
+     lite  da_k = <g, P_k> = sum_i g[i, p_k(i)], dz = a (da - <a, da>)
+     krom  dz_k = a_k (1 - a_k) sum_ij g[i, j] (+-1) prod_{l != k} factor_l(i, j)
+   (+1 where bit k of i and j agree). */
+INLINE void variant_res_bwd(int res, const double* a, const int8_t* perm, const float* g,
+                            float* dz, const int64_t n, int64_t R) {
+    if (res == RES_LITE) {
+        double da[MAX_PERMS], dot = 0.0;
+        for (int64_t k = 0; k < R; ++k) {
+            double s = 0.0;
+            for (int64_t i = 0; i < n; ++i) s += g[i * n + perm[k * n + i]];
+            da[k] = s;
+            dot += a[k] * s;
+        }
+        for (int64_t k = 0; k < R; ++k) dz[k] = (float)(a[k] * (da[k] - dot));
+    } else if (res == RES_KROM) {
+        for (int64_t k = 0; k < R; ++k) {
+            double s = 0.0;
+            for (int64_t i = 0; i < n; ++i)
+                for (int64_t j = 0; j < n; ++j) {
+                    double others = 1.0;
+                    for (int64_t l = 0; l < R; ++l)
+                        if (l != k) others *= krom_factor(a, l, R, i, j);
+                    const int64_t bit = R - 1 - k;
+                    const double sign = ((i >> bit) & 1) == ((j >> bit) & 1) ? 1.0 : -1.0;
+                    s += g[i * n + j] * sign * others;
+                }
+            dz[k] = (float)(s * a[k] * (1.0 - a[k]));
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------
    mHC maps, forward: per token
      r = sqrt(mean(x^2) + norm_eps), l = (x @ phi) / r, h~ = alpha_row * l + b,
      H_pre = sigmoid(h~_pre) + pre_eps, H_post = 2 sigmoid(h~_post), H_res = Sinkhorn(h~_res),
@@ -641,12 +748,15 @@ INLINE void gate_logits(const float* l, const float* ab, float* ht, int64_t M) {
 INLINE void maps_fwd_body(const void* x, const float* phip, const float* ab, float* lt,
                           float* r, float* hpre, float* hpost, float* hres, void* a,
                           int64_t t0, int64_t t1, const int64_t n, int64_t C, int64_t M,
-                          int64_t MV, int iters, float norm_eps, float sk_eps, float pre_eps,
-                          int bf) {
-    const int64_t K = n * C, Mp = MV * WG, nn = n * n;
+                          int64_t MV, int iters, int res, float norm_eps, float sk_eps,
+                          float pre_eps, int bf) {
+    const int64_t K = n * C, Mp = MV * WG, nn = n * n, R = M - 2 * n;
     float z[G * Mp], ht[M], lrow[M];
     v16 m[nn];
     int far[G];
+    int8_t perm[MAX_PERMS * MAXN];
+    double wts[R > 0 ? R : 1];
+    if (res == RES_LITE) lex_permutations(n, perm);
     for (int64_t t = t0; t < t1; t += G) {
         const int64_t g = t1 - t < G ? t1 - t : G;
         int any_far = 0;
@@ -662,6 +772,11 @@ INLINE void maps_fwd_body(const void* x, const float* phip, const float* ab, flo
                 hpre[tu * n + i] = sigmoid(ht[i]) + pre_eps;
                 hpost[tu * n + i] = 2.0f * sigmoid(ht[n + i]);
             }
+            if (res != RES_SINKHORN) {  /* a successor's closed form, no lanes */
+                variant_weights(res, ht + 2 * n, wts, R);
+                variant_res_fwd(res, wts, perm, hres + tu * nn, n, R);
+                continue;
+            }
             far[u] = far_matrix(ht + 2 * n, nn, sk_eps);
             any_far |= far[u];
             if (far[u]) {  /* the uniform matrix in its lane; the log domain below */
@@ -671,10 +786,12 @@ INLINE void maps_fwd_body(const void* x, const float* phip, const float* ab, flo
                 column_softmax_lane(ht + 2 * n, m, (int)u, n);
             }
         }
-        fill_lanes(m, nn, (int)g, 1.0f / (float)n);
-        sinkhorn_fwd_lanes(m, n, iters, sk_eps);
+        if (res == RES_SINKHORN) {
+            fill_lanes(m, nn, (int)g, 1.0f / (float)n);
+            sinkhorn_fwd_lanes(m, n, iters, sk_eps);
+        }
         for (int64_t u = 0; u < g; ++u) {
-            if (!any_far || !far[u])
+            if (res == RES_SINKHORN && (!any_far || !far[u]))
                 for (int64_t q = 0; q < nn; ++q) hres[(t + u) * nn + q] = m[q][u];
             if (a) aggregate_row(x, hpre + (t + u) * n, a, t + u, n, C, bf);
         }
@@ -757,8 +874,8 @@ INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, con
                           float* dht, float* dphi, v16* sk_y, float* base, int64_t t0,
                           int64_t t1,
                           const int64_t n, int64_t C, int64_t M, int64_t MV, int iters,
-                          float sk_eps, float pre_eps, int bf) {
-    const int64_t K = n * C, nn = n * n, Mp = MV * WG;
+                          int res, float sk_eps, float pre_eps, int bf) {
+    const int64_t K = n * C, nn = n * n, Mp = MV * WG, R = M - 2 * n;
     const int64_t steps = 2 * (int64_t)iters - 1;
     v16* sk_d = sk_y + steps * nn;
     float dz[G * Mp], coef[G], hp[G * n], hr[G * nn], ht[M], dpre[n], dots[n], dres[nn];
@@ -766,6 +883,11 @@ INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, con
     float far_dh[G * nn], far_out[G * nn];  /* far tokens' log-domain results */
     int far[G];
     const int with_res = gres || gmerge;
+    const int lanes = with_res && res == RES_SINKHORN;  /* Sinkhorn's backward in lanes */
+    int8_t perm[MAX_PERMS * MAXN];
+    double wts[R > 0 ? R : 1];
+    float gq[nn];
+    if (res == RES_LITE) lex_permutations(n, perm);
     for (int64_t t = t0; t < t1; t += G) {
         const int64_t g = t1 - t < G ? t1 - t : G;
         int any_far = 0;
@@ -783,13 +905,18 @@ INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, con
                 d[i] = dpre[i] * sp * (1.0f - sp);
                 d[n + i] = gpost ? gpost[tu * n + i] * 2.0f * so * (1.0f - so) : 0.0f;
             }
-            if (with_res) {
+            if (res != RES_SINKHORN) {  /* a successor: its closed form's backward */
+                variant_weights(res, ht + 2 * n, wts, R);
+                variant_res_fwd(res, wts, perm, hr + u * nn, n, R);  /* H_res, for dx */
+                for (int64_t q = 0; q < nn; ++q)
+                    gq[q] = (gres ? gres[tu * nn + q] : 0.0f) + (gmerge ? dres[q] : 0.0f);
+                variant_res_bwd(res, wts, perm, gq, d + 2 * n, n, R);
+            } else if (with_res) {
                 for (int64_t q = 0; q < nn; ++q)
                     gl[q][u] = (gres ? gres[tu * nn + q] : 0.0f) + (gmerge ? dres[q] : 0.0f);
                 far[u] = far_matrix(ht + 2 * n, nn, sk_eps);
                 any_far |= far[u];
                 if (far[u]) {  /* log domain now (sk_y is free); the lane runs uniform */
-                    float gq[nn];
                     for (int64_t q = 0; q < nn; ++q) {
                         gq[q] = gl[q][u];
                         gl[q][u] = 0.0f;
@@ -802,7 +929,7 @@ INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, con
                 }
             }
         }
-        if (with_res) {
+        if (lanes) {
             fill_lanes(p0, nn, (int)g, 1.0f / (float)n);
             fill_lanes(gl, nn, (int)g, 0.0f);
             sinkhorn_bwd_lanes(p0, gl, hres, sk_y, sk_d, n, iters, sk_eps);
@@ -817,10 +944,11 @@ INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, con
             const int64_t tu = t + u;
             const float* l = lt + tu * M;
             float* d = dht + tu * M;
-            for (int64_t q = 0; q < nn; ++q) {
-                d[2 * n + q] = with_res ? gl[q][u] : 0.0f;
-                hr[u * nn + q] = with_res ? hres[q][u] : 0.0f;
-            }
+            if (res == RES_SINKHORN)
+                for (int64_t q = 0; q < nn; ++q) {
+                    d[2 * n + q] = with_res ? gl[q][u] : 0.0f;
+                    hr[u * nn + q] = with_res ? hres[q][u] : 0.0f;
+                }
             const float rr = r[tu];
             float dot = 0.0f;
             for (int64_t q = 0; q < M; ++q) {
@@ -847,52 +975,6 @@ INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, con
         for (; s < g; ++s)
             maps_dx_tile(x, phit, ga, gmerge, coef + s, hp + s * n, hr + s * nn, dz + s * Mp, dx,
                          base, t + s, 1, n, C, M, Mp, bf);
-    }
-}
-
-/* ---------------------------------------------------------------------------------------
-   mHC's successors' maps, backward (ops/cpu/variants.py). Their H_res is a closed form of
-   the res logits, computed in torch between two passes over the streams:
-     vmaps_dots  dots[t, j] = <x[t, j], ga[t]> (the aggregation's dH_pre, when ga) and
-                 dres[t, i, j] = <gmerge[t, i], x[t, j]> (the merge's dH_res, when gmerge);
-     vmaps_bwd   dphi += x^T dz and dx = coef x + dz phi^T + H_pre[j] ga + H_res^T gmerge,
-                 from dz [T, Mp] (zero past M), coef [T], hp [T, n], hr [T, n, n],
-   the tiles of the mHC maps backward above without its gates and Sinkhorn.
-   --------------------------------------------------------------------------------------- */
-
-INLINE void vmaps_dots_body(const void* x, const void* ga, const void* gmerge, float* dots,
-                            float* dres, int64_t t0, int64_t t1, const int64_t n, int64_t C,
-                            int bf) {
-    for (int64_t t = t0; t < t1; ++t)
-        token_dots(x, ga, gmerge, ga ? dots + t * n : NULL, gmerge ? dres + t * n * n : NULL,
-                   t, t + 1 < t1, n, C, bf);
-}
-
-INLINE void vmaps_bwd_body(const void* x, const float* phit, const float* dz, const float* coef,
-                           const float* hp, const float* hr, const void* ga, const void* gmerge,
-                           void* dx, float* dphi, float* base, int64_t t0, int64_t t1,
-                           const int64_t n, int64_t C, int64_t M, int64_t MV, int bf) {
-    const int64_t K = n * C, nn = n * n, Mp = MV * WG;
-    const int64_t size = bf ? 2 : 4;
-    for (int64_t t = t0; t < t1; t += G) {
-        const int64_t g = t1 - t < G ? t1 - t : G;
-        /* The next group's x, ga and gmerge rows, fetched during dphi. */
-        const int64_t t2 = t + G < t1 ? t + G : t1, t3 = t + 2 * G < t1 ? t + 2 * G : t1;
-        const ahead_t ahead = {
-            {(const char*)x + t2 * K * size, ga ? (const char*)ga + t2 * C * size : NULL,
-             gmerge ? (const char*)gmerge + t2 * K * size : NULL},
-            {(t3 - t2) * K * size / 64, ga ? (t3 - t2) * C * size / 64 : 0,
-             gmerge ? (t3 - t2) * K * size / 64 : 0}};
-        dphi_rows(x, dz + t * Mp, dphi, t, g, K, MV, &ahead, bf);
-        int64_t s = 0;
-        for (; s + 8 <= g; s += 8)
-            maps_dx_tile(x, phit, ga, gmerge, coef + t + s, hp + (t + s) * n,
-                         hr + (t + s) * nn, dz + (t + s) * Mp, dx, base, t + s, 8, n, C, M,
-                         Mp, bf);
-        for (; s < g; ++s)
-            maps_dx_tile(x, phit, ga, gmerge, coef + t + s, hp + (t + s) * n,
-                         hr + (t + s) * nn, dz + (t + s) * Mp, dx, base, t + s, 1, n, C, M,
-                         Mp, bf);
     }
 }
 
@@ -1143,9 +1225,9 @@ EXPORT_BOTH(maps_fwd,
             (const void* x, const float* phip, const float* ab, float* lt, float* r,
              float* hpre, float* hpost, float* hres, void* a, int64_t t0, int64_t t1,
              int64_t threads, int64_t n, int64_t C, int64_t M, int64_t MV, int64_t iters,
-             double norm_eps, double sk_eps, double pre_eps),
+             int64_t res, double norm_eps, double sk_eps, double pre_eps),
             (x, phip, ab, lt, r, hpre, hpost, hres, a, a_, b_, N_, C, M, MV, (int)iters,
-             (float)norm_eps, (float)sk_eps, (float)pre_eps, bf))
+             (int)res, (float)norm_eps, (float)sk_eps, (float)pre_eps, bf))
 
 /* Per-thread slices: dphi [K, Mp], sk_y [(2 iters - 1)(n n + n) 16], base [8 K]. */
 EXPORT_BOTH(maps_bwd,
@@ -1153,26 +1235,13 @@ EXPORT_BOTH(maps_bwd,
              const float* r, const float* gpre, const float* gpost, const float* gres,
              const void* ga, const void* gmerge, void* dx, float* dht, float* dphi, float* sk_y,
              float* base, int64_t t0, int64_t t1, int64_t threads, int64_t n, int64_t C,
-             int64_t M, int64_t MV, int64_t iters, double sk_eps, double pre_eps),
+             int64_t M, int64_t MV, int64_t iters, int64_t res, double sk_eps,
+             double pre_eps),
             (x, phit, ab, lt, r, gpre, gpost, gres, ga, gmerge, dx, dht,
              dphi + k_ * n * C * MV * WG,
              (v16*)(sk_y + k_ * (2 * iters - 1) * (n * n + n) * 16),
-             base + k_ * 8 * n * C, a_, b_, N_, C, M, MV, (int)iters, (float)sk_eps,
-             (float)pre_eps, bf))
-
-EXPORT_BOTH(vmaps_dots,
-            (const void* x, const void* ga, const void* gmerge, float* dots, float* dres,
-             int64_t t0, int64_t t1, int64_t threads, int64_t n, int64_t C),
-            (x, ga, gmerge, dots, dres, a_, b_, N_, C, bf))
-
-/* Per-thread slices: dphi [K, Mp], base [8 K]. */
-EXPORT_BOTH(vmaps_bwd,
-            (const void* x, const float* phit, const float* dz, const float* coef,
-             const float* hp, const float* hr, const void* ga, const void* gmerge, void* dx,
-             float* dphi, float* base, int64_t t0, int64_t t1, int64_t threads, int64_t n,
-             int64_t C, int64_t M, int64_t MV),
-            (x, phit, dz, coef, hp, hr, ga, gmerge, dx, dphi + k_ * n * C * MV * WG,
-             base + k_ * 8 * n * C, a_, b_, N_, C, M, MV, bf))
+             base + k_ * 8 * n * C, a_, b_, N_, C, M, MV, (int)iters, (int)res,
+             (float)sk_eps, (float)pre_eps, bf))
 
 EXPORT_BOTH(hc_fwd,
             (const void* x, const float* wp, const float* p, float* hpre, float* hpost,
@@ -1227,7 +1296,8 @@ typedef struct {
     float* hpre;         /* [t, n] */
     float* hpost;        /* [t, n] */
     float* hres;         /* [t, n, n] */
-    int64_t t, n, C, M, MV, iters, bf, kind;  /* kind: 0 mHC, 1 HC */
+    int64_t t, n, C, M, MV, iters, bf, kind;  /* kind: 0 mHC or a successor, 1 HC */
+    int64_t res;         /* mHC's H_res map (RES_SINKHORN) or a successor's */
     double norm_eps, sk_eps, pre_eps;
 } decode_call;
 
@@ -1235,7 +1305,7 @@ void decode_maps(const decode_call* d) {
     if (d->kind == 0) {
         (d->bf ? maps_fwd_bf16 : maps_fwd_f32)(
             d->x, d->table, d->gates, NULL, NULL, d->hpre, d->hpost, d->hres, d->a, 0, d->t, 1,
-            d->n, d->C, d->M, d->MV, d->iters, d->norm_eps, d->sk_eps, d->pre_eps);
+            d->n, d->C, d->M, d->MV, d->iters, d->res, d->norm_eps, d->sk_eps, d->pre_eps);
     } else {
         (d->bf ? hc_fwd_bf16 : hc_fwd_f32)(
             d->x, d->table, d->gates, d->hpre, d->hpost, d->hres, d->a, 0, d->t, 1, d->n, d->C,

@@ -121,12 +121,11 @@ _SIGNATURES = {
     "merge_bwd": (9, [_I, _I]),
     "pre_fwd": (3, [_I, _I]),
     "pre_bwd": (5, [_I, _I]),
-    "maps_fwd": (9, [_I, _I, _I, _I, _I, _D, _D, _D]),  # n, C, M, MV, iters, 3 epsilons
-    "maps_bwd": (15, [_I, _I, _I, _I, _I, _D, _D]),  # n, C, M, MV, iters, sk_eps, pre_eps
+    # n, C, M, MV, iters, res (RES below), norm_eps, sk_eps, pre_eps
+    "maps_fwd": (9, [_I, _I, _I, _I, _I, _I, _D, _D, _D]),
+    "maps_bwd": (15, [_I, _I, _I, _I, _I, _I, _D, _D]),  # n, C, M, MV, iters, res, 2 epsilons
     "hc_fwd": (7, [_I, _I, _I, _D]),  # n, C, MV, norm_eps
     "hc_bwd": (17, [_I, _I, _I, _I]),  # n, C, M, MV
-    "vmaps_dots": (5, [_I, _I]),  # n, C
-    "vmaps_bwd": (11, [_I, _I, _I, _I]),  # n, C, M, MV
     "rows_fwd": (4, [_I, _I]),  # K, MV
     "rows_bwd": (6, [_I, _I, _I]),  # K, M, MV
 }
@@ -137,7 +136,8 @@ class DecodeCall(ctypes.Structure):
 
     _fields_ = [(name, _P) for name in
                 ("x", "f", "a", "out", "table", "gates", "hpre", "hpost", "hres")]
-    _fields_ += [(name, _I) for name in ("t", "n", "C", "M", "MV", "iters", "bf", "kind")]
+    _fields_ += [(name, _I) for name in
+                 ("t", "n", "C", "M", "MV", "iters", "bf", "kind", "res")]
     _fields_ += [(name, _D) for name in ("norm_eps", "sk_eps", "pre_eps")]
 
 
@@ -251,8 +251,9 @@ class NativeOps:
         self._run("pre_bwd", x.dtype, [x, h, da, dx, dh], t, n, c)
         return dx, dh
 
-    def maps_fwd(self, x, phip, ab, iters, norm_eps, sk_eps, pre_eps, with_pre):
-        """The mHC maps of x [T, n, C] (and the pre-aggregation when with_pre).
+    def maps_fwd(self, x, phip, ab, iters, norm_eps, sk_eps, pre_eps, with_pre, res=0):
+        """The mHC maps of x [T, n, C] (and the pre-aggregation when with_pre); res = RES[kind]
+        for a successor's H_res in place of Sinkhorn (M = 2 n + res_count then).
 
         phip: phi [n*C, M] in float32 with columns zero-padded to padded_width(M); ab: [2, M]
         float32, the gate per logit row and the static biases. Returns lt [T, M] (logits
@@ -267,10 +268,10 @@ class NativeOps:
         h_res = torch.empty((t, n, n), **f32)
         a = self.blocks.empty((t, c), x.dtype) if with_pre else None
         self._run("maps_fwd", x.dtype, [x, phip, ab, lt, r, h_pre, h_post, h_res, a], t,
-                  n, c, m, phip.shape[1] // 8, iters, norm_eps, sk_eps, pre_eps)
+                  n, c, m, phip.shape[1] // 8, iters, res, norm_eps, sk_eps, pre_eps)
         return lt, r, h_pre, h_post, h_res, a
 
-    def maps_infer(self, x, phip, ab, iters, norm_eps, sk_eps, pre_eps):
+    def maps_infer(self, x, phip, ab, iters, norm_eps, sk_eps, pre_eps, res=0):
         """maps_fwd's H_pre [..., n], H_post [..., n], H_res [..., n, n] and a [..., C] for
         contiguous x [..., n, C] of any leading shape, in that shape, without the logits and
         the RMS (inference: nothing is kept for a backward)."""
@@ -278,7 +279,8 @@ class NativeOps:
         t = math.prod(lead)
         h_pre, h_post, h_res, a = self._maps_outputs(x, lead, t, True)
         self._run("maps_fwd", x.dtype, [x, phip, ab, None, None, h_pre, h_post, h_res, a], t,
-                  n, c, ab.shape[1], phip.shape[1] // 8, iters, norm_eps, sk_eps, pre_eps)
+                  n, c, ab.shape[1], phip.shape[1] // 8, iters, res, norm_eps, sk_eps,
+                  pre_eps)
         return h_pre, h_post, h_res, a
 
     def hc_infer(self, x, wp, p, norm_eps, with_pre):
@@ -305,12 +307,12 @@ class NativeOps:
                 self.blocks.empty((*lead, c), x.dtype, t * c) if with_pre else None)
 
     def maps_bwd(self, x, phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_merge, iters, sk_eps,
-                 pre_eps):
+                 pre_eps, res=0):
         """dx [T, n, C] (x's dtype), dh~ [T, M] and dphi [n*C, M] of the maps (and of the
         aggregation when g_a is given; of the merge's H_res x when g_merge is given).
 
         phit: phi^T [M, n*C] float32; the gradients are float32 [T, n], [T, n], [T, n, n]
-        and x's dtype [T, C], [T, n, C]; any may be None.
+        and x's dtype [T, C], [T, n, C]; any may be None. res as in maps_fwd.
         """
         t, n, c = x.shape
         m = ab.shape[1]
@@ -328,7 +330,7 @@ class NativeOps:
         self._run("maps_bwd", x.dtype,
                   [x, phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_merge, dx, dht,
                    PerThread(dphi), PerThread(sk_y), PerThread(base)], t, n, c, m, mp // 8,
-                  iters, sk_eps, pre_eps)
+                  iters, res, sk_eps, pre_eps)
         dphi = dphi[0] if dphi.shape[0] == 1 else dphi.sum(dim=0)
         return dx, dht, dphi[:, :m].contiguous()
 
@@ -356,32 +358,6 @@ class NativeOps:
         dw = dw[0] if threads == 1 else dw.sum(dim=0)
         return dx, gtot, dw[:, :m].contiguous()
 
-    def vmaps_dots(self, x, ga, gmerge):
-        """(dots [T, n] = <x[t, j], ga[t]> or None, dres [T, n, n] = <gmerge[t, i], x[t, j]>
-        or None) for x [T, n, C] and ga [T, C], gmerge [T, n, C] in x's dtype (either None)."""
-        t, n, c = x.shape
-        dots = torch.empty((t, n), dtype=torch.float32) if ga is not None else None
-        dres = torch.empty((t, n, n), dtype=torch.float32) if gmerge is not None else None
-        self._run("vmaps_dots", x.dtype, [x, ga, gmerge, dots, dres], t, n, c)
-        return dots, dres
-
-    def vmaps_bwd(self, x, phit, dz, coef, hp, hr, ga, gmerge):
-        """dx [T, n, C] (x's dtype) = coef x + dz phi^T + H_pre[j] ga + H_res^T gmerge and
-        dphi [n*C, M] = x^T dz of a successor's maps, for phit = phi^T [M, n*C] float32,
-        dz [T, Mp] float32 zero past column M, coef [T], hp [T, n], hr [T, n, n] float32;
-        ga [T, C] and gmerge [T, n, C] in x's dtype, either None."""
-        t, n, c = x.shape
-        m, mp = phit.shape[0], dz.shape[1]
-        dx = self.blocks.empty(x.shape, x.dtype)
-        threads = self.threads_for(t)
-        dphi = torch.zeros((threads, n * c, mp), dtype=torch.float32)
-        base = torch.empty((threads, 8 * n * c), dtype=torch.float32)
-        self._run("vmaps_bwd", x.dtype,
-                  [x, phit, dz, coef, hp, hr, ga, gmerge, dx, PerThread(dphi), PerThread(base)],
-                  t, n, c, m, mp // 8)
-        dphi = dphi[0] if threads == 1 else dphi.sum(dim=0)
-        return dx, dphi[:, :m].contiguous()
-
     def rows_fwd(self, x, wp):
         """z [R, Mp] = x @ wp and the sums of squares ss [R] of x's rows, for x [R, K]
         (fp32 or bf16) and wp [K, Mp] float32 (columns padded to padded_width)."""
@@ -406,6 +382,8 @@ class NativeOps:
 
 
 MAX_STREAMS = 8  # native.c's MAXN: per-token arrays of n (n x n) vectors
+# native.c's H_res maps: mHC's Sinkhorn, then its successors' closed forms (res argument)
+RES = {"mhc": 0, "mhc-lite": 1, "kromhc": 2, "mhc-static-res": 3}
 MAX_MAP_LOGITS = 80  # native.c's MAX_MV 8-float vectors: phi's widest padded row
 
 

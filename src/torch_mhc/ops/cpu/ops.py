@@ -846,17 +846,18 @@ def _(x, f, h_post, h_res, g, fused_dx):
 @torch.library.custom_op("torch_mhc::cpu_mhc_maps_fwd", mutates_args=())
 def _native_maps_fwd(
     x: torch.Tensor, phip: torch.Tensor, ab: torch.Tensor, iters: int, norm_eps: float,
-    sk_eps: float, pre_eps: float, with_pre: bool,
+    sk_eps: float, pre_eps: float, with_pre: bool, res: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(lt [T, M], r [T], H_pre, H_post, H_res, a [T, C] or empty): see NativeOps.maps_fwd."""
+    """(lt [T, M], r [T], H_pre, H_post, H_res, a [T, C] or empty): see NativeOps.maps_fwd
+    (res: Sinkhorn, or a successor's H_res map, native.RES)."""
     lt, r, h_pre, h_post, h_res, a = _lib().maps_fwd(
-        x.contiguous(), phip.contiguous(), ab, iters, norm_eps, sk_eps, pre_eps, with_pre
+        x.contiguous(), phip.contiguous(), ab, iters, norm_eps, sk_eps, pre_eps, with_pre, res
     )
     return lt, r, h_pre, h_post, h_res, (x.new_empty(0) if a is None else a)
 
 
 @_native_maps_fwd.register_fake
-def _(x, phip, ab, iters, norm_eps, sk_eps, pre_eps, with_pre):
+def _(x, phip, ab, iters, norm_eps, sk_eps, pre_eps, with_pre, res=0):
     t, n, c = x.shape
     f32 = dict(dtype=torch.float32, device=x.device)
     return (
@@ -871,15 +872,15 @@ def _native_maps_bwd(
     x: torch.Tensor, phit: torch.Tensor, ab: torch.Tensor, lt: torch.Tensor, r: torch.Tensor,
     g_pre: torch.Tensor | None, g_post: torch.Tensor | None, g_res: torch.Tensor | None,
     g_a: torch.Tensor | None, g_merge: torch.Tensor | None, iters: int, sk_eps: float,
-    pre_eps: float,
+    pre_eps: float, res: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dL/dH~ [T, M], dphi [K, M]): see NativeOps.maps_bwd."""
     return _lib().maps_bwd(x.contiguous(), phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_merge,
-                            iters, sk_eps, pre_eps)
+                            iters, sk_eps, pre_eps, res)
 
 
 @_native_maps_bwd.register_fake
-def _(x, phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_merge, iters, sk_eps, pre_eps):
+def _(x, phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_merge, iters, sk_eps, pre_eps, res=0):
     return torch.empty_like(x), torch.empty_like(lt), phit.new_empty(phit.t().shape)
 
 

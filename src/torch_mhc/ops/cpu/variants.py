@@ -2,21 +2,17 @@
 
 The successors keep mHC's read and write maps and replace Sinkhorn by a closed form of the
 res logits (a softmax mixture of permutations, a Kronecker product of 2 x 2 factors, or the
-identity), so the costly parts are mHC's: the skinny matmul x @ phi with the RMS, the
-pre-aggregation, and in the backward dphi and one [T, n, C] write of dx. Those run on the
-native loops (ops/cpu/native.c); only the per-token maps on [T, M] and [T, n, n] run as
-torch ops between the native calls:
+identity). So they run mHC's own native passes (ops/cpu/native.c's maps_fwd and maps_bwd,
+the torch_mhc::cpu_mhc_maps_* ops) with the per-token Sinkhorn step swapped for the kind's
+map (the `res` argument, native.RES): forward, x @ phi with the RMS, the gates, H_res and
+the pre-aggregation in one pass over x; backward, the aggregation's and the merge's dot
+products, the gates' and H_res's backward, dphi and one write of dx in one pass. H_res and
+its backward are computed in double and rounded once, as functional.successors builds
+them. With fused_dx, as ops.cpu.mhc_maps_pre, x_for_merge hands the merge's upstream
+gradient to this node, so x's gradient from the whole connection is one write.
 
-- forward: rows_fwd gives x @ phi and the sums of squares in one pass over x; the gates,
-  sigmoids and the H_res map in torch; pre_fwd the aggregation.
-- backward: vmaps_dots gives the aggregation's dH_pre = <x_j, da> and, with fused_dx, the
-  merge's dH_res = <g_i, x_j> in one pass; the gates' and the H_res map's backward in torch
-  (closed forms, float64 for H_res as in its forward); vmaps_bwd writes dphi and
-  dx = coef x + dz phi^T + H_pre[j] da + H_res^T g once, as mHC's maps backward does.
-- fused_dx: as ops.cpu.mhc_maps_pre, x_for_merge hands the merge's upstream gradient to
-  this node, so x's gradient from the whole connection is one write.
-
-Without the native library, for float64, fp16 or n > 8, the same Function runs on torch ops.
+Without the native library, for float64, fp16, n > 8 or more than native.MAX_MAP_LOGITS
+logits (mhc-lite at n = 5), the same Function runs on torch ops.
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ from torch_mhc.functional import successors as _ref
 from torch_mhc.functional.sinkhorn import compute_dtype
 from torch_mhc.ops.cpu import native
 
-__all__ = ["takes_native", "variant_maps", "variant_maps_pre"]
+__all__ = ["takes_native", "variant_maps", "variant_maps_pre", "variant_tables"]
 
 
 def _no_autocast(fn):
@@ -66,18 +62,11 @@ def _gate_rows(alpha, b_pre, b_post, b_res, n: int, r: int, dtype):
     return torch.cat(gates), torch.cat(biases)
 
 
-def _logits(x: torch.Tensor, phi: torch.Tensor, norm_eps: float, use_native: bool):
+def _logits(x: torch.Tensor, phi: torch.Tensor, norm_eps: float):
     """(l [T, M] = (flatten(x) @ phi) / r, r [T]) for x [T, n, C], in the maps dtype."""
     t, n, c = x.shape
-    k, m = n * c, phi.shape[1]
-    if use_native:
-        phip = torch.nn.functional.pad(phi.to(torch.float32),
-                                       (0, native.padded_width(m) - m)).contiguous()
-        z, ss = torch.ops.torch_mhc.cpu_rows_fwd(x.view(t, k), phip)  # [T, Mp], [T]
-        r = ss.div_(k).add_(norm_eps).sqrt_()
-        return z[:, :m] / r.unsqueeze(-1), r
     cdt = compute_dtype(x.dtype)
-    v = x.reshape(t, k).to(cdt)
+    v = x.reshape(t, n * c).to(cdt)
     r = torch.sqrt(v.square().mean(dim=-1) + norm_eps)
     return (v @ phi.to(cdt)) / r.unsqueeze(-1), r
 
@@ -137,20 +126,22 @@ class _VariantMaps(torch.autograd.Function):
         ctx.kind, ctx.with_pre, ctx.fused_dx = kind, with_pre, fused_dx
         ctx.native = takes_native(x, phi.shape[1])
         ctx.b_dtypes = (b_pre.dtype, b_post.dtype, None if b_res is None else b_res.dtype)
-        lg, r = _logits(x, phi, norm_eps, ctx.native)  # [T, M], [T]
-        gate, bias = _gate_rows(alpha, b_pre, b_post, b_res, n, r_count, lg.dtype)
-        ht = torch.addcmul(bias, lg, gate)  # [T, M] the gated logits
-        h_pre = torch.sigmoid(ht[:, :n])
-        h_post = torch.sigmoid(ht[:, n : 2 * n]).mul_(2.0)
-        h_res, weights = _res_forward(kind, ht[:, 2 * n :], n)  # [T, n, n], [T, R]
-        ctx.save_for_backward(x, phi, alpha, lg, r, gate, ht, h_res, weights)
-        outs = (h_pre, h_post, h_res)
-        if with_pre:
-            if ctx.native:
-                a = torch.ops.torch_mhc.cpu_pre_aggregate_fwd(x, h_pre.contiguous())
-            else:
-                a = torch.bmm(h_pre.to(x.dtype).unsqueeze(-2), x).squeeze(-2)
-            outs = (*outs, a)
+        if ctx.native:
+            phip, ab = variant_tables(phi, alpha, b_pre, b_post, b_res)
+            lt, r, h_pre, h_post, h_res, a = torch.ops.torch_mhc.cpu_mhc_maps_fwd(
+                x, phip, ab, 1, norm_eps, 0.0, 0.0, with_pre, native.RES[kind])
+            # Saved: the logits [T, M] and the RMS, as mHC's maps.
+            ctx.save_for_backward(x, phi, alpha, lt, r, ab)
+        else:
+            lt, r = _logits(x, phi, norm_eps)  # [T, M], [T]
+            gate, bias = _gate_rows(alpha, b_pre, b_post, b_res, n, r_count, lt.dtype)
+            ht = torch.addcmul(bias, lt, gate)  # [T, M] the gated logits
+            h_pre = torch.sigmoid(ht[:, :n])
+            h_post = torch.sigmoid(ht[:, n : 2 * n]).mul_(2.0)
+            h_res, weights = _res_forward(kind, ht[:, 2 * n :], n)  # [T, n, n], [T, R]
+            ctx.save_for_backward(x, phi, alpha, lt, r, gate, ht, h_res, weights)
+            a = torch.bmm(h_pre.to(x.dtype).unsqueeze(-2), x).squeeze(-2) if with_pre else None
+        outs = (h_pre, h_post, h_res, a) if with_pre else (h_pre, h_post, h_res)
         return (*outs, x.view_as(x)) if fused_dx else outs
 
     @staticmethod
@@ -158,29 +149,48 @@ class _VariantMaps(torch.autograd.Function):
     def backward(ctx, g_pre, g_post, g_res, *more):
         g_a = more[0] if ctx.with_pre else None
         g_merge = more[1] if ctx.fused_dx else None
-        x, phi, alpha, lg, r, gate, ht, h_res, weights = ctx.saved_tensors
+        n = ctx.saved_tensors[0].shape[1]
         if ctx.native:
+            x, phi, alpha, lt, r, ab = ctx.saved_tensors
             f32 = torch.float32
-            g_a = None if g_a is None else g_a.to(x.dtype).contiguous()
-            g_merge = None if g_merge is None else g_merge.to(x.dtype).contiguous()
-            dots, dres = (None, None)
-            if g_a is not None or g_merge is not None:
-                dots, dres = torch.ops.torch_mhc.cpu_vmaps_dots(x, g_a, g_merge)
-                dots = dots if g_a is not None else None
-                dres = dres if g_merge is not None else None
-            g_pre = _plus(g_pre, dots, f32)
-            g_res = _plus(g_res, dres, f32)
+            dx, d_ht, d_phi = torch.ops.torch_mhc.cpu_mhc_maps_bwd(
+                x, phi.to(f32).t().contiguous(), ab, lt, r, _dense(g_pre, f32),
+                _dense(g_post, f32), _dense(g_res, f32), _dense(g_a, x.dtype),
+                _dense(g_merge, x.dtype), 1, 0.0, 0.0, native.RES[ctx.kind])
+            d_phi = d_phi.to(phi.dtype)
         else:
-            cdt = lg.dtype
+            x, phi, alpha, lt, r, gate, ht, h_res, weights = ctx.saved_tensors
+            cdt = lt.dtype
             if g_a is not None:  # the aggregation's <x_j, da>, [T, n]
                 dots = torch.bmm(g_a.to(x.dtype).unsqueeze(-2), x.transpose(-1, -2))
                 g_pre = _plus(g_pre, dots.squeeze(-2), cdt)
             if g_merge is not None:  # the merge's <g_i, x_j>, [T, n, n]
                 g_res = _plus(g_res, torch.bmm(g_merge.to(x.dtype), x.transpose(-1, -2)), cdt)
-        d_ht = _gates_backward(ctx.kind, ht, weights, g_pre, g_post, g_res, x.shape[1])
-        params = _parameter_grads(d_ht, lg, x.shape[1], alpha.dtype, ctx.b_dtypes)
-        dx, d_phi = _input_grads(ctx, x, phi, lg, r, gate, ht, h_res, d_ht, g_a, g_merge)
+            d_ht = _gates_backward(ctx.kind, ht, weights, g_pre, g_post, g_res, n)
+            dx, d_phi = _input_grads(x, phi, lt, r, gate, ht, h_res, d_ht, g_a, g_merge)
+        params = _parameter_grads(d_ht, lt, n, alpha.dtype, ctx.b_dtypes)
         return (None, dx, d_phi, *params, None, None, None)
+
+
+def variant_tables(phi, alpha, b_pre, b_post, b_res=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(phi padded [K, Mp], gate table [2, M]: each logit's gate, then its bias) in float32,
+    the native maps' inputs (ops.cpu.mhc_tables' layout; b_res None without res logits)."""
+    n = b_pre.shape[0]
+    gate, bias = _gate_rows(alpha, b_pre, b_post, b_res, n, phi.shape[1] - 2 * n,
+                            torch.float32)
+    return _padded(phi), torch.stack([gate, bias]).contiguous()
+
+
+def _padded(phi: torch.Tensor) -> torch.Tensor:
+    """phi [K, M] as float32 with its columns zero-padded to native.padded_width(M)."""
+    m = phi.shape[1]
+    return torch.nn.functional.pad(phi.to(torch.float32),
+                                   (0, native.padded_width(m) - m)).contiguous()
+
+
+def _dense(g: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """g contiguous in dtype (the native loops' layout), or None."""
+    return None if g is None else g.to(dtype).contiguous()
 
 
 def _plus(g: torch.Tensor | None, extra: torch.Tensor | None, dtype) -> torch.Tensor | None:
@@ -218,7 +228,7 @@ def _parameter_grads(d_ht, lg, n: int, alpha_dtype, b_dtypes):
             d_b[n : 2 * n].to(b_dtypes[1]), d_res)
 
 
-def _input_grads(ctx, x, phi, lg, r, gate, ht, h_res, d_ht, g_a, g_merge):
+def _input_grads(x, phi, lg, r, gate, ht, h_res, d_ht, g_a, g_merge):
     """(dx [T, n, C] in x's dtype, dphi [K, M]): logits = z / r with r = sqrt(mean(v^2) +
     eps), so dL/dv = dz phi^T + coef v, plus the aggregation's H_pre[j] da and the merge's
     H_res^T g."""
@@ -228,13 +238,6 @@ def _input_grads(ctx, x, phi, lg, r, gate, ht, h_res, d_ht, g_a, g_merge):
     coef = (d_l * lg).sum(dim=-1).div_(r.square()).div_(-k)  # [T]
     d_z = d_l.div_(r.unsqueeze(-1))  # [T, M]
     h_pre = torch.sigmoid(ht[:, :n])
-    if ctx.native:
-        m = d_z.shape[1]
-        d_zp = torch.nn.functional.pad(d_z.to(torch.float32), (0, native.padded_width(m) - m))
-        dx, d_phi = torch.ops.torch_mhc.cpu_vmaps_bwd(
-            x, phi.to(torch.float32).t().contiguous(), d_zp.contiguous(),
-            coef.to(torch.float32).contiguous(), h_pre.contiguous(), h_res, g_a, g_merge)
-        return dx, d_phi.to(phi.dtype)
     cdt = lg.dtype
     v = x.reshape(t, k).to(cdt)
     dv = torch.mm(d_z, phi.to(cdt).t()).addcmul_(v, coef.unsqueeze(-1)).view(t, n, c)
@@ -243,36 +246,6 @@ def _input_grads(ctx, x, phi, lg, r, gate, ht, h_res, d_ht, g_a, g_merge):
     if g_merge is not None:
         dv.baddbmm_(h_res.to(cdt).transpose(-1, -2), g_merge.to(cdt))
     return dv.to(x.dtype), torch.mm(v.t(), d_z).to(phi.dtype)
-
-
-@torch.library.custom_op("torch_mhc::cpu_vmaps_dots", mutates_args=())
-def _native_dots(x: torch.Tensor, ga: torch.Tensor | None, gmerge: torch.Tensor | None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(<x[t, j], ga[t]> [T, n], <gmerge[t, i], x[t, j]> [T, n, n]); empty where not given."""
-    dots, dres = native.load().vmaps_dots(x.contiguous(), ga, gmerge)
-    empty = x.new_empty(0, dtype=torch.float32)
-    return (empty if dots is None else dots), (empty.clone() if dres is None else dres)
-
-
-@_native_dots.register_fake
-def _(x, ga, gmerge):
-    t, n, _ = x.shape
-    f32 = torch.float32
-    return (x.new_empty((t, n) if ga is not None else (0,), dtype=f32),
-            x.new_empty((t, n, n) if gmerge is not None else (0,), dtype=f32))
-
-
-@torch.library.custom_op("torch_mhc::cpu_vmaps_bwd", mutates_args=())
-def _native_bwd(x: torch.Tensor, phit: torch.Tensor, dz: torch.Tensor, coef: torch.Tensor,
-                hp: torch.Tensor, hr: torch.Tensor, ga: torch.Tensor | None,
-                gmerge: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx [T, n, C], dphi [K, M]): see NativeOps.vmaps_bwd."""
-    return native.load().vmaps_bwd(x.contiguous(), phit, dz, coef, hp, hr, ga, gmerge)
-
-
-@_native_bwd.register_fake
-def _(x, phit, dz, coef, hp, hr, ga, gmerge):
-    return torch.empty_like(x), phit.new_empty(phit.t().shape)
 
 
 def _run(kind, x, phi, alpha, b_pre, b_post, b_res, norm_eps, with_pre, fused_dx):
