@@ -14,6 +14,8 @@ from tests.helpers.op_cases import TOL, Branch, assert_close, perturbed
 from torch_mhc import HyperConnection, ManifoldHyperConnection
 from torch_mhc import ops as ops_
 from torch_mhc.connections import base
+from torch_mhc.connections.successors import make_variant
+from torch_mhc.functional.successors import VARIANT_KINDS
 from torch_mhc.ops.cpu import decode, native
 from torch_mhc.runtime import diagnostics
 
@@ -26,8 +28,14 @@ def _native_library():
         pytest.skip("native CPU library unavailable (no C compiler, or TORCH_MHC_NATIVE=0)")
 
 
+SUCCESSORS = [("mhc-lite", 4), ("mhc-lite", 3), ("kromhc", 4), ("kromhc", 8),
+              ("mhc-static-res", 4)]
+
+
 def _connection(kind: str, n: int = 4, seed: int = 0, impl: str = "cpu", **kw):
     torch.manual_seed(seed)
+    if kind in VARIANT_KINDS:
+        return perturbed(make_variant(kind, C, n, 1, Branch(C), impl=impl, **kw), seed=seed)
     cls = ManifoldHyperConnection if kind == "mhc" else HyperConnection
     return perturbed(cls(C, n, 1, Branch(C), impl=impl, **kw), seed=seed)
 
@@ -45,12 +53,13 @@ def _decoders(conn) -> list:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lead", [(1, 1), (8, 1), (3,), (2, 5)])
-@pytest.mark.parametrize("kind, n", [("mhc", 4), ("mhc", 3), ("mhc", 8), ("hc", 4), ("hc", 2)])
+@pytest.mark.parametrize("kind, n", [("mhc", 4), ("mhc", 3), ("mhc", 8), ("hc", 4), ("hc", 2),
+                                     *SUCCESSORS])
 def test_decoding_equals_the_autograd_path_bit_for_bit(kind, n, lead, dtype):
-    """The prepared calls run the loops mHC's autograd path runs: equal outputs (HC's
-    autograd path takes the reference's torch ops on fewer than cpu._HC_NATIVE_MIN_TOKENS
-    tokens: equal to float32 rounding), and within the dtype's tolerance of the reference
-    connection."""
+    """The prepared calls run the loops mHC's (and its successors') autograd path runs:
+    equal outputs (HC's autograd path takes the reference's torch ops on fewer than
+    cpu._HC_NATIVE_MIN_TOKENS tokens: equal to float32 rounding), and within the dtype's
+    tolerance of the reference connection."""
     conn = _connection(kind, n, seed=n).to(dtype)
     x = torch.randn(*lead, n, C).to(dtype)
     with_grad = conn(x.clone().requires_grad_()).detach()
@@ -62,14 +71,14 @@ def test_decoding_equals_the_autograd_path_bit_for_bit(kind, n, lead, dtype):
     assert out.shape == x.shape and out.dtype == dtype
     tol = TOL[dtype] if dtype != torch.float32 else 2e-6
     assert torch.equal(again, out)
-    if kind == "mhc":
+    if kind != "hc":
         assert torch.equal(out, with_grad)
     else:
         assert_close(out, with_grad, tol)
     assert_close(out, expected, tol)
 
 
-@pytest.mark.parametrize("kind", ["mhc", "hc"])
+@pytest.mark.parametrize("kind", ["mhc", "hc", "mhc-lite", "mhc-static-res"])
 def test_decoding_follows_every_change_of_the_parameters(kind):
     """In-place updates (an optimizer step), a swapped storage (`param.data = ...`, which
     keeps the version), a replaced parameter and a changed option are all seen."""
@@ -94,13 +103,14 @@ def test_decoding_follows_every_change_of_the_parameters(kind):
         opt.step()
         opt.zero_grad()
 
-    first = "phi" if kind == "mhc" else "w"
+    first = "w" if kind == "hc" else "phi"
     out = step_and_check(out, sgd_step)
     p = getattr(conn, first)
     out = step_and_check(out, lambda: setattr(p, "data", p.data * 1.3))
+    replaced = {"mhc": ("b_res", (4, 4)), "hc": ("static_res", (4, 4)),
+                "mhc-lite": ("b_res", (24,)), "mhc-static-res": ("b_post", (4,))}[kind]
     out = step_and_check(out, lambda: setattr(
-        conn, "b_res" if kind == "mhc" else "static_res",
-        torch.nn.Parameter(torch.randn(4, 4) * 0.5)))
+        conn, replaced[0], torch.nn.Parameter(torch.randn(replaced[1]) * 0.5)))
     if kind == "mhc":
         step_and_check(out, lambda: setattr(conn, "sinkhorn_iters", 2))
     else:
@@ -224,7 +234,7 @@ def test_the_branch_output_is_checked_and_converted():
         assert torch.equal(conn(x), want)
 
 
-@pytest.mark.parametrize("kind", ["mhc", "hc"])
+@pytest.mark.parametrize("kind", ["mhc", "hc", "kromhc"])
 def test_an_empty_batch_decodes(kind):
     conn = _connection(kind, seed=8)
     with torch.no_grad():

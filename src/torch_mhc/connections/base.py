@@ -206,7 +206,7 @@ class Connection(nn.Module):
         ops = _ops.get_impl(self.impl, x.device, x.dtype)
         if ops.decoder is None:
             return None
-        args = self.map_args(x)
+        args = self.decode_args(x)
         decoders = _DECODERS.get(id(self))
         if decoders is None:
             decoders = _DECODERS[id(self)] = {}
@@ -220,6 +220,10 @@ class Connection(nn.Module):
                 del decoders[next(iter(decoders))]  # the oldest shape
             dec = decoders[key] = ops.decoder(self.decode_kind, args)
         return dec
+
+    def decode_args(self, x: torch.Tensor) -> tuple:
+        """Ops.decoder's arguments for x: the maps op's (map_args), x first."""
+        return self.map_args(x)
 
     def mix_in(self, x: torch.Tensor):
         """Maps and pre-aggregation: x [..., n, C] -> (h_in [..., C], state for mix_out)."""

@@ -164,6 +164,10 @@ class MhcResVariant(Connection):
         return (self.kind, x, self.phi, self.alpha, self.b_pre, self.b_post, b_res,
                 self.norm_eps)
 
+    def decode_args(self, x: torch.Tensor) -> tuple:
+        """map_args without the kind (Ops.decoder takes x first and the kind apart)."""
+        return self.map_args(x)[1:]
+
     def _maps_and_input(self, ops, x: torch.Tensor):
         if ops.fused_dx:
             return ops.variant_maps_pre(*self.map_args(x), fused_dx=True)
@@ -180,6 +184,7 @@ class MHCLite(MhcResVariant):
     """mHC-lite (arXiv 2601.05732): H_res = sum_k softmax(z)_k P_k over all n! permutations."""
 
     kind = "mhc-lite"
+    decode_kind = "mhc-lite"  # decoding: mHC's two prepared native calls (ops/cpu/decode.py)
 
     def res_count(self, n: int) -> int:
         return math.factorial(n)
@@ -212,6 +217,7 @@ class KromHC(MhcResVariant):
     """KromHC (arXiv 2601.21579): H_res = kron(A_1, ..., A_m), A_k = a_k I + (1 - a_k) S."""
 
     kind = "kromhc"
+    decode_kind = "kromhc"  # decoding: mHC's two prepared native calls (ops/cpu/decode.py)
 
     def res_count(self, n: int) -> int:
         return n.bit_length() - 1
@@ -242,6 +248,7 @@ class MHCStaticRes(MhcResVariant):
     """mHC with H_res fixed to the identity: only H_pre and H_post are learned."""
 
     kind = "mhc-static-res"
+    decode_kind = "mhc-static-res"  # decoding: mHC's two prepared native calls (ops/cpu/decode.py)
 
     def res_count(self, n: int) -> int:
         return 0

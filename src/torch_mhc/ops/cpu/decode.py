@@ -8,7 +8,7 @@ scalars, the cache lookup of phi's padded copy, five output tensors, and twenty 
 arguments converted one by one. A Decoder does that work once per connection, streams
 shape and thread:
 
-    dec = decoder(conn.decode_kind, conn.map_args(x))  # None where this does not apply
+    dec = decoder(conn.decode_kind, conn.decode_args(x))  # None where this does not apply
     a = dec.mix_in(x)                        # H_pre, H_post, H_res and sum_j H_pre[j] x[j]
     out = dec.mix_out(x, branch(a))          # H_res x + H_post^T f
 
@@ -35,6 +35,7 @@ import ctypes
 import torch
 
 from torch_mhc.functional import maps as _ref
+from torch_mhc.functional.successors import VARIANT_KINDS, check_variant, res_count
 from torch_mhc.ops.checks import (
     check_hc_scalars,
     check_hc_shapes,
@@ -49,15 +50,18 @@ from torch_mhc.ops.cpu.ops import (
     mhc_tables,
     use_native,
 )
+from torch_mhc.ops.cpu.variants import variant_tables
 
 __all__ = ["Decoder", "decoder"]
 
-_KINDS = {"mhc": 0, "hc": 1}
+# native.c's decode_call.kind: 0 for mHC and its successors (maps_fwd), 1 for HC
+_KINDS = {"mhc": 0, "hc": 1} | {kind: 0 for kind in VARIANT_KINDS}
 
 
 def decoder(kind: str, args: tuple) -> Decoder | None:
-    """A Decoder for connection kind "mhc" (args: ops.mhc_maps' arguments) or "hc"
-    (ops.hc_maps' arguments, dynamic W), or None where the native loops do not apply
+    """A Decoder for connection kind "mhc" (args: ops.mhc_maps' arguments), "hc"
+    (ops.hc_maps' arguments, dynamic W) or a successor of mHC (ops.variant_maps' arguments
+    after the kind), or None where the native loops do not apply
     (another kind, dtype, device or n; no native library; HC without W; parameters made
     in inference mode, which have no version to check)."""
     if kind not in _KINDS:
@@ -88,16 +92,25 @@ def _shapes_fit(kind: str, x: torch.Tensor, params: tuple) -> bool:
     """Whether the parameters have the shapes the native loops read (they index without
     bounds; ops.checks) and HC has a W (without it the maps are static: nothing to
     prepare)."""
+    n, c = x.shape[-2:]
     try:
         if kind == "mhc":
             check_mhc_shapes("mhc_maps", x, *params[:5])
-        else:
+        elif kind == "hc":
             check_hc_shapes("hc_maps", x, *params[:6])
+        else:  # phi [n C, 2 n + R], b_pre [n], b_post [n], b_res [R] or None
+            check_variant(kind, n)
+            r = res_count(kind, n)
+            phi, _, b_pre, b_post, b_res = params[:5]
+            if (tuple(phi.shape) != (n * c, 2 * n + r) or tuple(b_pre.shape) != (n,)
+                    or tuple(b_post.shape) != (n,)
+                    or (b_res is None) != (r == 0) or (r and tuple(b_res.shape) != (r,))):
+                return False
     except ValueError:
         return False
-    if kind == "mhc":
-        return params[0].shape[1] <= _native.MAX_MAP_LOGITS
-    return params[0] is not None
+    if kind == "hc":
+        return params[0] is not None
+    return params[0].shape[1] <= _native.MAX_MAP_LOGITS
 
 
 def _marks(params: tuple) -> tuple[list, int, tuple]:
@@ -131,6 +144,12 @@ class Decoder:
             self.tables = cached_tables(mhc_tables, phi, alpha, b_pre, b_post, b_res)
             call.M, call.iters = self.tables[1].shape[1], int(iters)
             call.sk_eps, call.pre_eps = float(sk_eps), float(pre_eps)
+        elif kind in VARIANT_KINDS:  # mHC's maps with the kind's H_res (native.RES)
+            phi, alpha, b_pre, b_post, b_res, norm_eps = params
+            check_hc_scalars("variant_maps", norm_eps)
+            self.tables = cached_tables(variant_tables, phi, alpha, b_pre, b_post,
+                                        *([] if b_res is None else [b_res]))
+            call.M, call.iters, call.res = self.tables[1].shape[1], 1, _native.RES[kind]
         else:
             w, s_alpha, s_beta, static_pre, static_post, static_res, norm_eps = params
             check_hc_scalars("hc_maps", norm_eps)
