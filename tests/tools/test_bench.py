@@ -6,6 +6,7 @@ baseline's ratio is exactly 1, shared measurements agree).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 
@@ -299,3 +300,20 @@ def test_decode_steps_after_any_warmup_fit_the_cache():
     model = build_model("mhc", 16, 1, 4, 8 + 4).eval()
     times = time_decode_steps({"mhc": model}, random_tokens(1, 8), 4, 3, "process", "cpu")
     assert len(times["mhc/step"]) == 3 and all(t > 0 for t in times["mhc/step"])
+
+
+def test_ops_benchmark_times_the_successors_beside_mhc(capsys):
+    """mhc bench --ops --kinds: one entry per implementation and kind, each successor's row
+    given as a ratio to the same implementation's mHC; an unknown kind is refused."""
+    from torch_mhc.tools.bench import ops as ops_bench
+
+    result = ops_bench.measure(["reference", "cpu"], tokens=8, streams=4, dim=16, repeats=1,
+                               warmup=0, kinds=("mhc", "kromhc", "mhc-static-res"))
+    med = result["median_ms"]
+    assert set(med) == {"reference", "cpu", "reference kromhc", "cpu kromhc",
+                        "reference mhc-static-res", "cpu mhc-static-res", "residual"}
+    table = ops_bench.markdown(result)
+    row = next(line for line in table.splitlines() if line.startswith("| cpu kromhc |"))
+    assert row.split("|")[-2].strip() == f"{med['cpu kromhc'] / med['cpu']:.3f}"
+    with pytest.raises(argparse.ArgumentTypeError, match="mhc-lite"):
+        ops_bench._kinds("mhc,mhc-heavy")

@@ -1,13 +1,15 @@
 """Time the connection ops per implementation, in one process.
 
     mhc bench --ops --tokens 2048 --streams 4 --dim 512 --impls reference cpu
+    mhc bench --ops --kinds mhc,mhc-lite,kromhc,mhc-static-res --impls cpu  # the successors
     mhc bench --ops --profile ...                            # each native pass alone
     python -m torch_mhc.tools.bench.ops ...                  # the same
 
-For each implementation, maps + pre-aggregation + post-merge, forward and backward with a
-random upstream gradient, around an identity branch (so only the connection is timed),
-against the plain residual's x + f on the same tokens. Whole training steps of the
-reference LM with each connection are `mhc bench --only step` (torch_mhc.tools.bench.suite).
+For each implementation (and each connection kind of --kinds: mHC's, its successors'),
+maps + pre-aggregation + post-merge, forward and backward with a random upstream gradient,
+around an identity branch (so only the connection is timed), against the plain residual's
+x + f on the same tokens. Whole training steps of the reference LM with each connection are
+`mhc bench --only step` (torch_mhc.tools.bench.suite).
 
 Runs alternate between the entries and the median is reported (torch_mhc.tools.bench.timing), which
 keeps a shared machine's load from favouring one of them; --clock process times this
@@ -22,8 +24,19 @@ import json
 
 import torch
 
+from torch_mhc.functional.successors import VARIANT_KINDS
 from torch_mhc.tools.bench.timing import CLOCKS, medians, time_interleaved
 from torch_mhc.tools.bench.workloads import connection_step, residual_step
+
+
+def _kinds(text: str) -> tuple[str, ...]:
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    bad = [k for k in kinds if k != "mhc" and k not in VARIANT_KINDS]
+    if bad or not kinds:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated kinds from mhc, {', '.join(VARIANT_KINDS)}; got {text!r}")
+    return kinds
+
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,31 +51,40 @@ def measure(
     repeats: int = 15,
     warmup: int = 2,
     clock: str = "wall",
+    kinds: tuple[str, ...] = ("mhc",),
 ) -> dict:
-    """Median milliseconds of each implementation's connection step and of the residual."""
+    """Median milliseconds of each implementation's connection step (entries "<impl>" for
+    mHC, "<impl> <kind>" for a successor) and of the residual."""
     dt = _DTYPES[dtype]
-    steps = {name: connection_step(name, tokens, streams, dim, dt, device) for name in impls}
+    steps = {(name if kind == "mhc" else f"{name} {kind}"):
+             connection_step(name, tokens, streams, dim, dt, device, kind)
+             for kind in kinds for name in impls}
     steps["residual"] = residual_step(tokens, dim, dt, device)
     times = time_interleaved(steps, repeats, warmup, clock, device)
     return {
         "config": {"tokens": tokens, "streams": streams, "dim": dim, "dtype": dtype,
                    "device": device, "threads": torch.get_num_threads(), "repeats": repeats,
-                   "clock": clock},
+                   "clock": clock, "kinds": list(kinds)},
         "median_ms": medians(times),
         "min_ms": {name: min(ts) for name, ts in times.items()},
     }
 
 
 def markdown(result: dict) -> str:
-    """One row per implementation (and the residual): median and min ms, speed-up."""
+    """One row per implementation and kind (and the residual): median and min ms, speed-up
+    over the reference implementation of the same kind, and time over the same
+    implementation's mHC."""
     med, mins = result["median_ms"], result["min_ms"]
-    base = med.get("reference")
-    lines = ["| connection ops | median ms | min ms | speed-up vs reference |",
-             "|---|---:|---:|---:|"]
+    lines = ["| connection ops | median ms | min ms | speed-up vs reference | x mHC |",
+             "|---|---:|---:|---:|---:|"]
     for name, ms in med.items():
-        ratio = f"{base / ms:.2f}x" if base and name not in ("reference", "residual") else ""
+        impl, _, kind = name.partition(" ")
+        base = med.get("reference" + (f" {kind}" if kind else ""))
+        ratio = f"{base / ms:.2f}x" if base and impl not in ("reference", "residual") else ""
+        own = med.get(impl) if kind else None
+        over = f"{ms / own:.3f}" if own else ""
         label = "residual x + f" if name == "residual" else name
-        lines.append(f"| {label} | {ms:.2f} | {mins[name]:.2f} | {ratio} |")
+        lines.append(f"| {label} | {ms:.2f} | {mins[name]:.2f} | {ratio} | {over} |")
     return "\n".join(lines)
 
 
@@ -73,6 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--impls", nargs="+", default=["reference", "cpu"])
+    parser.add_argument("--kinds", type=_kinds, default=("mhc",),
+                        help="comma-separated: mhc and any of " + ", ".join(VARIANT_KINDS))
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--clock", choices=CLOCKS, default="wall")
@@ -94,7 +118,7 @@ def run_command(args: argparse.Namespace) -> int:
         print(op_profile.markdown(result))
         return 0
     result = measure(args.impls, args.tokens, args.streams, args.dim, args.dtype, args.device,
-                     args.repeats, clock=args.clock)
+                     args.repeats, clock=args.clock, kinds=args.kinds)
     print(json.dumps(result, indent=2))
     print(markdown(result))
     return 0

@@ -8,6 +8,7 @@ Shared by the suite behind `mhc bench` (step, saved, sinkhorn, decode) and by th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import sys
 from collections.abc import Callable, Iterable
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torch_mhc import ops as _ops
+from torch_mhc.functional import successors as _successors
 from torch_mhc.lm.model import LM, ModelConfig, rope_angles
 
 __all__ = [
@@ -188,28 +190,33 @@ def saved_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] = ()):
     return sum(storages.values()), out
 
 
-def connection_step(impl: str, tokens: int, n: int, c: int, dtype: torch.dtype, device: str):
-    """A closure running one forward + backward of the connection's ops."""
+def connection_step(impl: str, tokens: int, n: int, c: int, dtype: torch.dtype, device: str,
+                    kind: str = "mhc"):
+    """A closure running one forward + backward of the connection's ops: mHC's, or with
+    kind one of its successors' (variant_maps_pre in place of mhc_maps_pre)."""
     g = torch.Generator().manual_seed(0)
-    m = n * n + 2 * n
+    r = n * n if kind == "mhc" else _successors.res_count(kind, n)
     x = torch.randn(tokens, n, c, generator=g).to(device=device, dtype=dtype).requires_grad_()
     params = [
-        (torch.randn(n * c, m, generator=g) / (n * c) ** 0.5),
-        torch.full((3,), 0.5),
+        (torch.randn(n * c, 2 * n + r, generator=g) / (n * c) ** 0.5),
+        torch.full((3 if r else 2,), 0.5),
         torch.zeros(n),
         torch.zeros(n),
-        torch.randn(n, n, generator=g),
+        torch.randn(n, n, generator=g) if kind == "mhc" else
+        (torch.randn(r, generator=g) if r else None),
     ]
-    params = [p.to(device).requires_grad_() for p in params]
+    params = [None if p is None else p.to(device).requires_grad_() for p in params]
     upstream = torch.randn(tokens, n, c, generator=g).to(device=device, dtype=dtype)
     ops = _ops.get_impl(impl, device, dtype)
+    maps_pre = ops.mhc_maps_pre if kind == "mhc" else functools.partial(ops.variant_maps_pre,
+                                                                         kind)
 
-    def step():  # what ManifoldHyperConnection runs, around an identity branch
+    def step():  # what the connection module runs, around an identity branch
         if ops.fused_dx:
-            _, h_post, h_res, f, x_for_merge = ops.mhc_maps_pre(x, *params, fused_dx=True)
+            _, h_post, h_res, f, x_for_merge = maps_pre(x, *params, fused_dx=True)
             out = ops.post_merge(x_for_merge, f, h_post, h_res, fused_dx=True)
         else:
-            _, h_post, h_res, f = ops.mhc_maps_pre(x, *params)
+            _, h_post, h_res, f = maps_pre(x, *params)
             out = ops.post_merge(x, f, h_post, h_res)
         out.backward(upstream)
 
