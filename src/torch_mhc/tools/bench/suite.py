@@ -163,7 +163,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tiny sizes and 2 rounds: every benchmark in seconds (a smoke test)")
     p.add_argument("--successors", action="store_true",
                    help="also time mHC's successors (mhc-lite, kromhc, mhc-static-res) in the "
-                        "step benchmark, beside mHC")
+                        "step and decode benchmarks, beside mHC")
     p.add_argument("--inductor", action="store_true",
                    help="also time the inductor ops (reference under torch.compile): a "
                         "<kind>_inductor step variant for every kind timed (hc, mhc, and the "
@@ -327,7 +327,9 @@ def run_benchmarks(args: argparse.Namespace) -> dict:
             dim=args.dim, layers=args.layers, streams=args.streams,
             batches=tuple(args.decode_batches), prompt=args.prompt, new_tokens=args.new_tokens,
             dtype=args.dtype, impl=args.impl, repeats=args.repeats or 3,
-            builds=args.decode_builds, **timing,
+            builds=args.decode_builds,
+            variants=("residual", "hc", "mhc", *(SUCCESSORS if args.successors else ())),
+            **timing,
         )
     # Keep the order of BENCHMARKS in the report.
     return {name: out[name] for name in BENCHMARKS if name in out}
