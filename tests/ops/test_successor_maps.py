@@ -242,7 +242,49 @@ def test_native_initial_res_map_is_the_references_bit_for_bit(kind, n):
 
     conn = make_variant(kind, 16, n, 0, torch.nn.Identity())
     x = torch.randn(5, n, 16)
+    if not cpu_variants.takes_native(x, conn.phi.shape[1]):
+        pytest.skip("native CPU library unavailable")
     args = conn.map_args(x)
     got = cpu_variants.variant_maps(*args)[2]
     want = ref.variant_maps(*args)[2]
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(("kind", "n"), [("mhc-lite", 3), ("kromhc", 4), ("mhc-static-res", 2)])
+def test_without_autograd_the_maps_are_the_autograd_paths_bit_for_bit(kind, n):
+    """Under no_grad (decoding, evaluation: 300 tokens, past the prepared decode path) the
+    maps come from the native loops without the logits a backward would keep: the same
+    values as the autograd path's, bit for bit, with x itself as x_for_merge."""
+    x, *params = variant_inputs(kind, (3, 100), n, 24, torch.float32)
+    if not cpu_variants.takes_native(x, params[0].shape[1]):
+        pytest.skip("native CPU library unavailable")
+    with_grad = cpu_variants.variant_maps_pre(kind, x, *params, fused_dx=True)
+    with torch.no_grad():
+        without = cpu_variants.variant_maps_pre(kind, x, *params, fused_dx=True)
+    assert without[-1] is x
+    for a, e in zip(without[:-1], with_grad[:-1], strict=True):
+        assert not a.requires_grad and torch.equal(a, e.detach())
+
+
+def test_the_native_maps_ops_pass_opcheck_and_refuse_a_foreign_res_map():
+    """cpu_mhc_maps_fwd / _bwd with a successor's H_res map (res): schema and fake
+    implementation; a res code, or a number of logits, the kernels cannot take is a
+    ValueError before the loops."""
+    if native.load() is None:
+        pytest.skip("native CPU library unavailable")
+    x, phi, alpha, b_pre, b_post, b_res = (t.detach() for t in
+                                           variant_inputs("mhc-lite", (15,), 3, 8,
+                                                          torch.float32))
+    phip, ab = cpu_variants.variant_tables(phi, alpha, b_pre, b_post, b_res)
+    res = native.RES["mhc-lite"]
+    fwd = (x, phip, ab, 1, 1e-6, 0.0, 0.0, True, res)
+    torch.library.opcheck(torch.ops.torch_mhc.cpu_mhc_maps_fwd.default, fwd)
+    lt, r, *_ = torch.ops.torch_mhc.cpu_mhc_maps_fwd(*fwd)
+    g = torch.randn(15, 3, 8)
+    bwd = (x, phi.t().contiguous(), ab, lt, r, torch.randn(15, 3), None, torch.randn(15, 3, 3),
+           torch.randn(15, 8), g, 1, 0.0, 0.0, res)
+    torch.library.opcheck(torch.ops.torch_mhc.cpu_mhc_maps_bwd.default, bwd)
+    with pytest.raises(ValueError, match="res must be one of"):
+        torch.ops.torch_mhc.cpu_mhc_maps_fwd(x, phip, ab, 1, 1e-6, 0.0, 0.0, True, 7)
+    with pytest.raises(ValueError, match=r"mhc-lite maps with n = 3 expect M = 2 n \+ 6"):
+        torch.ops.torch_mhc.cpu_mhc_maps_fwd(x, phip, ab[:, :-1], 1, 1e-6, 0.0, 0.0, True, res)

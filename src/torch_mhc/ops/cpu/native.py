@@ -262,6 +262,7 @@ class NativeOps:
         """
         t, n, c = x.shape
         m = ab.shape[1]
+        _check_res(res, n, m)
         f32 = dict(dtype=torch.float32, device=x.device)
         lt, r = torch.empty((t, m), **f32), torch.empty((t,), **f32)
         h_pre, h_post = torch.empty((t, n), **f32), torch.empty((t, n), **f32)
@@ -277,6 +278,7 @@ class NativeOps:
         the RMS (inference: nothing is kept for a backward)."""
         *lead, n, c = x.shape
         t = math.prod(lead)
+        _check_res(res, n, ab.shape[1])
         h_pre, h_post, h_res, a = self._maps_outputs(x, lead, t, True)
         self._run("maps_fwd", x.dtype, [x, phip, ab, None, None, h_pre, h_post, h_res, a], t,
                   n, c, ab.shape[1], phip.shape[1] // 8, iters, res, norm_eps, sk_eps,
@@ -316,6 +318,7 @@ class NativeOps:
         """
         t, n, c = x.shape
         m = ab.shape[1]
+        _check_res(res, n, m)
         mp = padded_width(m)
         dx = self.blocks.empty(x.shape, x.dtype)
         dht = torch.empty((t, m), dtype=torch.float32, device=x.device)
@@ -385,6 +388,20 @@ MAX_STREAMS = 8  # native.c's MAXN: per-token arrays of n (n x n) vectors
 # native.c's H_res maps: mHC's Sinkhorn, then its successors' closed forms (res argument)
 RES = {"mhc": 0, "mhc-lite": 1, "kromhc": 2, "mhc-static-res": 3}
 MAX_MAP_LOGITS = 80  # native.c's MAX_MV 8-float vectors: phi's widest padded row
+
+
+def _check_res(res: int, n: int, m: int) -> None:
+    """ValueError unless native.c's maps can take H_res map `res` with n streams and M logits
+    (they size their per-token arrays for these: mHC-lite's n! permutations up to n = 4)."""
+    names = {code: kind for kind, code in RES.items()}
+    if res not in names:
+        raise ValueError(f"res must be one of {RES} (an H_res map), got {res!r}")
+    want = {"mhc": n * n, "mhc-lite": math.factorial(n), "kromhc": n.bit_length() - 1,
+            "mhc-static-res": 0}[names[res]]
+    if m != 2 * n + want or m > MAX_MAP_LOGITS or n > MAX_STREAMS \
+            or (names[res] == "kromhc" and n & (n - 1)):
+        raise ValueError(f"the native {names[res]} maps with n = {n} expect M = 2 n + {want} "
+                         f"<= {MAX_MAP_LOGITS} logits (n a power of two for kromhc), got M = {m}")
 
 
 def supports(x: torch.Tensor) -> bool:

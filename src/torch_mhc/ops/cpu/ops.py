@@ -362,7 +362,7 @@ def mhc_maps_pre(
     check_maps_scalars("mhc_maps_pre", sinkhorn_iters, norm_eps, sinkhorn_eps, pre_eps)
     check_mhc_shapes("mhc_maps_pre", x, phi, alpha, b_pre, b_post, b_res)
     params = (phi, alpha, b_pre, b_post, b_res)
-    if _no_autograd(x, *params) and use_native(x):
+    if no_autograd(x, *params) and use_native(x):
         # Decoding: the maps in x's leading shape straight from the native loops; x_for_merge
         # is x itself (without autograd there is no gradient to fuse).
         phip, ab = cached_tables(mhc_tables, *params)
@@ -390,7 +390,7 @@ def mhc_maps_pre(
 # the parameters are unchanged.
 
 
-def _no_autograd(*tensors: torch.Tensor) -> bool:
+def no_autograd(*tensors: torch.Tensor) -> bool:
     """No gradient can be needed (no_grad / inference mode, or nothing requires grad), no
     torch.compile trace is running (it needs the custom ops) and every tensor is a plain CPU
     tensor (meta, fake and wrapped tensors have no memory for the loops: the custom ops'
@@ -547,7 +547,7 @@ def hc_maps(
     check_hc_scalars("hc_maps", norm_eps)
     args = (w, s_alpha, s_beta, static_pre, static_post, static_res)
     check_hc_shapes("hc_maps", x, *args)
-    if _hc_native(x, w, 1) and _no_autograd(x, *args):
+    if _hc_native(x, w, 1) and no_autograd(x, *args):
         return _hc_inference(x, args, norm_eps, False)
     if not _hc_native(x, w):
         return _ref.hc_maps(x, *args, norm_eps)
@@ -646,7 +646,7 @@ def hc_maps_pre(
     args = (w, s_alpha, s_beta, static_pre, static_post, static_res)
     check_hc_shapes("hc_maps_pre", x, *args)
     native = _hc_native(x, w, 1)
-    if native and _no_autograd(x, *args):  # decoding
+    if native and no_autograd(x, *args):  # decoding
         maps = _hc_inference(x, args, norm_eps, True)
         return (*maps, None) if fused_dx else maps
     lead, (n, c) = x.shape[:-2], x.shape[-2:]
@@ -970,7 +970,7 @@ def post_merge(
             or f.shape[-1] != c or h_post.shape[-1] != n or h_res.shape[-2:] != (n, n):
         _ref.check_merge_shapes(x, f, h_post, h_res)
     native = use_native(x)
-    if native and _no_autograd(x, f, h_post, h_res):  # decoding: in the callers' shapes
+    if native and no_autograd(x, f, h_post, h_res):  # decoding: in the callers' shapes
         return _lib().merge_fwd(x.contiguous(), _contiguous_in(f, x.dtype),
                                 _contiguous_in(h_post, torch.float32),
                                 _contiguous_in(h_res, torch.float32))

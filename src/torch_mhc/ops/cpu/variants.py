@@ -21,10 +21,10 @@ import functools
 
 import torch
 
-import torch_mhc.ops.cpu.ops  # noqa: F401  (registers the torch_mhc::cpu_* custom ops)
 from torch_mhc.functional import successors as _ref
 from torch_mhc.functional.sinkhorn import compute_dtype
 from torch_mhc.ops.cpu import native
+from torch_mhc.ops.cpu.ops import cached_tables, no_autograd  # (and the torch_mhc::cpu_* ops)
 
 __all__ = ["takes_native", "variant_maps", "variant_maps_pre", "variant_tables"]
 
@@ -261,6 +261,15 @@ def _run(kind, x, phi, alpha, b_pre, b_post, b_res, norm_eps, with_pre, fused_dx
             raise ValueError(f"{kind} with n = {n}, C = {c} expects {name} of shape {shape}, "
                              f"got {tuple(t.shape)}")
     lead = x.shape[:-2]
+    params = (phi, alpha, b_pre, b_post, *(() if b_res is None else (b_res,)))
+    if with_pre and no_autograd(x, *params) and takes_native(x, phi.shape[1]):
+        # No gradient: the maps in x's leading shape straight from the native loops, without
+        # the logits the backward would need (as ops.cpu.mhc_maps_pre); the padded tables
+        # reused while the parameters are unchanged; x_for_merge is x itself.
+        phip, ab = cached_tables(variant_tables, *params)
+        maps = native.load().maps_infer(x.contiguous(), phip, ab, 1, float(norm_eps), 0.0, 0.0,
+                                        native.RES[kind])
+        return (*maps, x) if fused_dx else maps
     outs = _VariantMaps.apply(kind, x.reshape(-1, n, c).contiguous(), phi, alpha, b_pre,
                               b_post, b_res, float(norm_eps), with_pre, fused_dx)
     maps = [outs[0].reshape(*lead, n), outs[1].reshape(*lead, n),
