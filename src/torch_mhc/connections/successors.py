@@ -36,9 +36,10 @@ doubly stochastic, so equal streams stay equal and F(h) is added once:
 - mhc-static-res: H_res = I.
 
 Ops: the maps are the op implementation's variant_maps_pre (torch_mhc.ops), the successor's
-counterpart of mhc_maps_pre. On the CPU it is one autograd node on mHC's native loops (the
-matmul with phi and the RMS, the aggregation, and a backward writing dx once, with the
-merge's share through fused_dx as mHC's) around a closed-form H_res; triton and inductor
+counterpart of mhc_maps_pre. On the CPU it is one autograd node on mHC's own native passes
+with the kind's closed-form H_res in place of Sinkhorn (one pass over x forward, one
+backward writing dx once, with the merge's share through fused_dx as mHC's), and decoding
+without autograd takes mHC's two prepared native calls; triton and inductor
 compose the reference maps (functional.successors) with their own aggregation and merge.
 """
 

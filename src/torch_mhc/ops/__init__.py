@@ -18,7 +18,7 @@ and `functional.successors` (the plain-torch oracles):
                                               (functional.successors.variant_maps)
     variant_maps_pre(same arguments)          -> the same plus pre_aggregate(x, H_pre)
 
-Optionally (the `cpu` implementation): Ops.decoder(kind, map_args) prepares a connection's
+Optionally (the `cpu` implementation): Ops.decoder(kind, decode_args) prepares a connection's
 decoding step without autograd as two native calls (ops/cpu/decode.py). Ops.fused_dx:
 mhc_maps_pre(..., fused_dx=True) and hc_maps_pre(..., fused_dx=True) also return x_for_merge,
 and post_merge(x_for_merge, f, h_post, h_res, fused_dx=True) leaves x's gradient through the
@@ -27,7 +27,8 @@ x_for_merge is None where it made no single node); so does variant_maps_pre(...,
 fused_dx=True).
 
 The successors' maps (variant_maps, variant_maps_pre) are fused on `cpu` (ops/cpu/variants.py:
-mHC's native matmul, aggregation and backward passes around a closed-form H_res). `triton`
+mHC's native maps passes, forward and backward, with the kind's closed-form H_res in place of
+Sinkhorn; decoding takes the same prepared two calls as mHC). `triton`
 and `inductor` have no kernel for them: their Ops compose the reference variant_maps with
 their own pre_aggregate (the merge still runs on their post_merge).
 
@@ -120,8 +121,8 @@ class Ops:
     # mhc_maps_pre(..., fused_dx=True) and post_merge(..., fused_dx=True) exist
     # (ops/cpu/ops.py: x's gradient through maps, aggregation and merge written once).
     fused_dx: bool = False
-    # decoder(kind, map_args) -> a prepared no-autograd path for one connection, or None
-    # (ops/cpu/decode.py; `cpu` only).
+    # decoder(kind, decode_args) -> a prepared no-autograd path for one connection, or None
+    # (ops/cpu/decode.py; `cpu` only; decode_args: the maps op's arguments, x first).
     decoder: Callable | None = None
 
 
