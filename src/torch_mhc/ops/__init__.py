@@ -28,9 +28,10 @@ fused_dx=True).
 
 The successors' maps (variant_maps, variant_maps_pre) are fused on `cpu` (ops/cpu/variants.py:
 mHC's native maps passes, forward and backward, with the kind's closed-form H_res in place of
-Sinkhorn; decoding takes the same prepared two calls as mHC). `triton`
-and `inductor` have no kernel for them: their Ops compose the reference variant_maps with
-their own pre_aggregate (the merge still runs on their post_merge).
+Sinkhorn; decoding takes the same prepared two calls as mHC) and on `triton` (ops/triton/ops.py
+(e): mHC's matmul kernels with the kind's per-token maps, then its pre_aggregate). `inductor`
+has no kernel for them: its Ops compose the reference variant_maps with its own pre_aggregate
+(the merge still runs on its post_merge).
 
 Implementations:
     "reference"  plain torch, autograd through every op: the definition and the test oracle
@@ -210,11 +211,13 @@ def _composed_maps_pre(module, maps: Callable) -> Callable:
 
 
 def _variant_ops(resolved: str, module) -> dict:
-    """variant_maps and variant_maps_pre of implementation `resolved`: cpu's fused ones, or
-    the reference maps with the implementation's own pre_aggregate."""
+    """variant_maps and variant_maps_pre of implementation `resolved`: cpu's fused ones,
+    triton's kernels, or the reference maps with the implementation's own pre_aggregate."""
     if resolved == "cpu":
         return dict(variant_maps=cpu_variants.variant_maps,
                     variant_maps_pre=cpu_variants.variant_maps_pre)
+    if resolved == "triton":
+        return dict(variant_maps=module.variant_maps, variant_maps_pre=module.variant_maps_pre)
 
     def variant_maps_pre(kind, x, *args, **kwargs):
         maps = reference_successors.variant_maps(kind, x, *args, **kwargs)

@@ -12,6 +12,9 @@ M = n*n + 2n):
     of S splits of K; dz [T, M], coef [T] (float32): the backward's dL/d(x @ phi) and r's
     coefficient of x
 
+mHC's successors (section (e)) take the same layouts with M = 2n + R: phi's columns pre (n),
+post (n), then their R res logits, and no scratch.
+
 Every kernel loads its inputs, computes in float32 and casts on store, so fp16/bf16 streams
 get fp32 arithmetic. Streams are padded to NP = a power of two >= max(n, 4) inside the map
 kernels (tl.dot needs 16 columns); padded lanes are masked.
@@ -20,7 +23,9 @@ The map kernels keep the M logit columns in two tiles: the "res" tile [BLOCK_T, 
 holds H_res's logits at q = i*NP + j, so that reshaping it to [BLOCK_T, NP, NP] gives
 Sinkhorn its matrices without register shuffles; the "pp" tile [BLOCK_T, PW] holds logits
 columns 0 .. 2n-1 (pre, then post) as they are, PW = max(16, next power of two >= 2n).
-Each tile is one tl.dot against the matching columns of phi.
+Each tile is one tl.dot against the matching columns of phi. For the successors the res tile
+is [BLOCK_T, RW], their R res logits as they are, RW = max(16, next power of two >= R): the
+matmul kernels take R and RW as constexprs (_res_columns; R = -1, the default, is mHC's tile).
 
 Sinkhorn runs per token on the [NP, NP] matrix in registers (paper Eq. 9, eps as DeepSeek-V4).
 Its backward is the exact reverse of the unrolled loop in time linear in the iterations: it
@@ -71,12 +76,19 @@ def _tf32(v):
 
 
 @triton.jit
-def _res_columns(N: tl.constexpr, NP: tl.constexpr):
-    """Column of phi / logits at each position of the res tile, its mask."""
-    q = tl.arange(0, NP * NP)
-    i = q // NP
-    j = q % NP
-    return 2 * N + i * N + j, (i < N) & (j < N)
+def _res_columns(N: tl.constexpr, NP: tl.constexpr, R: tl.constexpr = -1, RW: tl.constexpr = 0):
+    """Column of phi / logits at each position of the res tile, its mask. R < 0: mHC's n*n
+    res logits tiled [NP, NP] (q = i*NP + j); R >= 0: a successor's R res logits, columns
+    2n .. 2n+R-1 as they are, in a tile RW wide (module docstring)."""
+    if R < 0:
+        q = tl.arange(0, NP * NP)
+        i = q // NP
+        j = q % NP
+        col, ok = 2 * N + i * N + j, (i < N) & (j < N)
+    else:
+        q = tl.arange(0, RW)
+        col, ok = 2 * N + q, q < R
+    return col, ok
 
 
 @triton.jit
@@ -258,8 +270,9 @@ def _sinkhorn_bwd(h, g, ok, t, t_ok, eps, log_range, scratch_ptr, ITERS: tl.cons
 
 @triton.jit
 def _gate_params(alpha_ptr, b_pre_ptr, b_post_ptr, b_res_ptr, res_col, res_ok,
-                 N: tl.constexpr, PW: tl.constexpr):
-    """Per pp column: alpha and bias of its gate, whether it is pre; alpha_res, res biases."""
+                 N: tl.constexpr, PW: tl.constexpr, R: tl.constexpr = -1):
+    """Per pp column: alpha and bias of its gate, whether it is pre; alpha_res, res biases.
+    R = 0 (no res logits): alpha holds two gates, alpha_res is 0 and b_res is not read."""
     p = tl.arange(0, PW)
     is_pre = p < N
     a_pp = tl.where(is_pre, tl.load(alpha_ptr).to(tl.float32),
@@ -267,7 +280,8 @@ def _gate_params(alpha_ptr, b_pre_ptr, b_post_ptr, b_res_ptr, res_col, res_ok,
     b_pp = tl.where(is_pre, tl.load(b_pre_ptr + p, mask=is_pre, other=0.0),
                     tl.load(b_post_ptr + (p - N), mask=(p >= N) & (p < 2 * N), other=0.0))
     b_res = tl.load(b_res_ptr + (res_col - 2 * N), mask=res_ok, other=0.0).to(tl.float32)
-    return p, is_pre, a_pp, b_pp.to(tl.float32), tl.load(alpha_ptr + 2).to(tl.float32), b_res
+    return p, is_pre, a_pp, b_pp.to(tl.float32), \
+        tl.load(alpha_ptr + 2).to(tl.float32) if R != 0 else 0.0, b_res
 
 
 @triton.jit
@@ -275,16 +289,17 @@ def mhc_xphi_kernel(
     x_ptr, phi_ptr, parts_ptr, ss_ptr, T, K, k_per_split,
     N: tl.constexpr, NP: tl.constexpr, PW: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    R: tl.constexpr = -1, RW: tl.constexpr = 0,
 ):
     """One token block, one split of K (k_per_split a multiple of BLOCK_K): partial x @ phi
     into parts [T, S, M] and partial sums of squares into ss [T, S] (float32; S =
-    num_programs(1))."""
-    M: tl.constexpr = N * N + 2 * N
-    NQ: tl.constexpr = NP * NP
+    num_programs(1)). R, RW: the res logits' layout (_res_columns; mHC's by default)."""
+    M: tl.constexpr = N * N + 2 * N if R < 0 else 2 * N + R
+    NQ: tl.constexpr = NP * NP if R < 0 else RW
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     t_ok = t < T
     split = tl.program_id(1).to(tl.int64)
-    res_col, res_ok = _res_columns(N, NP)
+    res_col, res_ok = _res_columns(N, NP, R, RW)
     p = tl.arange(0, PW)
     pp_ok = p < 2 * N
 
@@ -316,11 +331,12 @@ def mhc_xphi_kernel(
 @triton.jit
 def _sum_splits(parts_ptr, ss_ptr, t, t_ok, S, res_col, res_ok, p, pp_ok,
                 N: tl.constexpr, NP: tl.constexpr, PW: tl.constexpr, BLOCK_T: tl.constexpr,
-                UNROLL: tl.constexpr):
+                UNROLL: tl.constexpr, R: tl.constexpr = -1, RW: tl.constexpr = 0):
     """x @ phi's two tiles and the sum of squares: the S splits added in order 0 .. S-1
     (UNROLL loads in flight per step; a split past S adds masked zeros)."""
-    M: tl.constexpr = N * N + 2 * N
-    acc_res = tl.zeros([BLOCK_T, NP * NP], dtype=tl.float32)
+    M: tl.constexpr = N * N + 2 * N if R < 0 else 2 * N + R
+    NQ: tl.constexpr = NP * NP if R < 0 else RW
+    acc_res = tl.zeros([BLOCK_T, NQ], dtype=tl.float32)
     acc_pp = tl.zeros([BLOCK_T, PW], dtype=tl.float32)
     ss = tl.zeros([BLOCK_T], dtype=tl.float32)
     for s0 in range(0, S, UNROLL):
@@ -447,12 +463,14 @@ def mhc_dx_kernel(
     x_ptr, phi_ptr, dz_ptr, coef_ptr, dx_ptr, T, K, k_per_split,
     N: tl.constexpr, NP: tl.constexpr, PW: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    R: tl.constexpr = -1, RW: tl.constexpr = 0,
 ):
-    """dx = dz @ phi^T + coef * x for one token block over one split of K."""
-    M: tl.constexpr = N * N + 2 * N
+    """dx = dz @ phi^T + coef * x for one token block over one split of K (R, RW: as
+    mhc_xphi_kernel's)."""
+    M: tl.constexpr = N * N + 2 * N if R < 0 else 2 * N + R
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     t_ok = t < T
-    res_col, res_ok = _res_columns(N, NP)
+    res_col, res_ok = _res_columns(N, NP, R, RW)
     p = tl.arange(0, PW)
     pp_ok = p < 2 * N
     dz_res = tl.load(dz_ptr + t[:, None] * M + res_col[None, :],
@@ -483,14 +501,16 @@ def mhc_dphi_kernel(
     x_ptr, dz_ptr, dphi_ptr, T, K, tokens_per_split,
     N: tl.constexpr, NP: tl.constexpr, PW: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    R: tl.constexpr = -1, RW: tl.constexpr = 0,
 ):
-    """Partial dphi = x^T dz over one split of the tokens: dphi_ptr is [splits, K, M]."""
-    M: tl.constexpr = N * N + 2 * N
-    NQ: tl.constexpr = NP * NP
+    """Partial dphi = x^T dz over one split of the tokens: dphi_ptr is [splits, K, M] (R, RW:
+    as mhc_xphi_kernel's)."""
+    M: tl.constexpr = N * N + 2 * N if R < 0 else 2 * N + R
+    NQ: tl.constexpr = NP * NP if R < 0 else RW
     k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = k < K
     split = tl.program_id(1)
-    res_col, res_ok = _res_columns(N, NP)
+    res_col, res_ok = _res_columns(N, NP, R, RW)
     p = tl.arange(0, PW)
     pp_ok = p < 2 * N
     acc_res = tl.zeros([BLOCK_K, NQ], dtype=tl.float32)
@@ -510,6 +530,226 @@ def mhc_dphi_kernel(
     out = dphi_ptr + split.to(tl.int64) * K * M + k[:, None].to(tl.int64) * M
     tl.store(out + res_col[None, :], acc_res, mask=k_ok[:, None] & res_ok[None, :])
     tl.store(out + p[None, :], acc_pp, mask=k_ok[:, None] & pp_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# (e) mHC's successors' maps (functional.successors.variant_maps)
+#
+# The successors keep mHC's read and write maps and replace Sinkhorn by a closed form of R res
+# logits, columns 2n .. 2n+R-1 of phi (R: n! for mHC-lite, log2 n for KromHC, 0 for a static
+# H_res). The matmul kernels above serve them unchanged, given R and the res tile's width RW
+# (_res_columns); what differs is the per-token step: variant_maps_fwd_kernel and
+# variant_maps_bwd_kernel below, in place of mhc_maps_fwd_kernel and mhc_maps_bwd_kernel.
+# KIND: 1 mHC-lite, 2 KromHC, 0 the identity (a static H_res, and KromHC at n = 1: R = 0).
+#
+# H_res is built in float64 and rounded once, as functional.successors.variant_res builds it
+# (n! or log2 n weights per token: negligible work). Its [BLOCK_T, NP*NP] tile holds entry
+# (i, j) at q = i*NP + j, as mHC's.
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _lite_hits(perm_ptr, k, i, j, N: tl.constexpr):
+    """P_k at each (i, j) of the H_res tile: True where j = p_k(i); perm [R, N] (int32) holds
+    p_k(i), the permutations in itertools.permutations order."""
+    return j == tl.load(perm_ptr + k * N + i, mask=i < N, other=-1)
+
+
+@triton.jit
+def _column(v, cols, k):
+    """Column k of v [BT, RW] as [BT] (a masked sum: one nonzero term)."""
+    return tl.sum(tl.where(cols[None, :] == k, v, 0.0), axis=1)
+
+
+@triton.jit
+def _krom_factor(a, cols, i, j, k: tl.constexpr, R: tl.constexpr):
+    """KromHC's factor k at each (i, j) of the H_res tile [BT, NQ]: a_k where bit k of i and
+    j agree (bit 0 the most significant of R), 1 - a_k where they differ; and the sign +1 / -1
+    of d factor / d a_k."""
+    a_k = _column(a, cols, k)[:, None]
+    same = (((i ^ j) >> (R - 1 - k)) & 1) == 0
+    return tl.where(same[None, :], a_k, 1.0 - a_k), tl.where(same, 1.0, -1.0)
+
+
+@triton.jit
+def _variant_weights(z, res_ok, KIND: tl.constexpr):
+    """The float64 weights of the res logits z [BT, RW] (float32): softmax(z) for mHC-lite,
+    sigmoid(z) for KromHC; masked columns 0."""
+    if KIND == 1:
+        zw = tl.where(res_ok[None, :], z.to(tl.float64), -1e300)
+        mx = tl.max(zw, axis=1)
+        e = tl.where(res_ok[None, :], tl.exp(zw - mx[:, None]), 0.0)
+        a = e / tl.sum(e, axis=1)[:, None]
+    else:
+        zw = tl.where(res_ok[None, :], z.to(tl.float64), 0.0)
+        a = tl.where(res_ok[None, :], tl.sigmoid(zw), 0.0)
+    return a
+
+
+@triton.jit
+def _variant_res(z, res_ok, perm_ptr, N: tl.constexpr, NP: tl.constexpr, R: tl.constexpr,
+                 RW: tl.constexpr, KIND: tl.constexpr, BLOCK_T: tl.constexpr):
+    """H_res [BT, NP*NP] (float64) from the gated res logits z [BT, RW]: sum_k softmax(z)_k P_k
+    (mHC-lite), the Kronecker product of the factors (KromHC), or the identity."""
+    q = tl.arange(0, NP * NP)
+    i = q // NP
+    j = q % NP
+    cols = tl.arange(0, RW)
+    if KIND == 1:
+        a = _variant_weights(z, res_ok, KIND)
+        h = tl.zeros([BLOCK_T, NP * NP], dtype=tl.float64)
+        for k in range(R):
+            hit = _lite_hits(perm_ptr, k, i, j, N)
+            h += tl.where(hit[None, :], _column(a, cols, k)[:, None], 0.0)
+    elif KIND == 2:
+        a = _variant_weights(z, res_ok, KIND)
+        h = tl.full([BLOCK_T, NP * NP], 1.0, dtype=tl.float64)
+        for k in tl.static_range(R):
+            factor, _ = _krom_factor(a, cols, i, j, k, R)
+            h *= factor
+    else:
+        h = tl.where((i == j)[None, :], tl.full([BLOCK_T, NP * NP], 1.0, dtype=tl.float64), 0.0)
+    return h
+
+
+@triton.jit
+def _variant_res_bwd(z, res_ok, g, perm_ptr, N: tl.constexpr, NP: tl.constexpr,
+                     R: tl.constexpr, RW: tl.constexpr, KIND: tl.constexpr,
+                     BLOCK_T: tl.constexpr):
+    """dL/dz [BT, RW] (float32) from dL/dH_res g [BT, NP*NP] (float32, padded entries 0), in
+    float64: mHC-lite dz = a (da - sum(a da)) with da_k = <g, P_k>; KromHC dz_k = a_k (1 - a_k)
+    sum_ij g_ij sign_k(i, j) prod_{l != k} factor_l(i, j)."""
+    q = tl.arange(0, NP * NP)
+    i = q // NP
+    j = q % NP
+    cols = tl.arange(0, RW)
+    gw = g.to(tl.float64)
+    dz = tl.zeros([BLOCK_T, RW], dtype=tl.float64)
+    if KIND == 1:
+        a = _variant_weights(z, res_ok, KIND)
+        da = tl.zeros([BLOCK_T, RW], dtype=tl.float64)
+        for k in range(R):
+            hit = _lite_hits(perm_ptr, k, i, j, N)
+            da_k = tl.sum(tl.where(hit[None, :], gw, 0.0), axis=1)  # [BT]
+            da = tl.where(cols[None, :] == k, da_k[:, None], da)
+        dz = a * (da - tl.sum(a * da, axis=1)[:, None])
+    elif KIND == 2:
+        a = _variant_weights(z, res_ok, KIND)
+        for k in tl.static_range(R):
+            others = tl.full([BLOCK_T, NP * NP], 1.0, dtype=tl.float64)
+            for k2 in tl.static_range(R):
+                if k2 != k:
+                    factor, _ = _krom_factor(a, cols, i, j, k2, R)
+                    others *= factor
+            _, sign = _krom_factor(a, cols, i, j, k, R)
+            a_k = _column(a, cols, k)
+            dz_k = a_k * (1.0 - a_k) * tl.sum(gw * sign[None, :] * others, axis=1)
+            dz = tl.where(cols[None, :] == k, dz_k[:, None], dz)
+    return tl.where(res_ok[None, :], dz, 0.0).to(tl.float32)
+
+
+@triton.jit
+def variant_maps_fwd_kernel(
+    parts_ptr, ss_ptr, alpha_ptr, b_pre_ptr, b_post_ptr, b_res_ptr, perm_ptr,
+    h_pre_ptr, h_post_ptr, h_res_ptr, logits_ptr, r_ptr,
+    T, K, S, norm_eps,
+    N: tl.constexpr, NP: tl.constexpr, PW: tl.constexpr, R: tl.constexpr, RW: tl.constexpr,
+    KIND: tl.constexpr, BLOCK_T: tl.constexpr, UNROLL: tl.constexpr,
+):
+    """Per token block: the splits' sums (mhc_xphi_kernel's parts), then RMS, logits, gates
+    (H_pre = sigmoid, H_post = 2 sigmoid) and the kind's H_res (float64, rounded once).
+    logits [T, 2n + R], r [T]; b_res_ptr and perm_ptr are not read where unused (R = 0, not
+    mHC-lite)."""
+    M: tl.constexpr = 2 * N + R
+    NQ: tl.constexpr = NP * NP
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    t_ok = t < T
+    res_col, res_ok = _res_columns(N, NP, R, RW)
+    p = tl.arange(0, PW)
+    pp_ok = p < 2 * N
+    acc_res, acc_pp, ss = _sum_splits(parts_ptr, ss_ptr, t, t_ok, S, res_col, res_ok, p, pp_ok,
+                                      N, NP, PW, BLOCK_T, UNROLL, R, RW)
+
+    r = tl.sqrt(ss / K + norm_eps)  # [BT], RMS over n*C; divide after the matmul
+    l_res = acc_res / r[:, None]  # [BT, RW]
+    l_pp = acc_pp / r[:, None]  # [BT, PW]
+    m_res = t_ok[:, None] & res_ok[None, :]
+    tl.store(r_ptr + t, r, mask=t_ok)
+    tl.store(logits_ptr + t[:, None] * M + res_col[None, :], l_res, mask=m_res)
+    tl.store(logits_ptr + t[:, None] * M + p[None, :], l_pp, mask=t_ok[:, None] & pp_ok[None, :])
+
+    p, is_pre, a_pp, b_pp, a_res, b_res = _gate_params(alpha_ptr, b_pre_ptr, b_post_ptr,
+                                                       b_res_ptr, res_col, res_ok, N, PW, R)
+    sig = tl.sigmoid(l_pp * a_pp[None, :] + b_pp[None, :])
+    tl.store(h_pre_ptr + t[:, None] * N + p[None, :], sig, mask=t_ok[:, None] & is_pre[None, :])
+    tl.store(h_post_ptr + t[:, None] * N + (p - N)[None, :], 2.0 * sig,
+             mask=t_ok[:, None] & (pp_ok & ~is_pre)[None, :])
+
+    hr = _variant_res(l_res * a_res + b_res[None, :], res_ok, perm_ptr, N, NP, R, RW, KIND,
+                      BLOCK_T)  # [BT, NQ] float64
+    q = tl.arange(0, NQ)
+    i = q // NP
+    j = q % NP
+    tl.store(h_res_ptr + t[:, None] * (N * N) + (i * N + j)[None, :], hr.to(tl.float32),
+             mask=t_ok[:, None] & ((i < N) & (j < N))[None, :])
+
+
+@triton.jit
+def variant_maps_bwd_kernel(
+    alpha_ptr, b_pre_ptr, b_post_ptr, b_res_ptr, perm_ptr, logits_ptr, r_ptr,
+    g_pre_ptr, g_post_ptr, g_res_ptr, dgate_ptr, dz_ptr, coef_ptr, T, K,
+    N: tl.constexpr, NP: tl.constexpr, PW: tl.constexpr, R: tl.constexpr, RW: tl.constexpr,
+    KIND: tl.constexpr, BLOCK_T: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Per token block: dgate [T, M], dz [T, M] and coef [T] as mhc_maps_bwd_kernel writes
+    them, with the kind's H_res backward (float64) in place of Sinkhorn's."""
+    M: tl.constexpr = 2 * N + R
+    NQ: tl.constexpr = NP * NP
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    t_ok = t < T
+    res_col, res_ok = _res_columns(N, NP, R, RW)
+    p, is_pre, a_pp, b_pp, a_res, b_res = _gate_params(alpha_ptr, b_pre_ptr, b_post_ptr,
+                                                       b_res_ptr, res_col, res_ok, N, PW, R)
+    pp_ok = p < 2 * N
+    m_res = t_ok[:, None] & res_ok[None, :]
+    m_pp = t_ok[:, None] & pp_ok[None, :]
+
+    l_res = tl.load(logits_ptr + t[:, None] * M + res_col[None, :], mask=m_res, other=0.0)
+    l_pp = tl.load(logits_ptr + t[:, None] * M + p[None, :], mask=m_pp, other=0.0)
+    r = tl.load(r_ptr + t, mask=t_ok, other=1.0)
+
+    # Gates: H_pre = sigmoid(g), H_post = 2 sigmoid(g).
+    sig = tl.sigmoid(l_pp * a_pp[None, :] + b_pp[None, :])
+    g_pp = tl.load(g_pre_ptr + t[:, None] * N + p[None, :], mask=t_ok[:, None] & is_pre[None, :],
+                   other=0.0) + \
+        tl.load(g_post_ptr + t[:, None] * N + (p - N)[None, :],
+                mask=t_ok[:, None] & (pp_ok & ~is_pre)[None, :], other=0.0)
+    dgate_pp = tl.where(m_pp, g_pp * sig * (1.0 - sig) * tl.where(is_pre, 1.0, 2.0)[None, :], 0.0)
+
+    # Residual map: the kind's closed-form backward.
+    q = tl.arange(0, NQ)
+    i = q // NP
+    j = q % NP
+    g_res = tl.load(g_res_ptr + t[:, None] * (N * N) + (i * N + j)[None, :],
+                    mask=t_ok[:, None] & ((i < N) & (j < N))[None, :], other=0.0)
+    dgate_res = tl.where(m_res, _variant_res_bwd(l_res * a_res + b_res[None, :], res_ok, g_res,
+                                                 perm_ptr, N, NP, R, RW, KIND, BLOCK_T), 0.0)
+    tl.store(dgate_ptr + t[:, None] * M + res_col[None, :], dgate_res, mask=m_res)
+    tl.store(dgate_ptr + t[:, None] * M + p[None, :], dgate_pp, mask=m_pp)
+
+    # logits = z / r, as mhc_maps_bwd_kernel: dz = dlogits / r, coef = -sum(dlogits *
+    # logits) / (K r^2).
+    dl_res = dgate_res * a_res
+    dl_pp = dgate_pp * a_pp[None, :]
+    coef = -(tl.sum(dl_res * l_res, axis=1) + tl.sum(dl_pp * l_pp, axis=1)) / (K * r * r)
+    dz_res = dl_res / r[:, None]
+    dz_pp = dl_pp / r[:, None]
+    if PRECISION == "tf32":  # dz feeds tf32 dots in mhc_dx_kernel and mhc_dphi_kernel: round it
+        dz_res = _tf32(dz_res)
+        dz_pp = _tf32(dz_pp)
+    tl.store(dz_ptr + t[:, None] * M + res_col[None, :], dz_res, mask=m_res)
+    tl.store(dz_ptr + t[:, None] * M + p[None, :], dz_pp, mask=m_pp)
+    tl.store(coef_ptr + t, coef, mask=t_ok)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ so torch.compile(fullgraph=True) traces through them and CUDA graphs capture the
     torch_mhc::pre_aggregate_fwd / pre_aggregate_bwd (b)
     torch_mhc::post_merge_fwd / post_merge_bwd       (c) reads (n+1)C, writes nC per token
     torch_mhc::sinkhorn_fwd / sinkhorn_bwd           (d)
+    torch_mhc::variant_maps_fwd / variant_maps_bwd   (e) mHC's successors' maps: (a)'s matmul
+                                                     kernels, the kind's H_res in Sinkhorn's place
 
 The public functions below have the contracts of functional.maps (same shapes, maps in
 float32, aggregation and merge in the streams' dtype) and flatten the leading dimensions
@@ -51,6 +53,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +62,7 @@ import triton
 from torch import Tensor
 
 from torch_mhc.functional import maps as _ref
+from torch_mhc.functional import successors as _succ
 from torch_mhc.functional.sinkhorn import LINEAR_RANGE
 from torch_mhc.ops.checks import (
     check_hc_scalars,
@@ -68,7 +73,7 @@ from torch_mhc.ops.checks import (
 from torch_mhc.ops.triton import kernels as _k
 
 __all__ = ["Launch", "PLANS", "hc_maps", "interpreted", "mhc_maps", "post_merge", "pre_aggregate",
-           "sinkhorn"]
+           "sinkhorn", "variant_maps", "variant_maps_pre"]
 
 
 def hc_maps(x, w, s_alpha, s_beta, static_pre, static_post, static_res, norm_eps=1e-6):
@@ -99,6 +104,22 @@ def _padded(n: int) -> int:
 def _pp_width(n: int) -> int:
     """Width of the map kernels' pre/post tile: the 2n columns, at least tl.dot's 16."""
     return max(16, triton.next_power_of_2(2 * n))
+
+
+def _res_width(n: int, res: int | None = None) -> int:
+    """Width of the map kernels' res tile: mHC's NP*NP (res None), or a successor's res logits
+    (res of them, kernels.py (e)) at least tl.dot's 16."""
+    return _padded(n) ** 2 if res is None else max(16, triton.next_power_of_2(max(1, res)))
+
+
+def _tile_class(n: int, res: int | None = None) -> int:
+    """The padded stream count whose mHC tiles (NP*NP + PW columns) are the narrowest at least
+    as wide as these: the matmul kernels' launch parameters were chosen per mHC's NP
+    (kernel_config), and a successor's tiles take those of the next wider mHC's."""
+    if res is None:
+        return _padded(n)
+    cols = _res_width(n, res) + _pp_width(n)
+    return next(c for c in (4, 8, 16, 32) if c * c + _pp_width(c) >= cols)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -221,22 +242,23 @@ def smem_limit(device: torch.device) -> int:
 
 
 def maps_smem(kernel: str, n: int, block_t: int, block_k: int, num_stages: int,
-              x_bytes: int, phi_bytes: int) -> int:
+              x_bytes: int, phi_bytes: int, res: int | None = None) -> int:
     """An upper estimate of the shared memory of a matmul kernel of the maps (bytes), fitted to
     what the compiled kernels use (ops/triton/aot.py): num_stages - 1 buffers of each pipelined
     tile (phi's [BLOCK_K, NP*NP + PW] columns and x's [BLOCK_T, BLOCK_K]), one more x tile of
     slack, dx's dz operand [BLOCK_T, NP*NP + PW] (fp32), dphi's [BLOCK_K, NP*NP] result.
-    kernel: xphi, dx or dphi."""
-    cols = _padded(n) ** 2 + _pp_width(n)
+    kernel: xphi, dx or dphi; res: a successor's res logits (None: mHC's, NP*NP of them)."""
+    cols = _res_width(n, res) + _pp_width(n)
     bufs = max(1, num_stages - 1)
     x_tile = block_t * block_k * x_bytes
     if kernel == "dphi":
-        return max(bufs * (x_tile + block_t * cols * 4), block_k * _padded(n) ** 2 * 4) + x_tile
+        return max(bufs * (x_tile + block_t * cols * 4), block_k * _res_width(n, res) * 4) + x_tile
     est = bufs * (block_k * cols * phi_bytes + x_tile) + x_tile
     return est + (block_t * cols * 4 if kernel == "dx" else 0)
 
 
-def _fit_smem(kernel: str, n: int, cfg: dict, x_bytes: int, phi_bytes: int, limit: int) -> dict:
+def _fit_smem(kernel: str, n: int, cfg: dict, x_bytes: int, phi_bytes: int, limit: int,
+              res: int | None = None) -> dict:
     """cfg with BLOCK_K and num_stages lowered until maps_smem fits in `limit` (fewer stages
     before a K tile under 32: a shorter K step costs more than one less load in flight)."""
     bk = cfg["BLOCK_K"]
@@ -244,13 +266,14 @@ def _fit_smem(kernel: str, n: int, cfg: dict, x_bytes: int, phi_bytes: int, limi
     for block_k, stages in tries:
         if block_k < 16:
             continue
-        if maps_smem(kernel, n, cfg["BLOCK_T"], block_k, stages, x_bytes, phi_bytes) <= limit:
+        if maps_smem(kernel, n, cfg["BLOCK_T"], block_k, stages, x_bytes, phi_bytes,
+                     res) <= limit:
             return {**cfg, "BLOCK_K": block_k, "num_stages": stages}
     return {**cfg, "BLOCK_K": 16, "num_stages": 1}  # the ahead-of-time check reports it
 
 
 def kernel_config(kernel: str, n: int, dtype: torch.dtype, param_dtype: torch.dtype | None = None,
-                  smem: int = SMEM_DEFAULT) -> dict:
+                  smem: int = SMEM_DEFAULT, res: int | None = None) -> dict:
     """Launch parameters of one kernel for n streams of `dtype` and parameters (phi) of
     `param_dtype` (default: dtype; fp32 under autocast or mixed precision) on a GPU giving a
     block `smem` bytes of shared memory: chosen with the ahead-of-time compile check
@@ -259,10 +282,13 @@ def kernel_config(kernel: str, n: int, dtype: torch.dtype, param_dtype: torch.dt
 
     kernel: xphi, dx, dphi (the maps' matmuls: BLOCK_T, BLOCK_K); maps_fwd, maps_bwd (the maps'
     per-token work, Sinkhorn included), sinkhorn_fwd, sinkhorn_bwd (BLOCK_T); pre_fwd,
-    pre_bwd, merge_fwd, merge_bwd (TILE: elements per [BLOCK_T, NP, BLOCK_C] tile); each also
-    num_warps, num_stages and maxnreg (None: no register cap).
+    pre_bwd, merge_fwd, merge_bwd (TILE: elements per [BLOCK_T, NP, BLOCK_C] tile);
+    variant_fwd, variant_bwd (a successor's per-token maps: BLOCK_T); each also num_warps,
+    num_stages and maxnreg (None: no register cap). res: a successor's res logits (R; None:
+    mHC), whose matmul tiles take the launch parameters of mHC's next wider ones
+    (_tile_class).
     """
-    np_ = _padded(n)
+    np_ = _tile_class(n, res) if kernel in ("xphi", "dx", "dphi") else _padded(n)
     fp32 = dtype == torch.float32
     # maxnreg: an explicit register cap. Without one, ptxas sometimes aims at a low register
     # count and spills a few bytes (seen at 64-128 registers); with one it also uses more
@@ -295,10 +321,17 @@ def kernel_config(kernel: str, n: int, dtype: torch.dtype, param_dtype: torch.dt
                    maxnreg=255 if cap else None)
         # Shared memory grows with phi's element size: fp32 phi beside half streams (autocast)
         # doubles phi's pipelined tiles.
-        return _fit_smem(kernel, n, cfg, dtype.itemsize, (param_dtype or dtype).itemsize, smem)
+        return _fit_smem(kernel, n, cfg, dtype.itemsize, (param_dtype or dtype).itemsize, smem,
+                         res)
     if kernel in ("maps_fwd", "maps_bwd"):
         return dict(BLOCK_T=32 if np_ <= 8 else 16, num_warps=4 if np_ <= 4 else 8, num_stages=3,
                     maxnreg=255 if (kernel == "maps_bwd" and np_ >= 16) else None)
+    if kernel in ("variant_fwd", "variant_bwd"):
+        # float64 tiles: H_res [BLOCK_T, NP*NP] and the weights [BLOCK_T, RW] (mHC-lite at
+        # n = 5: 128 wide)
+        wide = np_ >= 16 or _res_width(n, res or 0) >= 128
+        return dict(BLOCK_T=16 if wide else 32, num_warps=4 if np_ <= 4 and not wide else 8,
+                    num_stages=3, maxnreg=None)
     if kernel in ("sinkhorn_fwd", "sinkhorn_bwd"):
         return dict(BLOCK_T=32 if np_ <= 8 else 16, num_warps=4 if np_ <= 4 else 8, num_stages=3,
                     maxnreg=255 if (kernel == "sinkhorn_bwd" and np_ >= 16) else None)
@@ -534,16 +567,21 @@ _maps_fwd.register_autograd(_maps_backward, setup_context=_maps_setup)
 _AUTOCAST = torch.library.Library("torch_mhc", "FRAGMENT")
 
 
-def _register_maps_autocast(device_type: str) -> None:
+def _register_maps_autocast(device_type: str, op: str = "mhc_maps_fwd") -> None:
+    """The rule for op, whose arguments are x, phi, ... (mhc_maps_fwd) or kind, x, phi, ...
+    (variant_maps_fwd)."""
     key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
     keyset = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+    lead = 1 if op == "variant_maps_fwd" else 0  # arguments before x
 
-    def kernel(_keys, x, phi, *rest):
+    def kernel(_keys, *args):
         dtype = torch.get_autocast_dtype(device_type)
+        x, phi = args[lead], args[lead + 1]
         with torch._C._ExcludeDispatchKeyGuard(keyset):
-            return torch.ops.torch_mhc.mhc_maps_fwd(x.to(dtype), phi.to(dtype), *rest)
+            return getattr(torch.ops.torch_mhc, op)(*args[:lead], x.to(dtype), phi.to(dtype),
+                                                    *args[lead + 2 :])
 
-    _AUTOCAST.impl("mhc_maps_fwd", kernel, key, with_keyset=True)
+    _AUTOCAST.impl(op, kernel, key, with_keyset=True)
 
 
 for _device_type in ("cuda", "cpu"):
@@ -814,6 +852,258 @@ def sinkhorn(logits: Tensor, iters: int = 20, *, eps: float = 0.0) -> Tensor:
     return out.reshape(logits.shape)
 
 
+# ---------------------------------------------------------------------------------------------
+# (e) mHC's successors' maps (functional.successors.variant_maps)
+# ---------------------------------------------------------------------------------------------
+
+# The kernels' KIND (ops/triton/kernels.py (e)); R = 0 (a static H_res, KromHC at n = 1) is
+# the identity whatever the kind.
+_KINDS = {"mhc-static-res": 0, "mhc-lite": 1, "kromhc": 2}
+# The successors' tiles are those of mHC's kernels, which the ahead-of-time check covers up to
+# n = 16 (aot.FULL); more streams take the reference maps (with this implementation's
+# pre_aggregate).
+VARIANT_MAX_STREAMS = 16
+
+
+def _kind_code(kind: str, res: int) -> int:
+    return _KINDS[kind] if res else 0
+
+
+# mHC-lite's permutations p_k(i) per (n, device), made on the first call and kept (a copy to
+# the device at every call would not be capturable in a CUDA graph).
+_PERMUTATIONS: dict[tuple[int, torch.device], Tensor] = {}
+
+
+def _permutations(n: int, device: torch.device) -> Tensor:
+    """int32 [n!, n]: p_k(i), in itertools.permutations order (P_k[i, p_k(i)] = 1, as
+    functional.successors.permutation_matrices)."""
+    if device.type == "meta":
+        return torch.empty((math.factorial(n), n), dtype=torch.int32, device=device)
+    key = (n, device)
+    table = _PERMUTATIONS.get(key)
+    if table is None:
+        rows = list(itertools.permutations(range(n)))
+        table = torch.tensor(rows, dtype=torch.int32).to(device)
+        _PERMUTATIONS[key] = table
+    return table
+
+
+def _variant_constexprs(kind: str, n: int) -> dict:
+    res = _succ.res_count(kind, n)
+    return dict(N=n, NP=_padded(n), PW=_pp_width(n), R=res, RW=_res_width(n, res))
+
+
+def plan_variant_fwd(kind, x, phi, alpha, b_pre, b_post, b_res, norm_eps, smem=None):
+    """Outputs and launches of variant_maps_fwd: mhc_xphi_kernel with the successor's res
+    columns, then variant_maps_fwd_kernel (as plan_maps_fwd, any device, meta included)."""
+    t, n, c = x.shape
+    shape = _variant_constexprs(kind, n)
+    res = shape["R"]
+    k, m = n * c, 2 * n + res
+    h_pre, h_post = x.new_empty((t, n), dtype=_F32), x.new_empty((t, n), dtype=_F32)
+    h_res = x.new_empty((t, n, n), dtype=_F32)
+    logits, r = x.new_empty((t, m), dtype=_F32), x.new_empty((t,), dtype=_F32)
+    cfg = kernel_config("xphi", n, x.dtype, phi.dtype, smem or smem_limit(x.device), res)
+    fcfg = kernel_config("variant_fwd", n, x.dtype, res=res)
+    block_t = token_block(t, cfg["BLOCK_T"])
+    blocks = triton.cdiv(t, block_t)
+    splits, per_split = k_splits(k, blocks, cfg["BLOCK_K"])
+    parts = x.new_empty((t, splits, m), dtype=_F32)  # partial x @ phi per split
+    ss = x.new_empty((t, splits), dtype=_F32)  # partial sums of squares
+    code = _kind_code(kind, res)
+    perm = _permutations(n, x.device) if code == 1 else None
+    launches = [
+        Launch(_k.mhc_xphi_kernel, (blocks, splits), (x, phi, parts, ss, t, k, per_split),
+               dict(**shape, BLOCK_T=block_t, BLOCK_K=cfg["BLOCK_K"],
+                    PRECISION=_fwd_precision(x.dtype, phi.dtype)),
+               **_opts(cfg), reads=((1, blocks),)),
+        Launch(_k.variant_maps_fwd_kernel, (triton.cdiv(t, fcfg["BLOCK_T"]),),
+               (parts, ss, alpha, b_pre, b_post, b_pre if b_res is None else b_res, perm,
+                h_pre, h_post, h_res, logits, r, t, k, splits, norm_eps),
+               dict(**shape, KIND=code, BLOCK_T=fcfg["BLOCK_T"], UNROLL=_SPLIT_UNROLL),
+               **_opts(fcfg)),
+    ]
+    return launches, (h_pre, h_post, h_res, logits, r)
+
+
+@torch.library.custom_op("torch_mhc::variant_maps_fwd", mutates_args=())
+def _variant_fwd(
+    kind: str, x: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Tensor,
+    b_res: Tensor | None, norm_eps: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """x [T, n, C] -> H_pre, H_post [T, n], H_res [T, n, n], logits [T, 2n + R], r [T] (fp32)."""
+    launches, out = plan_variant_fwd(kind, x, phi, alpha, b_pre, b_post, b_res, norm_eps)
+    _run(f"variant_maps {kind} (forward)", launches, x, phi)
+    return out
+
+
+@_variant_fwd.register_fake
+def _(kind, x, phi, alpha, b_pre, b_post, b_res, norm_eps):
+    t, n, _ = x.shape
+    return (
+        x.new_empty((t, n), dtype=_F32), x.new_empty((t, n), dtype=_F32),
+        x.new_empty((t, n, n), dtype=_F32),
+        x.new_empty((t, phi.shape[1]), dtype=_F32), x.new_empty((t,), dtype=_F32),
+    )
+
+
+def plan_variant_bwd(kind, x, phi, alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post, g_res,
+                     smem=None):
+    """Launches of variant_maps_bwd and its buffers (dx, dgate, dphi parts): the per-token
+    gradients, then mHC's dx and dphi kernels with the successor's res columns (as
+    plan_maps_bwd)."""
+    t, n, c = x.shape
+    shape = _variant_constexprs(kind, n)
+    res = shape["R"]
+    k, m = n * c, 2 * n + res
+    smem = smem or smem_limit(x.device)
+    gcfg = kernel_config("variant_bwd", n, x.dtype, res=res)
+    cfg = kernel_config("dx", n, x.dtype, phi.dtype, smem, res)
+    dcfg = kernel_config("dphi", n, x.dtype, phi.dtype, smem, res)
+    dx = torch.empty_like(x)
+    dgate = x.new_empty((t, m), dtype=_F32)
+    dz = x.new_empty((t, m), dtype=_F32)
+    coef = x.new_empty((t,), dtype=_F32)  # r's share of dx: coef * x
+    block_t = token_block(t, cfg["BLOCK_T"])
+    blocks = triton.cdiv(t, block_t)
+    splits, per_split = k_splits(k, blocks, cfg["BLOCK_K"])
+    # dphi = x^T dz over T, split as plan_maps_bwd splits it.
+    k_blocks = triton.cdiv(k, dcfg["BLOCK_K"])
+    t_splits = max(1, min(triton.cdiv(t, dcfg["BLOCK_T"]), 512 // max(1, k_blocks)))
+    per_t_split = max(1, triton.cdiv(triton.cdiv(t, t_splits), dcfg["BLOCK_T"])) * dcfg["BLOCK_T"]
+    t_splits = max(1, triton.cdiv(t, per_t_split))
+    dphi_parts = x.new_empty((t_splits, k, m), dtype=_F32)
+    precision = _precision(x.dtype)
+    code = _kind_code(kind, res)
+    perm = _permutations(n, x.device) if code == 1 else None
+    launches = [
+        Launch(_k.variant_maps_bwd_kernel, (triton.cdiv(t, gcfg["BLOCK_T"]),),
+               (alpha, b_pre, b_post, b_pre if b_res is None else b_res, perm, logits, r,
+                g_pre, g_post, g_res, dgate, dz, coef, t, k),
+               dict(**shape, KIND=code, BLOCK_T=gcfg["BLOCK_T"], PRECISION=precision),
+               **_opts(gcfg)),
+        Launch(_k.mhc_dx_kernel, (blocks, splits),
+               (x, tf32_operand(phi, x.dtype), dz, coef, dx, t, k, per_split),
+               dict(**shape, BLOCK_T=block_t, BLOCK_K=cfg["BLOCK_K"], PRECISION=precision),
+               **_opts(cfg), reads=((1, blocks), (2, splits), (3, splits))),
+        Launch(_k.mhc_dphi_kernel, (k_blocks, t_splits), (x, dz, dphi_parts, t, k, per_t_split),
+               dict(**shape, BLOCK_T=dcfg["BLOCK_T"], BLOCK_K=dcfg["BLOCK_K"],
+                    PRECISION=precision),
+               **_opts(dcfg), reads=((1, k_blocks),)),
+    ]
+    return launches, (dx, dgate, dphi_parts)
+
+
+def _no_res_grad(alpha: Tensor) -> Tensor:
+    """b_res's gradient where there is no b_res (R = 0): custom ops return tensors, not None."""
+    return alpha.new_empty((0,))
+
+
+@torch.library.custom_op("torch_mhc::variant_maps_bwd", mutates_args=())
+def _variant_bwd(
+    kind: str, x: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Tensor,
+    b_res: Tensor | None, logits: Tensor, r: Tensor, g_pre: Tensor, g_post: Tensor,
+    g_res: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of x, phi, alpha, b_pre, b_post, b_res (in their dtypes; b_res's empty where
+    b_res is None)."""
+    n = x.shape[1]
+    launches, (dx, dgate, dphi_parts) = plan_variant_bwd(
+        kind, x, phi, alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post, g_res)
+    _run(f"variant_maps {kind} (backward)", launches, x, phi)
+    d_b = dgate.sum(dim=0)  # [M]: the biases' gradients in the logits' column order
+    d_a = (dgate * logits).sum(dim=0)  # [M]: then summed per gate
+    gates = [d_a[:n].sum(), d_a[n : 2 * n].sum()]
+    if alpha.shape[0] > 2:
+        gates.append(d_a[2 * n :].sum())
+    # Custom ops may not return aliases of each other: copy the slices of d_b.
+    return (
+        dx,
+        dphi_parts.sum(dim=0).to(phi.dtype),
+        torch.stack(gates).to(alpha.dtype),
+        d_b[:n].to(b_pre.dtype, copy=True),
+        d_b[n : 2 * n].to(b_post.dtype, copy=True),
+        _no_res_grad(alpha) if b_res is None else d_b[2 * n :].to(b_res.dtype, copy=True),
+    )
+
+
+@_variant_bwd.register_fake
+def _(kind, x, phi, alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post, g_res):
+    return (
+        torch.empty_like(x), torch.empty_like(phi), torch.empty_like(alpha),
+        torch.empty_like(b_pre), torch.empty_like(b_post),
+        _no_res_grad(alpha) if b_res is None else torch.empty_like(b_res),
+    )
+
+
+def _variant_setup(ctx, inputs, output):
+    kind, x, phi, alpha, b_pre, b_post, b_res, _ = inputs
+    _, _, _, logits, r = output
+    ctx.kind, ctx.has_res = kind, b_res is not None
+    ctx.save_for_backward(x, phi, alpha, b_pre, b_post, b_res, logits, r)
+
+
+def _variant_backward(ctx, g_pre, g_post, g_res, _g_logits, _g_r):
+    x, phi, alpha, b_pre, b_post, b_res, logits, r = ctx.saved_tensors
+    t, n, _ = x.shape
+    g_pre = torch.zeros((t, n), dtype=_F32, device=x.device) if g_pre is None else g_pre
+    g_post = torch.zeros((t, n), dtype=_F32, device=x.device) if g_post is None else g_post
+    g_res = torch.zeros((t, n, n), dtype=_F32, device=x.device) if g_res is None else g_res
+    grads = torch.ops.torch_mhc.variant_maps_bwd(
+        ctx.kind, x, phi, alpha, b_pre, b_post, b_res if ctx.has_res else None, logits, r,
+        g_pre.to(_F32).contiguous(), g_post.to(_F32).contiguous(), g_res.to(_F32).contiguous(),
+    )
+    return (None, *grads[:5], grads[5] if ctx.has_res else None, None)
+
+
+_variant_fwd.register_autograd(_variant_backward, setup_context=_variant_setup)
+for _device_type in ("cuda", "cpu"):
+    _register_maps_autocast(_device_type, "variant_maps_fwd")
+
+
+def _check_variant_shapes(kind, x, phi, alpha, b_pre, b_post, b_res) -> None:
+    """ValueError unless, for streams x [..., n, C] and R = res_count(kind, n): phi
+    [n C, 2n + R], alpha [3] ([2] when R = 0), b_pre, b_post [n], b_res [R] (None when R = 0)."""
+    if x.dim() < 2:
+        raise ValueError(f"variant_maps expects streams x [..., n, C], got {tuple(x.shape)}")
+    n, c = x.shape[-2:]
+    res = _succ.res_count(kind, n)  # checks kind and n
+    want = {"phi": (phi, (n * c, 2 * n + res)), "alpha": (alpha, (3 if res else 2,)),
+            "b_pre": (b_pre, (n,)), "b_post": (b_post, (n,))}
+    if res or b_res is not None:
+        want["b_res"] = (b_res, (res,))
+    for name, (t, shape) in want.items():
+        got = None if t is None else tuple(t.shape)
+        if got != shape:
+            raise ValueError(f"{kind} with n = {n}, C = {c} expects {name} of shape {shape}, "
+                             f"got {got}")
+
+
+def variant_maps(kind, x, phi, alpha, b_pre, b_post, b_res=None, norm_eps=1e-6):
+    """Same contract as functional.successors.variant_maps; mHC's matmul kernels and the kind's
+    per-token maps (ops/triton/kernels.py (e)). More than VARIANT_MAX_STREAMS streams: the
+    reference maps."""
+    _check("variant_maps", x, phi)
+    check_hc_scalars("variant_maps", norm_eps)
+    _check_variant_shapes(kind, x, phi, alpha, b_pre, b_post, b_res)
+    lead, (n, c) = x.shape[:-2], x.shape[-2:]
+    if n > VARIANT_MAX_STREAMS:
+        return _succ.variant_maps(kind, x, phi, alpha, b_pre, b_post, b_res, norm_eps)
+    h_pre, h_post, h_res, _, _ = _variant_fwd(
+        kind, x.reshape(-1, n, c).contiguous(), phi.contiguous(), alpha.contiguous(),
+        b_pre.contiguous(), b_post.contiguous(), None if b_res is None else b_res.contiguous(),
+        float(norm_eps),
+    )
+    return h_pre.reshape(*lead, n), h_post.reshape(*lead, n), h_res.reshape(*lead, n, n)
+
+
+def variant_maps_pre(kind, x, phi, alpha, b_pre, b_post, b_res=None, norm_eps=1e-6):
+    """variant_maps plus pre_aggregate(x, H_pre) [..., C] in x's dtype (the kernels'
+    pre-aggregation, as mhc_maps then pre_aggregate)."""
+    h_pre, h_post, h_res = variant_maps(kind, x, phi, alpha, b_pre, b_post, b_res, norm_eps)
+    return h_pre, h_post, h_res, pre_aggregate(x, h_pre)
+
+
 # Every custom op's plan, for the ahead-of-time compile check (ops/triton/aot.py).
 PLANS = {
     "mhc_maps_fwd": plan_maps_fwd,
@@ -824,4 +1114,6 @@ PLANS = {
     "post_merge_bwd": plan_merge_bwd,
     "sinkhorn_fwd": plan_sinkhorn_fwd,
     "sinkhorn_bwd": plan_sinkhorn_bwd,
+    "variant_maps_fwd": plan_variant_fwd,
+    "variant_maps_bwd": plan_variant_bwd,
 }
