@@ -14,7 +14,11 @@ The matrix: targets sm_80 (A100), sm_86 (consumer Ampere; sm_89 has the same lim
 sm_90; streams fp32, bf16, fp16 with parameters of the same dtype or fp32 (autocast, mixed
 precision: twice phi's shared memory); Sinkhorn eps 0 (log-domain path) and > 0 (its other
 kernel variant); every n the kernels accept (2 .. 16). Variants other than the base (same
-dtypes, eps 0) compile only the kernels they change.
+dtypes, eps 0) compile only the kernels they change. mHC's successors' maps
+(variant_maps_fwd / variant_maps_bwd: the matmul kernels with their res columns and their
+per-token kernels) compile for every kind defined at each n (mHC-lite n <= 5, KromHC powers
+of two, a static H_res any n); their ops are named with the kind, "variant_maps_fwd:kromhc",
+and Sinkhorn's eps leaves them unchanged (2,679 launches in all, 1,125 of them theirs).
 
     mhc bench --aot                                     # full matrix, table on stdout
     mhc bench --aot --n 2,4,8 --cc 90 --dtypes bf16 --params fp32 --eps 0 --json out.json
@@ -41,6 +45,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
+from torch_mhc.functional import successors
 from torch_mhc.runtime.files import atomic_write
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -52,11 +57,13 @@ FULL = dict(cc=(80, 86, 90), dtypes=("fp32", "bf16", "fp16"), params=("same", "f
 _SM = {80: (65536, 164 * 1024, 64, 32), 86: (65536, 100 * 1024, 48, 16),
        89: (65536, 100 * 1024, 48, 24), 90: (65536, 228 * 1024, 64, 32)}
 # Ops whose launches a variant changes: phi's dtype the map kernels, eps also Sinkhorn's.
+_VARIANT_OPS = ("variant_maps_fwd", "variant_maps_bwd")
 _MAPS_OPS = ("mhc_maps_fwd", "mhc_maps_bwd")
+_PHI_OPS = (*_MAPS_OPS, *_VARIANT_OPS)
 _EPS_OPS = (*_MAPS_OPS, "sinkhorn_fwd", "sinkhorn_bwd")
 # Kernels computing an operand (dz) that tf32 dots of other kernels read from memory: in a
 # half-stream launch they must round it (cvt.rna) before storing it.
-_ROUNDS_FOR_TF32 = ("mhc_maps_bwd_kernel",)
+_ROUNDS_FOR_TF32 = ("mhc_maps_bwd_kernel", "variant_maps_bwd_kernel")
 _CACHE_VERSION = "2"  # rows gained fields: older cached rows are not reused
 
 
@@ -78,7 +85,8 @@ def op_args(n: int, dtype: torch.dtype, tokens: int = 8192, channels: int = 4096
 
     Streams in `dtype`, parameters in `param_dtype` (default dtype: a model cast to bf16 has
     bf16 phi; fp32 under autocast); maps, gates and their gradients in float32, as the ops
-    pass them; eps the Sinkhorn epsilon (0: the variant with the log-domain path).
+    pass them; eps the Sinkhorn epsilon (0: the variant with the log-domain path). The
+    successors' ops appear once per kind defined at n, keyed "op:kind".
     """
     t, c, m = tokens, channels, n * n + 2 * n
     pd = param_dtype or dtype
@@ -86,6 +94,14 @@ def op_args(n: int, dtype: torch.dtype, tokens: int = 8192, channels: int = 4096
     params = (make(n * c, m, dtype=pd), make(3, dtype=pd), make(n, dtype=pd),
               make(n, dtype=pd), make(n, n, dtype=pd))
     h_pre, h_post, h_res = make(t, n), make(t, n), make(t, n, n)
+    variants = {}
+    for kind in _kinds(n):
+        res = successors.res_count(kind, n)
+        v_params = (make(n * c, 2 * n + res, dtype=pd), make(3 if res else 2, dtype=pd),
+                    make(n, dtype=pd), make(n, dtype=pd), make(res, dtype=pd) if res else None)
+        variants[f"variant_maps_fwd:{kind}"] = (kind, x, *v_params, 1e-6)
+        variants[f"variant_maps_bwd:{kind}"] = (kind, x, *v_params, make(t, 2 * n + res),
+                                                make(t), h_pre, h_post, h_res)
     return {
         "mhc_maps_fwd": (x, *params, iters, 1e-6, eps, 0.0),
         "mhc_maps_bwd": (x, *params, make(t, m), make(t), h_pre, h_post, h_res, iters, eps),
@@ -95,24 +111,43 @@ def op_args(n: int, dtype: torch.dtype, tokens: int = 8192, channels: int = 4096
         "post_merge_bwd": (x, f, h_post, h_res, x),
         "sinkhorn_fwd": (make(t, n, n, dtype=dtype), iters, eps),
         "sinkhorn_bwd": (make(t, n, n, dtype=dtype), make(t, n, n, dtype=dtype), iters, eps),
+        **variants,
     }
+
+
+def _kinds(n: int) -> list[str]:
+    """mHC's successors defined at n streams (functional.successors.check_variant)."""
+    out = []
+    for kind in successors.VARIANT_KINDS:
+        try:
+            successors.check_variant(kind, n)
+        except ValueError:
+            continue
+        out.append(kind)
+    return out
+
+
+def _base(op: str) -> str:
+    """The custom op of an op_args key ("variant_maps_fwd:kromhc" -> "variant_maps_fwd")."""
+    return op.split(":", 1)[0]
 
 
 def op_launches(n: int, dtype: torch.dtype, tokens: int = 8192, channels: int = 4096,
                 iters: int = 20, make=_meta, param_dtype: torch.dtype | None = None,
                 eps: float = 0.0, smem: int | None = None,
                 ops: tuple[str, ...] | None = None) -> list[tuple[str, object]]:
-    """(op, Launch) for every launch of every custom op at this size (or of `ops`), from the
-    ops' own plans (meta tensors by default: nothing is allocated, nothing runs); smem: the
-    target's shared memory per block (default: that of the tensors' device)."""
+    """(op, Launch) for every launch of every custom op at this size (or of the custom ops in
+    `ops`), from the ops' own plans (meta tensors by default: nothing is allocated, nothing
+    runs); smem: the target's shared memory per block (default: that of the tensors'
+    device). op: the op_args key (the successors' with their kind)."""
     from torch_mhc.ops.triton import ops as tri
 
     out = []
     for op, args in op_args(n, dtype, tokens, channels, iters, make, param_dtype, eps).items():
-        if ops is not None and op not in ops:
+        if ops is not None and _base(op) not in ops:
             continue
-        kw = {"smem": smem} if op in _MAPS_OPS else {}
-        launches, _ = tri.PLANS[op](*args, **kw)
+        kw = {"smem": smem} if _base(op) in _PHI_OPS else {}
+        launches, _ = tri.PLANS[_base(op)](*args, **kw)
         out.extend((op, launch) for launch in launches)
     return out
 
@@ -198,9 +233,10 @@ def _smem(cc: int) -> int:
 
 
 def _variant_ops(dtype: str, params: str, eps: float) -> tuple[str, ...] | None:
-    """The ops a variant changes (None: all, the base variant)."""
+    """The ops a variant changes (None: all, the base variant). The successors' maps have no
+    Sinkhorn: eps > 0 leaves them as at eps = 0."""
     if params not in ("same", dtype):
-        return _MAPS_OPS
+        return _MAPS_OPS if eps else _PHI_OPS
     return _EPS_OPS if eps else None
 
 
@@ -275,17 +311,23 @@ def failures(rows: list[dict], max_regs: int = 255) -> list[str]:
     for r in rows:
         problem = _problem(r, max_regs)
         if problem:
-            where = (f"{r['kernel']} sm_{r['cc']} {r['dtype']} params={r.get('params', 'same')} "
-                     f"eps={r.get('eps', 0.0)} n={r['n']}")
+            where = (f"{_kernel_cell(r)} sm_{r['cc']} {r['dtype']} "
+                     f"params={r.get('params', 'same')} eps={r.get('eps', 0.0)} n={r['n']}")
             bad.append(f"{where}: {problem}")
     return bad
+
+
+def _kernel_cell(r: dict) -> str:
+    """The kernel's name, with the successor's kind where the launch is one of theirs."""
+    _, _, kind = r.get("op", "").partition(":")
+    return f"{r['kernel']} [{kind}]" if kind else r["kernel"]
 
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| kernel | cc | dtype | params | eps | n | registers | spill bytes | shared memory "
              "| warps | occupancy |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        head = (f"| {r['kernel']} | sm_{r['cc']} | {r['dtype']} | {r.get('params', 'same')} "
+        head = (f"| {_kernel_cell(r)} | sm_{r['cc']} | {r['dtype']} | {r.get('params', 'same')} "
                 f"| {r.get('eps', 0.0):g} | {r['n']} ")
         if r["error"]:
             lines.append(head + "| error | | | | |")

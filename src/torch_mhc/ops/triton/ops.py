@@ -306,12 +306,18 @@ def kernel_config(kernel: str, n: int, dtype: torch.dtype, param_dtype: torch.dt
         # The full matrix of the check (every n, target and dtype pair) found spills in xphi
         # with 64-wide K tiles in tf32x3 (up to 700 bytes at n = 5 and 8 on sm_80, a few at
         # n = 2): 32-wide tiles there; and with fp32 streams at n = 3 on sm_90 (24 bytes with
-        # 64 tokens): 32 tokens.
+        # 64 tokens): 32 tokens. The successors' tiles (res given): with fp32 streams xphi
+        # spilled a few bytes at 64 tokens on sm_90 (KromHC, n = 2 and 8), and mHC-lite's dx
+        # at n = 5 (the only one in the n > 8 class, 144 columns) 276 bytes on sm_86: 32
+        # tokens; its xphi spilled 416 bytes at 16 tokens in tf32x3 on sm_80 and none at 32.
         x3 = kernel == "xphi" and _fwd_precision(dtype, param_dtype or dtype) == "tf32x3"
         if fp32:
-            block_t = 32 if np_ == 8 or (kernel == "xphi" and n == 3) else 64
+            narrow = kernel == "xphi" and n == 3
+            if res is not None:
+                narrow = kernel == "xphi" or np_ >= 16
+            block_t = 32 if np_ == 8 or narrow else 64
         elif np_ >= 16:
-            block_t = 16 if kernel == "xphi" else 64
+            block_t = (16 if res is None else 32) if kernel == "xphi" else 64
         else:
             block_t = 64 if x3 else 128
         cfg = dict(BLOCK_T=block_t if kernel != "dphi" else (32 if np_ <= 8 else 16),
@@ -328,9 +334,11 @@ def kernel_config(kernel: str, n: int, dtype: torch.dtype, param_dtype: torch.dt
                     maxnreg=255 if (kernel == "maps_bwd" and np_ >= 16) else None)
     if kernel in ("variant_fwd", "variant_bwd"):
         # float64 tiles: H_res [BLOCK_T, NP*NP] and the weights [BLOCK_T, RW] (mHC-lite at
-        # n = 5: 128 wide)
+        # n = 5: 128 wide). mHC-lite at n = 4 (32 weights) spilled 8 bytes in the forward
+        # with 4 warps on sm_86, and 4 bytes in the backward with 8 on sm_90.
         wide = np_ >= 16 or _res_width(n, res or 0) >= 128
-        return dict(BLOCK_T=16 if wide else 32, num_warps=4 if np_ <= 4 and not wide else 8,
+        few = np_ <= 4 and (_res_width(n, res or 0) <= 16 or kernel == "variant_bwd")
+        return dict(BLOCK_T=16 if wide else 32, num_warps=4 if few and not wide else 8,
                     num_stages=3, maxnreg=None)
     if kernel in ("sinkhorn_fwd", "sinkhorn_bwd"):
         return dict(BLOCK_T=32 if np_ <= 8 else 16, num_warps=4 if np_ <= 4 else 8, num_stages=3,
