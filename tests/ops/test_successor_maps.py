@@ -154,7 +154,7 @@ def test_ops_interface():
     want = ref.variant_maps_pre("kromhc", *inputs)
     for a, e in zip(got, want, strict=True):
         assert torch.equal(a, e)
-    # no successor kernel on inductor (nor triton): the reference maps, its own aggregation
+    # no successor kernel on inductor: the reference maps, its own aggregation
     assert ops.get_impl("inductor").variant_maps is ref.variant_maps
 
 

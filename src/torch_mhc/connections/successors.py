@@ -39,8 +39,9 @@ Ops: the maps are the op implementation's variant_maps_pre (torch_mhc.ops), the 
 counterpart of mhc_maps_pre. On the CPU it is one autograd node on mHC's own native passes
 with the kind's closed-form H_res in place of Sinkhorn (one pass over x forward, one
 backward writing dx once, with the merge's share through fused_dx as mHC's), and decoding
-without autograd takes mHC's two prepared native calls; triton and inductor
-compose the reference maps (functional.successors) with their own aggregation and merge.
+without autograd takes mHC's two prepared native calls. On triton, mHC's matmul kernels run
+with the kind's per-token maps kernel in place of Sinkhorn's; inductor composes the reference
+maps (functional.successors) with its own aggregation and merge.
 """
 
 from __future__ import annotations
