@@ -12,10 +12,6 @@ TRITON_INTERPRET=1 from the start; run directly that way, they run in-process:
 Sizes are small: the interpreter runs every kernel instruction as a numpy call.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,30 +28,20 @@ from tests.helpers.op_cases import (  # noqa: E402
     run,
 )
 from tests.helpers.references import sinkhorn_log_naive  # noqa: E402
+from tests.helpers.triton_env import (  # noqa: E402
+    DEVICE,
+    DTYPES,
+    INTERPRETER_CHILD,
+    ON_GPU,
+    RUN_HERE,
+    TOL,
+    kernel_test,
+    run_in_fresh_interpreter,
+    tri,
+)
 from torch_mhc import sinkhorn_unrolled  # noqa: E402
 from torch_mhc.functional import maps as reference  # noqa: E402
 
-ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
-INTERPRETER_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
-RUN_HERE = ON_GPU or INTERPRETER_CHILD
-
-if RUN_HERE:
-    from torch_mhc.ops.triton import ops as tri
-
-    assert tri.interpreted() == (not ON_GPU)
-else:
-    tri = None
-
-kernel_test = pytest.mark.skipif(
-    not RUN_HERE,
-    reason="runs in a fresh TRITON_INTERPRET=1 process (see the module docstring)",
-)
-
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
-# The kernels compute in fp32 and round once on store; compare with the reference run in
-# fp32 (from the same rounded inputs) at the storage dtype's resolution.
-TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 NAMES = ("x", "phi", "alpha", "b_pre", "b_post", "b_res")
 
 
@@ -617,12 +603,4 @@ def test_clear_errors_for_unsupported_inputs(monkeypatch):
 @pytest.mark.skipif(RUN_HERE, reason="the kernel tests run in this process")
 def test_kernels_in_a_fresh_interpreter_process():
     """Run this module's kernel tests where TRITON_INTERPRET=1 precedes any triton import."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=900,
-    )
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, tail
-    assert " passed" in tail and "skipped" in tail, tail  # this test skips itself there
+    run_in_fresh_interpreter(__file__)

@@ -8,10 +8,6 @@ process; without one in a fresh process with TRITON_INTERPRET=1 from the start, 
     TRITON_INTERPRET=1 pytest tests/ops/test_triton_successors.py
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,32 +16,20 @@ pytest.importorskip("triton")
 
 import torch_mhc.ops as ops  # noqa: E402
 from tests.helpers.op_cases import Branch, assert_close, perturbed  # noqa: E402
+from tests.helpers.triton_env import (  # noqa: E402
+    DEVICE,
+    DTYPES,
+    ON_GPU,
+    RUN_HERE,
+    TOL,
+    kernel_test,
+    run_in_fresh_interpreter,
+    tri,
+)
 from tests.ops.test_successor_maps import variant_inputs  # noqa: E402
 from torch_mhc.functional import maps as reference_maps  # noqa: E402
 from torch_mhc.functional import successors as ref  # noqa: E402
 
-ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
-INTERPRETER_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
-RUN_HERE = ON_GPU or INTERPRETER_CHILD
-
-if RUN_HERE:
-    from torch_mhc.ops.triton import ops as tri
-
-    assert tri.interpreted() == (not ON_GPU)
-else:
-    tri = None
-
-kernel_test = pytest.mark.skipif(
-    not RUN_HERE,
-    reason="runs in a fresh TRITON_INTERPRET=1 process (see the module docstring)",
-)
-
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
-# As tests/ops/test_triton.py: the kernels compute in fp32 and round once on store; the
-# reference runs in fp32 from the same rounded inputs, compared at the storage dtype's
-# resolution.
-TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 CASES = [("mhc-lite", n) for n in (2, 3, 4)] + [("kromhc", n) for n in (1, 2, 4, 8)] \
     + [("mhc-static-res", n) for n in (1, 3, 4)]
 OUTPUTS = ("h_pre", "h_post", "h_res", "aggregate", "merged")
@@ -295,12 +279,4 @@ def test_connection_triton_equals_reference_and_compiles_fullgraph():
 @pytest.mark.skipif(RUN_HERE, reason="the kernel tests run in this process")
 def test_kernels_in_a_fresh_interpreter_process():
     """Run this module's kernel tests where TRITON_INTERPRET=1 precedes any triton import."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=900,
-    )
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, tail
-    assert " passed" in tail and "skipped" in tail, tail  # this test skips itself there
+    run_in_fresh_interpreter(__file__)
