@@ -396,6 +396,41 @@ def mhc_maps_fwd_kernel(
 
 
 @triton.jit
+def _gates_bwd(l_pp, a_pp, b_pp, p, is_pre, pp_ok, t, t_ok, m_pp, g_pre_ptr, g_post_ptr,
+               N: tl.constexpr):
+    """dL/dgate-logits of the pp tile [BT, PW]: H_pre = sigmoid(g) (+ a constant),
+    H_post = 2 sigmoid(g), from their upstream gradients [T, n]."""
+    sig = tl.sigmoid(l_pp * a_pp[None, :] + b_pp[None, :])
+    g_pp = tl.load(g_pre_ptr + t[:, None] * N + p[None, :], mask=t_ok[:, None] & is_pre[None, :],
+                   other=0.0) + \
+        tl.load(g_post_ptr + t[:, None] * N + (p - N)[None, :],
+                mask=t_ok[:, None] & (pp_ok & ~is_pre)[None, :], other=0.0)
+    return tl.where(m_pp, g_pp * sig * (1.0 - sig) * tl.where(is_pre, 1.0, 2.0)[None, :], 0.0)
+
+
+@triton.jit
+def _store_grads(dgate_res, dgate_pp, l_res, l_pp, a_res, a_pp, r, K, t, t_ok, res_col, p,
+                 m_res, m_pp, dgate_ptr, dz_ptr, coef_ptr, M: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """The maps backward's outputs from dL/dgate-logits (res tile [BT, NQ], pp tile [BT, PW]):
+    dgate [T, M]; then, as logits = z / r with r = sqrt(mean(x^2) + eps), dz = dlogits / r
+    [T, M] and r's share of dx, coef * x with coef = -sum(dlogits * logits) / (K r^2) [T]."""
+    tl.store(dgate_ptr + t[:, None] * M + res_col[None, :], dgate_res, mask=m_res)
+    tl.store(dgate_ptr + t[:, None] * M + p[None, :], dgate_pp, mask=m_pp)
+    dl_res = dgate_res * a_res
+    dl_pp = dgate_pp * a_pp[None, :]
+    coef = -(tl.sum(dl_res * l_res, axis=1) + tl.sum(dl_pp * l_pp, axis=1)) / (K * r * r)
+    dz_res = dl_res / r[:, None]
+    dz_pp = dl_pp / r[:, None]
+    if PRECISION == "tf32":  # dz feeds tf32 dots in mhc_dx_kernel and mhc_dphi_kernel: round it
+        dz_res = _tf32(dz_res)
+        dz_pp = _tf32(dz_pp)
+    tl.store(dz_ptr + t[:, None] * M + res_col[None, :], dz_res, mask=m_res)
+    tl.store(dz_ptr + t[:, None] * M + p[None, :], dz_pp, mask=m_pp)
+    tl.store(coef_ptr + t, coef, mask=t_ok)
+
+
+@triton.jit
 def mhc_maps_bwd_kernel(
     alpha_ptr, b_pre_ptr, b_post_ptr, b_res_ptr, logits_ptr, r_ptr,
     g_pre_ptr, g_post_ptr, g_res_ptr,
@@ -425,12 +460,8 @@ def mhc_maps_bwd_kernel(
     r = tl.load(r_ptr + t, mask=t_ok, other=1.0)
 
     # Gates: H_pre = sigmoid(g) + pre_eps, H_post = 2 sigmoid(g).
-    sig = tl.sigmoid(l_pp * a_pp[None, :] + b_pp[None, :])
-    g_pp = tl.load(g_pre_ptr + t[:, None] * N + p[None, :], mask=t_ok[:, None] & is_pre[None, :],
-                   other=0.0) + \
-        tl.load(g_post_ptr + t[:, None] * N + (p - N)[None, :],
-                mask=t_ok[:, None] & (pp_ok & ~is_pre)[None, :], other=0.0)
-    dgate_pp = tl.where(m_pp, g_pp * sig * (1.0 - sig) * tl.where(is_pre, 1.0, 2.0)[None, :], 0.0)
+    dgate_pp = _gates_bwd(l_pp, a_pp, b_pp, p, is_pre, pp_ok, t, t_ok, m_pp, g_pre_ptr,
+                          g_post_ptr, N)
 
     # Residual map: Sinkhorn backward on [BT, NP, NP].
     h = tl.reshape(l_res * a_res + b_res[None, :], [BLOCK_T, NP, NP])
@@ -440,22 +471,8 @@ def mhc_maps_bwd_kernel(
     dh = _sinkhorn_bwd(h, tl.reshape(g_res, [BLOCK_T, NP, NP]), ok, t, t_ok, sk_eps, log_range,
                        scratch_ptr, ITERS, NP, LOG_OK)
     dgate_res = tl.reshape(dh, [BLOCK_T, NQ])
-    tl.store(dgate_ptr + t[:, None] * M + res_col[None, :], dgate_res, mask=m_res)
-    tl.store(dgate_ptr + t[:, None] * M + p[None, :], dgate_pp, mask=m_pp)
-
-    # logits = z / r, r = sqrt(mean(x^2) + eps): dz = dlogits / r, and r's share of dx is
-    # coef * x with coef = -sum(dlogits * logits) / (K r^2).
-    dl_res = dgate_res * a_res
-    dl_pp = dgate_pp * a_pp[None, :]
-    coef = -(tl.sum(dl_res * l_res, axis=1) + tl.sum(dl_pp * l_pp, axis=1)) / (K * r * r)
-    dz_res = dl_res / r[:, None]
-    dz_pp = dl_pp / r[:, None]
-    if PRECISION == "tf32":  # dz feeds tf32 dots in mhc_dx_kernel and mhc_dphi_kernel: round it
-        dz_res = _tf32(dz_res)
-        dz_pp = _tf32(dz_pp)
-    tl.store(dz_ptr + t[:, None] * M + res_col[None, :], dz_res, mask=m_res)
-    tl.store(dz_ptr + t[:, None] * M + p[None, :], dz_pp, mask=m_pp)
-    tl.store(coef_ptr + t, coef, mask=t_ok)
+    _store_grads(dgate_res, dgate_pp, l_res, l_pp, a_res, a_pp, r, K, t, t_ok, res_col, p,
+                 m_res, m_pp, dgate_ptr, dz_ptr, coef_ptr, M, PRECISION)
 
 
 @triton.jit
@@ -719,12 +736,8 @@ def variant_maps_bwd_kernel(
     r = tl.load(r_ptr + t, mask=t_ok, other=1.0)
 
     # Gates: H_pre = sigmoid(g), H_post = 2 sigmoid(g).
-    sig = tl.sigmoid(l_pp * a_pp[None, :] + b_pp[None, :])
-    g_pp = tl.load(g_pre_ptr + t[:, None] * N + p[None, :], mask=t_ok[:, None] & is_pre[None, :],
-                   other=0.0) + \
-        tl.load(g_post_ptr + t[:, None] * N + (p - N)[None, :],
-                mask=t_ok[:, None] & (pp_ok & ~is_pre)[None, :], other=0.0)
-    dgate_pp = tl.where(m_pp, g_pp * sig * (1.0 - sig) * tl.where(is_pre, 1.0, 2.0)[None, :], 0.0)
+    dgate_pp = _gates_bwd(l_pp, a_pp, b_pp, p, is_pre, pp_ok, t, t_ok, m_pp, g_pre_ptr,
+                          g_post_ptr, N)
 
     # Residual map: the kind's closed-form backward.
     q = tl.arange(0, NQ)
@@ -734,22 +747,8 @@ def variant_maps_bwd_kernel(
                     mask=t_ok[:, None] & ((i < N) & (j < N))[None, :], other=0.0)
     dgate_res = tl.where(m_res, _variant_res_bwd(l_res * a_res + b_res[None, :], res_ok, g_res,
                                                  perm_ptr, N, NP, R, RW, KIND, BLOCK_T), 0.0)
-    tl.store(dgate_ptr + t[:, None] * M + res_col[None, :], dgate_res, mask=m_res)
-    tl.store(dgate_ptr + t[:, None] * M + p[None, :], dgate_pp, mask=m_pp)
-
-    # logits = z / r, as mhc_maps_bwd_kernel: dz = dlogits / r, coef = -sum(dlogits *
-    # logits) / (K r^2).
-    dl_res = dgate_res * a_res
-    dl_pp = dgate_pp * a_pp[None, :]
-    coef = -(tl.sum(dl_res * l_res, axis=1) + tl.sum(dl_pp * l_pp, axis=1)) / (K * r * r)
-    dz_res = dl_res / r[:, None]
-    dz_pp = dl_pp / r[:, None]
-    if PRECISION == "tf32":  # dz feeds tf32 dots in mhc_dx_kernel and mhc_dphi_kernel: round it
-        dz_res = _tf32(dz_res)
-        dz_pp = _tf32(dz_pp)
-    tl.store(dz_ptr + t[:, None] * M + res_col[None, :], dz_res, mask=m_res)
-    tl.store(dz_ptr + t[:, None] * M + p[None, :], dz_pp, mask=m_pp)
-    tl.store(coef_ptr + t, coef, mask=t_ok)
+    _store_grads(dgate_res, dgate_pp, l_res, l_pp, a_res, a_pp, r, K, t, t_ok, res_col, p,
+                 m_res, m_pp, dgate_ptr, dz_ptr, coef_ptr, M, PRECISION)
 
 
 # ---------------------------------------------------------------------------------------------

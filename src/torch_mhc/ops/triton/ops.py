@@ -470,15 +470,37 @@ def plan_maps_bwd(x, phi, alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post,
     gradients (Sinkhorn's backward, dz), dx over token blocks x K splits, dphi."""
     t, n, c = x.shape
     k, m, np_ = n * c, n * n + 2 * n, _padded(n)
-    smem = smem or smem_limit(x.device)
     gcfg = kernel_config("maps_bwd", n, x.dtype)
-    cfg = kernel_config("dx", n, x.dtype, phi.dtype, smem)
-    dcfg = kernel_config("dphi", n, x.dtype, phi.dtype, smem)
-    dx = torch.empty_like(x)
     dgate = x.new_empty((t, m), dtype=_F32)
     dz = x.new_empty((t, m), dtype=_F32)
     coef = x.new_empty((t,), dtype=_F32)  # r's share of dx: coef * x
     scratch = x.new_empty((t, 2 * iters, np_), dtype=_F32)  # Sinkhorn's normalisers
+    shape = dict(N=n, NP=np_, PW=_pp_width(n))
+    precision = _precision(x.dtype)
+    tail, dx, dphi_parts = _plan_dx_dphi(x, phi, dz, coef, shape, smem)
+    launches = [
+        Launch(_k.mhc_maps_bwd_kernel, (triton.cdiv(t, gcfg["BLOCK_T"]),),
+               (alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post, g_res, dgate, dz, coef,
+                scratch, t, k, sk_eps, LINEAR_RANGE),
+               dict(**shape, ITERS=iters, LOG_OK=sk_eps == 0.0, BLOCK_T=gcfg["BLOCK_T"],
+                    PRECISION=precision),
+               **_opts(gcfg)),
+        *tail,
+    ]
+    return launches, (dx, dgate, dphi_parts)
+
+
+def _plan_dx_dphi(x, phi, dz, coef, shape: dict, smem=None, res: int | None = None):
+    """The maps backward's last two launches, from the per-token kernel's dz [T, M] and coef
+    [T]: dx = dz phi^T + coef x over token blocks x K splits, and dphi = x^T dz in parts over
+    token splits (summed by the caller). shape: the kernels' N, NP, PW (and R, RW for a
+    successor's res columns, res its R). Returns (launches, dx, dphi parts [splits, K, M])."""
+    t, n, c = x.shape
+    k, m = n * c, dz.shape[1]
+    smem = smem or smem_limit(x.device)
+    cfg = kernel_config("dx", n, x.dtype, phi.dtype, smem, res)
+    dcfg = kernel_config("dphi", n, x.dtype, phi.dtype, smem, res)
+    dx = torch.empty_like(x)
     block_t = token_block(t, cfg["BLOCK_T"])
     blocks = triton.cdiv(t, block_t)
     splits, per_split = k_splits(k, blocks, cfg["BLOCK_K"])
@@ -489,15 +511,8 @@ def plan_maps_bwd(x, phi, alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post,
     per_t_split = max(1, triton.cdiv(triton.cdiv(t, t_splits), dcfg["BLOCK_T"])) * dcfg["BLOCK_T"]
     t_splits = max(1, triton.cdiv(t, per_t_split))
     dphi_parts = x.new_empty((t_splits, k, m), dtype=_F32)
-    shape = dict(N=n, NP=np_, PW=_pp_width(n))
     precision = _precision(x.dtype)
     launches = [
-        Launch(_k.mhc_maps_bwd_kernel, (triton.cdiv(t, gcfg["BLOCK_T"]),),
-               (alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post, g_res, dgate, dz, coef,
-                scratch, t, k, sk_eps, LINEAR_RANGE),
-               dict(**shape, ITERS=iters, LOG_OK=sk_eps == 0.0, BLOCK_T=gcfg["BLOCK_T"],
-                    PRECISION=precision),
-               **_opts(gcfg)),
         Launch(_k.mhc_dx_kernel, (blocks, splits),
                (x, tf32_operand(phi, x.dtype), dz, coef, dx, t, k, per_split),
                dict(**shape, BLOCK_T=block_t, BLOCK_K=cfg["BLOCK_K"], PRECISION=precision),
@@ -507,7 +522,7 @@ def plan_maps_bwd(x, phi, alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post,
                     PRECISION=precision),
                **_opts(dcfg), reads=((1, k_blocks),)),
     ]
-    return launches, (dx, dgate, dphi_parts)
+    return launches, dx, dphi_parts
 
 
 @torch.library.custom_op("torch_mhc::mhc_maps_bwd", mutates_args=())
@@ -964,40 +979,21 @@ def plan_variant_bwd(kind, x, phi, alpha, b_pre, b_post, b_res, logits, r, g_pre
     shape = _variant_constexprs(kind, n)
     res = shape["R"]
     k, m = n * c, 2 * n + res
-    smem = smem or smem_limit(x.device)
     gcfg = kernel_config("variant_bwd", n, x.dtype, res=res)
-    cfg = kernel_config("dx", n, x.dtype, phi.dtype, smem, res)
-    dcfg = kernel_config("dphi", n, x.dtype, phi.dtype, smem, res)
-    dx = torch.empty_like(x)
     dgate = x.new_empty((t, m), dtype=_F32)
     dz = x.new_empty((t, m), dtype=_F32)
     coef = x.new_empty((t,), dtype=_F32)  # r's share of dx: coef * x
-    block_t = token_block(t, cfg["BLOCK_T"])
-    blocks = triton.cdiv(t, block_t)
-    splits, per_split = k_splits(k, blocks, cfg["BLOCK_K"])
-    # dphi = x^T dz over T, split as plan_maps_bwd splits it.
-    k_blocks = triton.cdiv(k, dcfg["BLOCK_K"])
-    t_splits = max(1, min(triton.cdiv(t, dcfg["BLOCK_T"]), 512 // max(1, k_blocks)))
-    per_t_split = max(1, triton.cdiv(triton.cdiv(t, t_splits), dcfg["BLOCK_T"])) * dcfg["BLOCK_T"]
-    t_splits = max(1, triton.cdiv(t, per_t_split))
-    dphi_parts = x.new_empty((t_splits, k, m), dtype=_F32)
     precision = _precision(x.dtype)
     code = _kind_code(kind, res)
     perm = _permutations(n, x.device) if code == 1 else None
+    tail, dx, dphi_parts = _plan_dx_dphi(x, phi, dz, coef, shape, smem, res)
     launches = [
         Launch(_k.variant_maps_bwd_kernel, (triton.cdiv(t, gcfg["BLOCK_T"]),),
                (alpha, b_pre, b_post, b_pre if b_res is None else b_res, perm, logits, r,
                 g_pre, g_post, g_res, dgate, dz, coef, t, k),
                dict(**shape, KIND=code, BLOCK_T=gcfg["BLOCK_T"], PRECISION=precision),
                **_opts(gcfg)),
-        Launch(_k.mhc_dx_kernel, (blocks, splits),
-               (x, tf32_operand(phi, x.dtype), dz, coef, dx, t, k, per_split),
-               dict(**shape, BLOCK_T=block_t, BLOCK_K=cfg["BLOCK_K"], PRECISION=precision),
-               **_opts(cfg), reads=((1, blocks), (2, splits), (3, splits))),
-        Launch(_k.mhc_dphi_kernel, (k_blocks, t_splits), (x, dz, dphi_parts, t, k, per_t_split),
-               dict(**shape, BLOCK_T=dcfg["BLOCK_T"], BLOCK_K=dcfg["BLOCK_K"],
-                    PRECISION=precision),
-               **_opts(dcfg), reads=((1, k_blocks),)),
+        *tail,
     ]
     return launches, (dx, dgate, dphi_parts)
 
