@@ -549,8 +549,8 @@ def _native_op_samples():
     m = 3 * 3 + 2 * 3
     phi = torch.randn(60, m) / 60**0.5
     ab = torch.randn(2, m)
-    lt, r, *_ = torch.ops.torch_mhc.cpu_mhc_maps_fwd(x, cpu._padded(phi), ab, 4, 1e-6, 0.0, 0.0,
-                                                    False)
+    lt, r, *_ = torch.ops.torch_mhc.cpu_mhc_maps_fwd(x, cpu.padded_table(phi), ab, 4, 1e-6, 0.0,
+                                                    0.0, False)
     g = torch.randn_like(x)
     w = torch.randn(20, 3 + 2)  # HC's W [C, n + 2]
     return {
@@ -558,11 +558,11 @@ def _native_op_samples():
         "cpu_pre_aggregate_bwd": (x, h_pre, f),
         "cpu_post_merge_fwd": (x, f, h_post, h_res),
         "cpu_post_merge_bwd": (x, f, h_post, h_res, g, True),
-        "cpu_mhc_maps_fwd": (x, cpu._padded(phi), ab, 4, 1e-6, 0.0, 0.0, True),
+        "cpu_mhc_maps_fwd": (x, cpu.padded_table(phi), ab, 4, 1e-6, 0.0, 0.0, True),
         "cpu_mhc_maps_bwd": (x, phi.t().contiguous(), ab, lt, r, h_pre, h_post, h_res, f, g,
                              4, 0.0, 0.0),
-        "cpu_rows_fwd": (x.view(15, 20), cpu._padded(w)),
-        "cpu_rows_bwd": (x.view(15, 20), w.t().contiguous(), cpu._padded(torch.randn(15, 5)),
+        "cpu_rows_fwd": (x.view(15, 20), cpu.padded_table(w)),
+        "cpu_rows_bwd": (x.view(15, 20), w.t().contiguous(), cpu.padded_table(torch.randn(15, 5)),
                          torch.randn(15)),
         "cpu_hc_maps_bwd": (x, w.t().contiguous(), torch.tanh(torch.randn(15, 5)),
                             torch.randn(15, 5), torch.rand(15) + 0.5, h_pre, h_res, h_pre, None,

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from torch_mhc.functional import successors as _successors
 from torch_mhc.ops.cpu.build import build_library, warn_fallback
 
 __all__ = ["DecodeCall", "SINGLE_THREAD_TOKENS", "load", "NativeOps"]
@@ -396,12 +397,14 @@ def _check_res(res: int, n: int, m: int) -> None:
     names = {code: kind for kind, code in RES.items()}
     if res not in names:
         raise ValueError(f"res must be one of {RES} (an H_res map), got {res!r}")
-    want = {"mhc": n * n, "mhc-lite": math.factorial(n), "kromhc": n.bit_length() - 1,
-            "mhc-static-res": 0}[names[res]]
-    if m != 2 * n + want or m > MAX_MAP_LOGITS or n > MAX_STREAMS \
-            or (names[res] == "kromhc" and n & (n - 1)):
-        raise ValueError(f"the native {names[res]} maps with n = {n} expect M = 2 n + {want} "
-                         f"<= {MAX_MAP_LOGITS} logits (n a power of two for kromhc), got M = {m}")
+    kind = names[res]
+    try:  # the successors' own check of n (kromhc: a power of two) and their R
+        want = n * n if kind == "mhc" else _successors.res_count(kind, n)
+    except ValueError as err:
+        raise ValueError(f"the native {kind} maps: {err}") from None
+    if m != 2 * n + want or m > MAX_MAP_LOGITS or n > MAX_STREAMS:
+        raise ValueError(f"the native {kind} maps with n = {n} expect M = 2 n + {want} "
+                         f"<= {MAX_MAP_LOGITS} logits, got M = {m}")
 
 
 def supports(x: torch.Tensor) -> bool:

@@ -150,7 +150,7 @@ class _MhcMaps(torch.autograd.Function):
         if ctx.native:
             ab = _gate_table(alpha, b_pre, b_post, b_res)
             lt, r, h_pre, h_post, h_res, a = torch.ops.torch_mhc.cpu_mhc_maps_fwd(
-                x, _padded(phi), ab, iters, norm_eps, sk_eps, pre_eps, with_pre
+                x, padded_table(phi), ab, iters, norm_eps, sk_eps, pre_eps, with_pre
             )
             # Saved: the logits [T, M] and the RMS, M + 1 numbers per token besides x.
             ctx.save_for_backward(x, phi, alpha, lt, r, ab)
@@ -174,7 +174,7 @@ class _MhcMaps(torch.autograd.Function):
         return _maps_backward_torch(ctx, g_pre, g_post, g_res, g_a, g_merge)
 
 
-def _padded(phi: torch.Tensor) -> torch.Tensor:
+def padded_table(phi: torch.Tensor) -> torch.Tensor:
     """phi [K, M] (or HC's W [C, M]) as float32 with its columns zero-padded to whole 8-float
     vectors (native.padded_width)."""
     m = phi.shape[1]
@@ -210,7 +210,7 @@ def _parameter_grads(ctx, d_ht: torch.Tensor, lt: torch.Tensor, n: int, alpha_dt
     )
 
 
-def _contiguous_or_none(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+def contiguous_or_none(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if t is None else t.to(dtype).contiguous()
 
 
@@ -220,9 +220,9 @@ def _maps_backward_native(ctx, g_pre, g_post, g_res, g_a, g_merge):
     f32 = torch.float32
     dx, d_ht, d_phi = torch.ops.torch_mhc.cpu_mhc_maps_bwd(
         x, phi.to(f32).t().contiguous(), ab, lt, r,
-        _contiguous_or_none(g_pre, f32), _contiguous_or_none(g_post, f32),
-        _contiguous_or_none(g_res, f32), _contiguous_or_none(g_a, x.dtype),
-        _contiguous_or_none(g_merge, x.dtype), ctx.iters, ctx.sk_eps, ctx.pre_eps,
+        contiguous_or_none(g_pre, f32), contiguous_or_none(g_post, f32),
+        contiguous_or_none(g_res, f32), contiguous_or_none(g_a, x.dtype),
+        contiguous_or_none(g_merge, x.dtype), ctx.iters, ctx.sk_eps, ctx.pre_eps,
     )
     return (dx, d_phi.to(phi.dtype), *_parameter_grads(ctx, d_ht, lt, n, alpha.dtype),
             None, None, None, None, None, None)
@@ -441,7 +441,7 @@ def cached_tables(make, *tensors: torch.Tensor) -> tuple:
 
 def mhc_tables(phi, alpha, b_pre, b_post, b_res) -> tuple[torch.Tensor, torch.Tensor]:
     """(phi padded [K, Mp], gate table [2, M]) in float32 for the native maps."""
-    return _padded(phi), _gate_table(alpha, b_pre, b_post, b_res)
+    return padded_table(phi), _gate_table(alpha, b_pre, b_post, b_res)
 
 
 def hc_tables(w, s_alpha, s_beta, static_pre, static_post, static_res):
@@ -449,7 +449,7 @@ def hc_tables(w, s_alpha, s_beta, static_pre, static_post, static_res):
     float32 vector) for the native HC maps."""
     scalars = [s_alpha.reshape(1), s_beta.reshape(1), static_pre, static_post,
                static_res.reshape(-1)]
-    return _padded(w), torch.cat([t.to(torch.float32) for t in scalars])
+    return padded_table(w), torch.cat([t.to(torch.float32) for t in scalars])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -467,7 +467,7 @@ class _HcMaps(torch.autograd.Function):
     def forward(ctx, x, w, s_alpha, s_beta, static_pre, static_post, static_res, norm_eps):
         ctx.set_materialize_grads(False)
         maps, (r, u, d) = _hc_maps_values(
-            x, _padded(w), s_alpha, s_beta, static_pre, static_post, static_res, norm_eps
+            x, padded_table(w), s_alpha, s_beta, static_pre, static_post, static_res, norm_eps
         )
         ctx.save_for_backward(x, w, s_alpha, s_beta, r, u, d)
         ctx.static_dtypes = (static_pre.dtype, static_post.dtype, static_res.dtype)
@@ -571,7 +571,7 @@ class _HcMapsPre(torch.autograd.Function):
                 fused_dx):
         ctx.set_materialize_grads(False)
         (h_pre, h_post, h_res), (r, u, d) = _hc_maps_values(
-            x, _padded(w), s_alpha, s_beta, static_pre, static_post, static_res, norm_eps
+            x, padded_table(w), s_alpha, s_beta, static_pre, static_post, static_res, norm_eps
         )
         h_pre, h_res = h_pre.contiguous(), h_res.contiguous()
         a = torch.ops.torch_mhc.cpu_pre_aggregate_fwd(x, h_pre)
@@ -590,9 +590,9 @@ class _HcMapsPre(torch.autograd.Function):
         sc = torch.stack([s_alpha.reshape(()), s_beta.reshape(())]).to(f32)
         dx, gtot, dw = torch.ops.torch_mhc.cpu_hc_maps_bwd(
             x, w.to(f32).t().contiguous(), d, u, r, h_pre, h_res,
-            _contiguous_or_none(g_pre, f32), _contiguous_or_none(g_post, f32),
-            _contiguous_or_none(g_res, f32), _contiguous_or_none(g_a, x.dtype),
-            _contiguous_or_none(g_merge, x.dtype), sc,
+            contiguous_or_none(g_pre, f32), contiguous_or_none(g_post, f32),
+            contiguous_or_none(g_res, f32), contiguous_or_none(g_a, x.dtype),
+            contiguous_or_none(g_merge, x.dtype), sc,
         )
         # The scales' and the static maps' gradients from H_pre's and H_res's totals [T, ...]
         gp, gr = gtot[:, :n], gtot[:, n:].view(t, n, n)

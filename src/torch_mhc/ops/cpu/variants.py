@@ -24,7 +24,12 @@ import torch
 from torch_mhc.functional import successors as _ref
 from torch_mhc.functional.sinkhorn import compute_dtype
 from torch_mhc.ops.cpu import native
-from torch_mhc.ops.cpu.ops import cached_tables, no_autograd  # (and the torch_mhc::cpu_* ops)
+from torch_mhc.ops.cpu.ops import (  # (and the torch_mhc::cpu_* ops)
+    cached_tables,
+    contiguous_or_none,
+    no_autograd,
+    padded_table,
+)
 
 __all__ = ["takes_native", "variant_maps", "variant_maps_pre", "variant_tables"]
 
@@ -149,17 +154,20 @@ class _VariantMaps(torch.autograd.Function):
     def backward(ctx, g_pre, g_post, g_res, *more):
         g_a = more[0] if ctx.with_pre else None
         g_merge = more[1] if ctx.fused_dx else None
-        n = ctx.saved_tensors[0].shape[1]
+        saved = ctx.saved_tensors
+        x, phi, alpha, lt, r = saved[:5]
+        n = x.shape[1]
         if ctx.native:
-            x, phi, alpha, lt, r, ab = ctx.saved_tensors
+            ab = saved[5]
             f32 = torch.float32
             dx, d_ht, d_phi = torch.ops.torch_mhc.cpu_mhc_maps_bwd(
-                x, phi.to(f32).t().contiguous(), ab, lt, r, _dense(g_pre, f32),
-                _dense(g_post, f32), _dense(g_res, f32), _dense(g_a, x.dtype),
-                _dense(g_merge, x.dtype), 1, 0.0, 0.0, native.RES[ctx.kind])
+                x, phi.to(f32).t().contiguous(), ab, lt, r, contiguous_or_none(g_pre, f32),
+                contiguous_or_none(g_post, f32), contiguous_or_none(g_res, f32),
+                contiguous_or_none(g_a, x.dtype), contiguous_or_none(g_merge, x.dtype), 1, 0.0,
+                0.0, native.RES[ctx.kind])
             d_phi = d_phi.to(phi.dtype)
         else:
-            x, phi, alpha, lt, r, gate, ht, h_res, weights = ctx.saved_tensors
+            gate, ht, h_res, weights = saved[5:]
             cdt = lt.dtype
             if g_a is not None:  # the aggregation's <x_j, da>, [T, n]
                 dots = torch.bmm(g_a.to(x.dtype).unsqueeze(-2), x.transpose(-1, -2))
@@ -178,19 +186,7 @@ def variant_tables(phi, alpha, b_pre, b_post, b_res=None) -> tuple[torch.Tensor,
     n = b_pre.shape[0]
     gate, bias = _gate_rows(alpha, b_pre, b_post, b_res, n, phi.shape[1] - 2 * n,
                             torch.float32)
-    return _padded(phi), torch.stack([gate, bias]).contiguous()
-
-
-def _padded(phi: torch.Tensor) -> torch.Tensor:
-    """phi [K, M] as float32 with its columns zero-padded to native.padded_width(M)."""
-    m = phi.shape[1]
-    return torch.nn.functional.pad(phi.to(torch.float32),
-                                   (0, native.padded_width(m) - m)).contiguous()
-
-
-def _dense(g: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """g contiguous in dtype (the native loops' layout), or None."""
-    return None if g is None else g.to(dtype).contiguous()
+    return padded_table(phi), torch.stack([gate, bias]).contiguous()
 
 
 def _plus(g: torch.Tensor | None, extra: torch.Tensor | None, dtype) -> torch.Tensor | None:
