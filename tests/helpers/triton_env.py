@@ -50,3 +50,21 @@ def run_in_fresh_interpreter(test_file: str) -> None:
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, tail
     assert " passed" in tail and "skipped" in tail, tail
+
+
+def assert_connection_matches_reference(conn_ref, conn_tri, x: torch.Tensor,
+                                        upstream: torch.Tensor) -> None:
+    """conn_tri (on DEVICE), and conn_tri under torch.compile(fullgraph=True), give
+    conn_ref's output and gradients (of x and every parameter) for x on the CPU."""
+    from tests.helpers.op_cases import assert_close
+
+    compiled = torch.compile(conn_tri, fullgraph=True, backend="aot_eager")
+    results = []
+    for conn, dev in ((conn_ref, "cpu"), (conn_tri, DEVICE), (compiled, DEVICE)):
+        xi = x.to(dev).requires_grad_()
+        out = conn(xi)
+        grads = torch.autograd.grad(out, [xi, *conn.parameters()], upstream.to(dev))
+        results.append([out.cpu(), *[g.cpu() for g in grads]])
+    for got in results[1:]:
+        for a, e in zip(got, results[0], strict=True):
+            assert_close(a, e, 2e-5)

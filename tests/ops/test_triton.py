@@ -35,6 +35,7 @@ from tests.helpers.triton_env import (  # noqa: E402
     ON_GPU,
     RUN_HERE,
     TOL,
+    assert_connection_matches_reference,
     kernel_test,
     run_in_fresh_interpreter,
     tri,
@@ -571,16 +572,7 @@ def test_connection_triton_equals_reference_and_compiles_fullgraph():
     conn_tri.to(DEVICE)
     x = torch.randn(2, 7, n, c)
     upstream = torch.randn(2, 7, n, c)
-    compiled = torch.compile(conn_tri, fullgraph=True, backend="aot_eager")
-    results = []
-    for conn, dev in ((conn_ref, "cpu"), (conn_tri, DEVICE), (compiled, DEVICE)):
-        xi = x.to(dev).requires_grad_()
-        out = conn(xi)
-        grads = torch.autograd.grad(out, [xi, *conn.parameters()], upstream.to(dev))
-        results.append([out.cpu(), *[g.cpu() for g in grads]])
-    for got in results[1:]:
-        for a, e in zip(got, results[0], strict=True):
-            assert_close(a, e, 2e-5)
+    assert_connection_matches_reference(conn_ref, conn_tri, x, upstream)
 
 
 @kernel_test

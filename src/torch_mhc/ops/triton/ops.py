@@ -565,15 +565,25 @@ def _maps_setup(ctx, inputs, output):
     ctx.iters, ctx.sk_eps = iters, sk_eps
 
 
+def _dense_map_grads(x: Tensor, g_pre, g_post, g_res) -> tuple[Tensor, Tensor, Tensor]:
+    """The maps' upstream gradients as the backward kernels read them: float32, contiguous,
+    zeros for a map that got none ([T, n], [T, n], [T, n, n] for x [T, n, C])."""
+    t, n, _ = x.shape
+
+    def dense(g, shape):
+        if g is None:
+            return torch.zeros(shape, dtype=_F32, device=x.device)
+        return g.to(_F32).contiguous()
+
+    return dense(g_pre, (t, n)), dense(g_post, (t, n)), dense(g_res, (t, n, n))
+
+
 def _maps_backward(ctx, g_pre, g_post, g_res, _g_logits, _g_r):
     x, phi, alpha, b_pre, b_post, b_res, logits, r = ctx.saved_tensors
-    t, n, _ = x.shape
-    g_pre = torch.zeros((t, n), dtype=_F32, device=x.device) if g_pre is None else g_pre
-    g_post = torch.zeros((t, n), dtype=_F32, device=x.device) if g_post is None else g_post
-    g_res = torch.zeros((t, n, n), dtype=_F32, device=x.device) if g_res is None else g_res
+    g_pre, g_post, g_res = _dense_map_grads(x, g_pre, g_post, g_res)
     grads = torch.ops.torch_mhc.mhc_maps_bwd(
         x, phi, alpha, b_pre, b_post, b_res, logits, r,
-        g_pre.to(_F32).contiguous(), g_post.to(_F32).contiguous(), g_res.to(_F32).contiguous(),
+        g_pre, g_post, g_res,
         ctx.iters, ctx.sk_eps,
     )
     return (*grads, None, None, None, None)
@@ -1049,13 +1059,10 @@ def _variant_setup(ctx, inputs, output):
 
 def _variant_backward(ctx, g_pre, g_post, g_res, _g_logits, _g_r):
     x, phi, alpha, b_pre, b_post, b_res, logits, r = ctx.saved_tensors
-    t, n, _ = x.shape
-    g_pre = torch.zeros((t, n), dtype=_F32, device=x.device) if g_pre is None else g_pre
-    g_post = torch.zeros((t, n), dtype=_F32, device=x.device) if g_post is None else g_post
-    g_res = torch.zeros((t, n, n), dtype=_F32, device=x.device) if g_res is None else g_res
+    g_pre, g_post, g_res = _dense_map_grads(x, g_pre, g_post, g_res)
     grads = torch.ops.torch_mhc.variant_maps_bwd(
         ctx.kind, x, phi, alpha, b_pre, b_post, b_res if ctx.has_res else None, logits, r,
-        g_pre.to(_F32).contiguous(), g_post.to(_F32).contiguous(), g_res.to(_F32).contiguous(),
+        g_pre, g_post, g_res,
     )
     return (None, *grads[:5], grads[5] if ctx.has_res else None, None)
 
