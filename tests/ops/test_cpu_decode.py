@@ -256,6 +256,56 @@ def test_a_connection_takes_its_prepared_calls_with_it():
     assert ident not in base._DECODERS
 
 
+def test_a_prepared_decoder_steps_aside_when_its_call_would_no_longer_take_it(monkeypatch):
+    """The second and later calls of a decoding loop take the decoder prepared for their
+    shape after a few reads (Connection._prepared_decoder). It steps aside, and the call is
+    checked and computed as without it, when "auto" resolves elsewhere (the default, the
+    environment, the connection's impl), when check_finite is switched on, and for input it
+    was not made for."""
+    conn = _connection("mhc", seed=7, impl="auto")
+    ref = _reference_of(conn)
+    x = torch.randn(2, 1, 4, C)
+    calls = []
+    mix_in = decode.Decoder.mix_in
+    monkeypatch.setattr(decode.Decoder, "mix_in",
+                        lambda self, x: calls.append(1) or mix_in(self, x))
+    with torch.no_grad():
+        expected = ref(x)
+        assert_close(conn(x), expected, 2e-6)
+        assert_close(conn(x), expected, 2e-6)
+        assert len(calls) == 2
+
+        def steps_aside():
+            before = len(calls)
+            assert_close(conn(x), expected, 2e-6)
+            assert len(calls) == before
+            assert_close(conn(x), expected, 2e-6)  # and is still right once prepared again
+
+        ops_.set_default_impl("reference")
+        try:
+            steps_aside()
+        finally:
+            ops_.set_default_impl(None)
+        monkeypatch.setenv("TORCH_MHC_IMPL", "reference")
+        steps_aside()
+        monkeypatch.delenv("TORCH_MHC_IMPL")
+        conn.impl = "reference"
+        steps_aside()
+        conn.impl = "auto"
+        conn(x)
+        conn.check_finite = True
+        with pytest.raises(FloatingPointError, match="input streams"):
+            conn(torch.full_like(x, float("nan")))
+        conn.check_finite = False
+        conn(x)
+        with pytest.raises(TypeError, match="expects a torch.Tensor"):
+            conn(x.numpy())
+        with pytest.raises(ValueError, match=r"\[\.\.\., 4, 40\]"):
+            conn(x[..., :-1])
+        strided = torch.randn(2, 1, C, 4).transpose(-1, -2)  # not contiguous, same shape
+        assert_close(conn(strided), ref(strided), 2e-6)
+
+
 def test_the_implementation_follows_the_environment(monkeypatch):
     """TORCH_MHC_IMPL set or removed between two calls is seen by the next one."""
     monkeypatch.setenv("TORCH_MHC_IMPL", "reference")

@@ -173,27 +173,51 @@ class Connection(nn.Module):
             self._check_finite("the branch output", f)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        self.check_input(x)
-        if self.check_finite:
-            self._check_finite("the input streams", x)
-        # expand_streams' broadcast view: copy once here rather than once inside every op.
-        x = x if x.is_contiguous() else x.contiguous()
-        if not torch.is_grad_enabled() and self.decode_kind is not None:
-            dec = self._decoder(x)
-            if dec is not None:  # decoding: two prepared native calls (ops/cpu/decode.py)
-                dec.busy = True  # its maps wait in its buffers for mix_out
-                try:
-                    f = self.branch(dec.mix_in(x), *args, **kwargs)
-                    self._check_branch_output(f)
-                    return dec.mix_out(x, f)
-                finally:
-                    dec.busy = False
+        decoding = not torch.is_grad_enabled() and self.decode_kind is not None
+        # a decoding loop's usual call: a decoder prepared for exactly this x, checked first
+        dec = self._prepared_decoder(x) if decoding else None
+        if dec is None:
+            self.check_input(x)
+            if self.check_finite:
+                self._check_finite("the input streams", x)
+            # expand_streams' broadcast view: copy once here rather than once inside every op.
+            x = x if x.is_contiguous() else x.contiguous()
+            if decoding:
+                dec = self._decoder(x)
+        if dec is not None:  # decoding: two prepared native calls (ops/cpu/decode.py)
+            dec.busy = True  # its maps wait in its buffers for mix_out
+            try:
+                f = self.branch(dec.mix_in(x), *args, **kwargs)
+                self._check_branch_output(f)
+                return dec.mix_out(x, f)
+            finally:
+                dec.busy = False
         if _recompute.ACTIVE is not None and torch.is_grad_enabled():
             return _recompute.ACTIVE.run(self, x, args, kwargs)
         h_in, state = self.mix_in(x)
         f = self.branch(h_in, *args, **kwargs)
         self._check_branch_output(f)
         return self.mix_out(x, f, state)
+
+    def _prepared_decoder(self, x):
+        """The decoder this connection already made for x's shape, dtype and thread, if it
+        still applies to x as it is (a contiguous CPU tensor), to the parameters and options
+        and to the implementation "auto" resolves to; else None (then _decoder decides).
+        A decoding step calls every connection once per token, after the branches' weights
+        have pushed this connection's objects out of cache: this path reads as few of them as
+        it can, and no argument checks (a decoder exists only for arguments that passed
+        them)."""
+        if torch.compiler.is_compiling():  # a trace needs the ops' custom ops
+            return None
+        decoders = _DECODERS.get(id(self))
+        if decoders is None or type(x) is not torch.Tensor:
+            return None
+        dec = decoders.get((x.shape, x.dtype, threading.get_ident()))
+        if (dec is None or dec.busy or _diag.ACTIVE is not None or self.check_finite
+                or dec.impl_state != _ops.impl_state(self.impl)
+                or _ops.cpu.dispatch_mode_active() or not dec.current(self.decode_args(x))):
+            return None
+        return dec
 
     def _decoder(self, x: torch.Tensor):
         """The implementation's prepared no-autograd path for x (Ops.decoder), kept per
@@ -215,10 +239,13 @@ class Connection(nn.Module):
         dec = decoders.get(key)
         if dec is not None and dec.busy:  # called again from its own branch: the ops' path
             return None
-        if dec is None or not dec.current(args):
+        state = _ops.impl_state(self.impl)
+        if dec is None or dec.impl_state != state or not dec.current(args):
             if key not in decoders and len(decoders) >= _MAX_DECODERS:
                 del decoders[next(iter(decoders))]  # the oldest shape
             dec = decoders[key] = ops.decoder(self.decode_kind, args)
+            if dec is not None:
+                dec.impl_state = state
         return dec
 
     def decode_args(self, x: torch.Tensor) -> tuple:

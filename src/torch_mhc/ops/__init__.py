@@ -74,6 +74,7 @@ __all__ = [
     "get_impl",
     "reference",
     "resolve_impl_name",
+    "impl_state",
     "set_default_impl",
 ]
 
@@ -168,6 +169,13 @@ def _env_impl() -> str:
         return os.environ.get(ENV_VAR, "").strip()
     value = _ENV_DATA.get(_ENV_KEY)
     return "" if value is None else os.environ.decodevalue(value).strip()
+
+
+def impl_state(name: str) -> tuple:
+    """What resolve_impl_name(name, device, dtype) depends on besides device and dtype:
+    whatever was prepared under one state (a connection's decoders) still applies while the
+    state compares equal."""
+    return name, _default, _env_impl()
 
 
 def resolve_impl_name(
