@@ -4,7 +4,7 @@ The same mHC model twice (and the residual model as the baseline): one decodes a
 (each connection's two prepared native calls, ops/cpu/decode.py), the other with the prepared
 path switched off, so that its connections take the ops' no-autograd path (mhc_maps_pre and
 post_merge, the path from before the prepared calls). --unchecked adds a third copy whose
-connections skip the per-call check of their parameters and implementation: unsafe (a
+connections skip the per-call check of their input, parameters and implementation: unsafe (a
 changed parameter would go unseen), timed only to size what that check costs.
 
 One-token steps of every model interleaved step by step after a prefill
@@ -31,11 +31,12 @@ def _ops_path(model: torch.nn.Module) -> None:
     """Switch every connection's prepared path off (the ops' path runs instead)."""
     for module in model.modules():
         if isinstance(module, Connection):
-            module._decoder = lambda x: None
+            module._prepared_decoder = module._decoder = lambda x: None
 
 
 def _unchecked(model: torch.nn.Module) -> None:
-    """Keep each connection's first prepared calls per shape without checking them again."""
+    """Keep each connection's first prepared calls per shape without checking them again
+    (nor the input: only a contiguous one of that shape)."""
     for module in model.modules():
         if isinstance(module, Connection):
             kept: dict = {}
@@ -46,6 +47,8 @@ def _unchecked(model: torch.nn.Module) -> None:
                 return kept[x.shape]
 
             module._decoder = decoder
+            module._prepared_decoder = \
+                lambda x, kept=kept: kept.get(x.shape) if x.is_contiguous() else None
 
 
 def main() -> None:
