@@ -554,6 +554,36 @@ def test_deepseek_v4_acceleration_shares_parameters_and_keeps_logits():
         assert abs(c["max"] - 1) < 1e-4
 
 
+def test_deepseek_v4_decoding_keeps_its_prepared_calls_and_follows_fn(monkeypatch):
+    """Decoding one token at a time prepares each accelerated connection's native calls once
+    (phi, a permuted copy of fn, is made once per version of fn, not at every call), equals
+    the autograd path, and sees an in-place update of fn."""
+    from torch_mhc.ops.cpu import decode, native
+
+    if native.load() is None:
+        pytest.skip("native CPU library unavailable")
+    model, _ = _v4_model(seed=5)
+    mhc_hf.accelerate_deepseek_v4(model)
+    conn = model.model.layers[0].attn_hc
+    conn.__dict__["branch"] = lambda h, **kwargs: torch.tanh(h)  # no attention inputs needed
+    made = []
+    init = decode.Decoder.__init__
+    monkeypatch.setattr(decode.Decoder, "__init__",
+                        lambda self, *a: made.append(1) or init(self, *a))
+    x = torch.randn(2, 1, conn.streams, conn.dim)
+    with_grad = conn(x.clone().requires_grad_()).detach()
+    with torch.no_grad():
+        outs = [conn(x) for _ in range(4)]
+    assert len(made) == 1
+    assert all(torch.equal(o, with_grad) for o in outs)
+    with torch.no_grad():
+        conn.fn.mul_(1.5)
+        changed = conn(x)
+    assert len(made) == 2
+    assert (changed - outs[0]).abs().max() > 1e-4
+    assert torch.equal(changed, conn(x.clone().requires_grad_()).detach())
+
+
 def test_deepseek_v4_acceleration_float64(monkeypatch):
     model, v4 = _v4_model(seed=3, dtype=torch.float64)
     monkeypatch.setattr(v4.DeepseekV4HyperConnection, "forward", _v4_hc_float64)
