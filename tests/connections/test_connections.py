@@ -392,3 +392,34 @@ def test_flags_gates_and_iterations_are_checked():
     for kind in ("mhc", "mhc-lite", "kromhc", "mhc-static-res"):
         with pytest.raises(ValueError, match="expects a finite gate_init, got inf"):
             make_connection(kind, 8, 4, 0, nn.Identity(), gate_init=float("inf"))
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_parametrized_parameters_are_read_through_the_parametrization(kind):
+    """A parametrization (torch.nn.utils.parametrize) moves parameters out of the module's
+    _parameters, where map_args and decode_args read them first: the maps then read them
+    through the parametrization, with autograd and when decoding without it."""
+    from torch.nn.utils import parametrize
+
+    class Scale(nn.Module):
+        def forward(self, p):
+            return 1.5 * p
+
+    c, n = 24, 4
+    torch.manual_seed(0)
+    conn = torch_mhc.make_connection(kind, c, n, 1, nn.Sequential(nn.Linear(c, c), nn.Tanh()))
+    perturb(conn, scale=0.2)
+    plain = copy.deepcopy(conn)
+    names = (["w", "s_alpha", "static_pre"] if kind == "hc" else
+             ["phi", "b_pre"] + (["b_res"] if hasattr(conn, "b_res") else []))
+    with torch.no_grad():
+        for name in names:
+            getattr(plain, name).mul_(1.5)
+    for name in names:
+        parametrize.register_parametrization(conn, name, Scale())
+    x = torch.randn(2, 3, n, c)
+    for impl in ("reference", "cpu"):
+        conn.impl = plain.impl = impl
+        assert torch.equal(conn(x), plain(x)), impl
+        with torch.no_grad():  # few tokens: the cpu ops' prepared decoding calls
+            assert torch.equal(conn(x[:, :1]), plain(x[:, :1])), impl

@@ -1,6 +1,5 @@
 """mHC-lite, KromHC and mHC with a static H_res: definitions, init, gradients, errors."""
 
-import copy
 import itertools
 import math
 
@@ -215,34 +214,6 @@ def test_cpu_ops_agree_with_reference(kind):
     c, n = 24, 4
     ref, fused = _reference_and_cpu(kind, n, c)
     _assert_same_layer(ref, fused, torch.randn(2, 17, n, c, requires_grad=True))
-
-
-@pytest.mark.parametrize("kind", ["mhc", *VARIANT_KINDS])
-def test_parametrized_parameters_are_read_through_the_parametrization(kind):
-    """A parametrization (torch.nn.utils.parametrize) moves phi and the biases out of the
-    module's _parameters, where map_args reads them first: the maps then read them through
-    the parametrization, with autograd and when decoding without it."""
-    from torch.nn.utils import parametrize
-
-    class Scale(nn.Module):
-        def forward(self, p):
-            return 1.5 * p
-
-    c, n = 24, 4
-    conn = _random_variant(kind, n, c=c, dtype=torch.float32, scale=0.2)
-    plain = copy.deepcopy(conn)
-    names = ["phi", "b_pre"] + (["b_res"] if hasattr(conn, "b_res") else [])
-    with torch.no_grad():
-        for name in names:
-            getattr(plain, name).mul_(1.5)
-    for name in names:
-        parametrize.register_parametrization(conn, name, Scale())
-    x = torch.randn(2, 3, n, c)
-    for impl in ("reference", "cpu"):
-        conn.impl = plain.impl = impl
-        assert torch.equal(conn(x), plain(x)), impl
-        with torch.no_grad():  # few tokens: the cpu ops' prepared decoding calls
-            assert torch.equal(conn(x[:, :1]), plain(x[:, :1])), impl
 
 
 @pytest.mark.parametrize("kind,n", CASES)

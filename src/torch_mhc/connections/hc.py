@@ -96,6 +96,20 @@ class HyperConnection(Connection):
             self.static_pre, self.static_post, self.static_res, self.norm_eps,
         )
 
+    def decode_args(self, x: torch.Tensor) -> tuple:
+        """map_args for the prepared decoding calls (Ops.decoder), read from _parameters
+        (Module.__getattr__ costs a decoding step time) and with the scales as stored: their
+        0-dim views cost a view each at every call, and the decoder takes one-element
+        tensors."""
+        p = self._parameters
+        try:
+            params = (p["w"], p["s_alpha"], p["s_beta"], p["static_pre"], p["static_post"],
+                      p["static_res"])
+        except KeyError:  # static HC (its scales are buffers) or moved (a parametrization)
+            params = (self.w, self.s_alpha, self.s_beta, self.static_pre, self.static_post,
+                      self.static_res)
+        return (x, *params, self.norm_eps)
+
     def _maps_and_input(self, ops, x: torch.Tensor):
         # x_for_merge None: no single node was made, the merge writes its own dx
         if ops.fused_dx:
