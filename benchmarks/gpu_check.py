@@ -9,7 +9,7 @@ torch_mhc/tools/bench/gpu_check/ (its docstring lists the sections).
 
 import sys
 
-from torch_mhc.tools.cli import run_bench_tool
+from torch_mhc.tools.bench.command import run_bench_tool
 
 if __name__ == "__main__":
     sys.exit(run_bench_tool("--gpu", sys.argv[1:], prog="gpu_check"))

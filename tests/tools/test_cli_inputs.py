@@ -199,7 +199,8 @@ def test_bench_without_cuda_is_one_line(capsys):
     assert_one_line_error(code, err, "mhc bench: error: the GPU check needs a CUDA device",
                           "--dry-run")
     assert out == ""
-    from torch_mhc.tools.cli import run_bench_tool  # python -m torch_mhc.tools.bench.gpu_check
+    # what python -m torch_mhc.tools.bench.gpu_check runs
+    from torch_mhc.tools.bench.command import run_bench_tool
 
     assert run_bench_tool("--gpu", [], prog="gpu_check") == 2
     assert_one_line_error(2, capsys.readouterr().err, "gpu_check: error: the GPU check needs")

@@ -16,8 +16,8 @@ train, compare, sweep, upcycle, generate and export-hf are subparsers, each one
 `_add_<name>(subparsers)` function that builds its parser and sets `run`; `SUBCOMMANDS` lists
 them. cost and bench (`DELEGATED`) are parsed from their raw arguments, since bench's --gpu,
 --aot and --ops switch to another tool's options wherever they stand on the line
-(`BENCH_TOOLS`, `run_bench_tool`). The tools' modules only add their options to a parser given
-to them (`add_arguments(parser)`) and act on the parsed arguments (`run_command(args)`).
+(bench/command.py). The tools' modules only add their options to a parser given to them
+(`add_arguments(parser)`) and act on the parsed arguments (`run_command(args)`).
 
 Every error is one line on stderr, `mhc <command>: error: <what was expected and what came>`,
 with no traceback, and its own exit status (`EXIT_STATUS`, listed in `mhc train --help`):
@@ -25,8 +25,9 @@ with no traceback, and its own exit status (`EXIT_STATUS`, listed in `mhc train 
 foreign checkpoint, an out_dir in use by another run, a symbolic link where the run writes, a
 model too large for memory, a missing extra), 3 out of disk space (quota, file-size limit),
 4 an internal error, 130 / 143 interrupted by SIGINT / SIGTERM however late it comes (a
-training run writes a checkpoint first). `main` is the one boundary that does this. The
-benchmark tools keep argparse's usage line above a bad option's message.
+training run writes a checkpoint first). `main` runs every command inside the one boundary
+that does this (boundary.py). The benchmark tools keep argparse's usage line above a bad
+option's message.
 
 `train`, `compare` and `generate` need the `train` extra (numpy, tqdm; matplotlib for
 compare's figures), `export-hf` the `train` and `hf` extras; without them they say which extra
@@ -36,33 +37,19 @@ to install. `cost` and `bench` need torch only.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import errno
 import importlib
 import math
-import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 
+from torch_mhc.tools import boundary
+from torch_mhc.tools.bench.command import BENCH_TOOLS, run_bench, run_bench_tool
+from torch_mhc.tools.boundary import EXIT_STATUS, RaisingParser, fail, parse, rank0
 from torch_mhc.tools.errors import UsageError
 
 __all__ = ["BENCH_TOOLS", "DELEGATED", "EXIT_STATUS", "SUBCOMMANDS", "UsageError", "build_parser",
            "main", "run_bench_tool"]
-
-EXIT_STATUS = """exit status:
-  0    the run finished
-  1    stopped by the spike policy (a NaN/Inf or spiking loss); the last good checkpoint is kept
-  2    bad input: configuration, data, a corrupt or foreign checkpoint, out_dir in use by
-       another run, a missing extra
-  3    no space left on the device (or disk quota exceeded, or a file over the file-size
-       limit); a checkpoint written before is left intact
-  4    an internal error (a bug): one line naming it; MHC_TRACEBACK=1 shows the traceback
-  130  interrupted (Ctrl-C, SIGINT) after writing a checkpoint of the last completed step
-  143  terminated (SIGTERM), alike"""
-EXIT_INTERNAL = 4
 
 # what each command imports beyond torch, and the extra that installs it
 _EXTRA_MODULES = {"train": ("numpy", "tqdm"), "compare": ("numpy", "tqdm", "matplotlib"),
@@ -121,7 +108,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
 def _warn_warmup(cfg, prog: str) -> None:
     """One warning line when the warmup never ends: the peak lr is then never reached."""
-    if cfg.warmup >= cfg.steps and _rank0():
+    if cfg.warmup >= cfg.steps and rank0():
         print(f"{prog}: warning: warmup ({cfg.warmup}) >= steps ({cfg.steps}): the learning "
               f"rate rises for the whole run and never reaches lr {cfg.lr}", file=sys.stderr)
 
@@ -200,7 +187,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     _warn_warmup(cfg, "mhc compare")
     report = compare(args.out, preset=args.preset, config=cfg, kinds=kinds, seeds=args.seeds)
-    if not cfg.quiet and _rank0():
+    if not cfg.quiet and rank0():
         print(summary_table(report))
         if args.seeds > 1:
             from torch_mhc.tools.compare.seeds import seeds_table, significance_lines
@@ -349,31 +336,6 @@ def _run_upcycle(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-class _RaisingParser(argparse.ArgumentParser):
-    """argparse whose usage errors raise UsageError (the caller prints one line)."""
-
-    def error(self, message: str):
-        raise UsageError(message)
-
-
-def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | int:
-    """The parsed arguments, or the exit status of --help (0) or of a usage error argparse
-    printed (2)."""
-    try:
-        return parser.parse_args(argv)
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 0
-
-
-def _parse_error(parser: argparse.ArgumentParser, message: str) -> int:
-    """The parser's own report of a usage error (usage line, then the message): exit status 2."""
-    try:
-        parser.error(message)
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 2
-    return 2
-
-
 def _add_cost(subparsers) -> None:
     subparsers.add_parser("cost", help="analytic cost model (see mhc cost --help)",
                           add_help=False)
@@ -382,13 +344,13 @@ def _add_cost(subparsers) -> None:
 def _run_cost(argv: list[str]) -> int:
     from torch_mhc.tools.cost import command
 
-    parser = _RaisingParser(prog="mhc cost", description=command.DESCRIPTION)
+    parser = RaisingParser(prog="mhc cost", description=command.DESCRIPTION)
     command.add_arguments(parser)
     try:
-        args = _parse(parser, argv)
+        args = parse(parser, argv)
         return args if isinstance(args, int) else command.run_command(args)
     except (UsageError, ValueError) as e:
-        return _fail("mhc cost", f"error: {e}", 2)
+        return fail("mhc cost", f"error: {e}", 2)
 
 
 def _add_bench(subparsers) -> None:
@@ -396,76 +358,9 @@ def _add_bench(subparsers) -> None:
                           add_help=False)
 
 
-def _run_bench(argv: list[str]) -> int:
-    for switch in BENCH_TOOLS:
-        if switch in argv:
-            return run_bench_tool(switch, [a for a in argv if a not in BENCH_TOOLS])
-    from torch_mhc.tools.bench import suite
-
-    parser = argparse.ArgumentParser(prog="mhc bench", description=suite.DESCRIPTION,
-                                     epilog=suite.EPILOG)
-    suite.add_arguments(parser)
-    args = _parse(parser, argv)
-    if isinstance(args, int):
-        return args
-    try:
-        suite.check_arguments(args)
-    except (UsageError, ValueError) as e:
-        return _fail("mhc bench", f"error: {e}", 2)
-    return suite.run_command(args, argv)
-
-
-def _gpu_check_parser() -> tuple[argparse.ArgumentParser, object]:
-    from torch_mhc.tools.bench import gpu_check
-
-    return argparse.ArgumentParser(prog="gpu_check",
-                                   description=gpu_check.__doc__.splitlines()[0]), gpu_check
-
-
-def _aot_parser() -> tuple[argparse.ArgumentParser, object]:
-    from torch_mhc.ops.triton import aot
-
-    return argparse.ArgumentParser(prog="mhc bench --aot",
-                                   description=aot.__doc__.splitlines()[0]), aot
-
-
-def _ops_parser() -> tuple[argparse.ArgumentParser, object]:
-    from torch_mhc.tools.bench import ops
-
-    return argparse.ArgumentParser(prog="mhc bench --ops",
-                                   description=ops.__doc__.splitlines()[0]), ops
-
-
-# switch of `mhc bench` -> (its parser, the module with add_arguments and run_command)
-BENCH_TOOLS: dict[str, Callable[[], tuple[argparse.ArgumentParser, object]]] = {
-    "--gpu": _gpu_check_parser, "--aot": _aot_parser, "--ops": _ops_parser}
-
-
-def run_bench_tool(switch: str, argv: list[str], prog: str = "mhc bench") -> int:
-    """`mhc bench <switch> ARGS`: the GPU check (--gpu), the Triton AOT compile check (--aot) or
-    the op benchmark (--ops), with their own options. A bad option value is a usage error of
-    the tool's parser; what the run itself refuses (the GPU check without a GPU) is one line,
-    `<prog>: error: ...`. Returns the exit status."""
-    parser, tool = BENCH_TOOLS[switch]()
-    tool.add_arguments(parser)
-    args = _parse(parser, argv)
-    if isinstance(args, int):
-        return args
-    check = getattr(tool, "check_arguments", None)
-    try:
-        if check is not None:
-            check(args)
-    except (UsageError, ValueError) as e:
-        return _parse_error(parser, str(e))
-    try:
-        return tool.run_command(args)
-    except UsageError as e:
-        return _fail(prog, f"error: {e}", 2)
-
-
 SUBCOMMANDS: list[Callable] = [_add_train, _add_compare, _add_sweep, _add_generate, _add_export_hf,
                                _add_cost, _add_bench, _add_upcycle]
-DELEGATED: dict[str, Callable[[list[str]], int]] = {"cost": _run_cost, "bench": _run_bench}
+DELEGATED: dict[str, Callable[[list[str]], int]] = {"cost": _run_cost, "bench": run_bench}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -479,11 +374,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `mhc`; returns the exit status (see EXIT_STATUS). The one error boundary:
     every failure, BaseException subclasses included, is one line and its status
-    (`_report`); a SIGINT / SIGTERM ends with 130 / 143 whenever it comes (`_Signals`)."""
+    (`boundary.report`); a SIGINT / SIGTERM ends with 130 / 143 whenever it comes (`Signals`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in DELEGATED:
         return DELEGATED[argv[0]](argv[1:])
-    signals = _Signals()
+    signals = boundary.Signals()
     prog = f"mhc {argv[0]}" if argv and not argv[0].startswith("-") else "mhc"
     with signals.installed():
         try:
@@ -492,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 signals.mute()  # from here on a signal is recorded, never raised
         except BaseException as e:  # noqa: BLE001 - the one boundary of the command
-            status = _report(prog, e, signals.first)
+            status = boundary.report(prog, e, signals.first)
         return signals.final_status(prog, status)
 
 
@@ -504,159 +399,9 @@ def _dispatch(argv: list[str]) -> int:
         return e.code if isinstance(e.code, int) else 0
     prog = f"mhc {args.command}"
     if unknown:  # the subcommand's help lists its flags, the top level's does not
-        return _fail(prog, f"error: unrecognized arguments: {' '.join(unknown)} (see {prog} "
+        return fail(prog, f"error: unrecognized arguments: {' '.join(unknown)} (see {prog} "
                      "--help)", 2)
     return args.run(args)
-
-
-class _Signals:
-    """SIGINT and SIGTERM for the whole command. Outside the trainer's loop (which installs
-    its own handler and stops at a step boundary) the first one raises KeyboardInterrupt, so
-    that SIGTERM too unwinds through every cleanup instead of killing the process; later ones,
-    and every one after `mute()`, are only recorded. `first` decides the exit status."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self):
-        self.first: int | None = None
-        self.raised = self.muted = False
-
-    def handler(self, signum: int, frame) -> None:
-        self.first = self.first or signum
-        if not (self.raised or self.muted):
-            self.raised = True
-            raise KeyboardInterrupt(f"interrupted by {signal.Signals(signum).name}")
-
-    def mute(self) -> None:
-        self.muted = True
-
-    @contextlib.contextmanager
-    def installed(self):
-        if threading.current_thread() is not threading.main_thread():
-            yield  # handlers can only be set from the main thread
-            return
-        previous = {s: signal.getsignal(s) for s in self.SIGNALS}
-        for s in self.SIGNALS:
-            signal.signal(s, self.handler)
-        try:
-            yield
-        finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
-
-    def final_status(self, prog: str, status: int) -> int:
-        """A signal that came after the command's status was decided still decides it."""
-        if self.first is None or status in (128 + s for s in self.SIGNALS):
-            return status
-        if status == 0:
-            _fail(prog, f"interrupted by {signal.Signals(self.first).name} after the command "
-                  "finished", 0)
-        return 128 + self.first
-
-
-def _report(prog: str, e: BaseException, first_signal: int | None) -> int:
-    """One line and the exit status of any failure."""
-    if isinstance(e, SystemExit):
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    interrupt = _wrapped(e, KeyboardInterrupt)
-    if interrupt is not None:  # RunInterrupted says what was saved and which signal it was
-        signum = getattr(interrupt, "signum", None) or first_signal or signal.SIGINT
-        return _fail(prog, _one_line(interrupt) or "interrupted", 128 + signum)
-    if isinstance(e, UsageError):
-        return _fail(prog, f"error: {_one_line(e)}", 2)
-    return _known_error(prog, e)
-
-
-def _wrapped(e: BaseException, kind: type) -> BaseException | None:
-    """`e` or an error it wraps (a cause, a context, one of DCP's per-rank failures) that
-    is a `kind`, else None."""
-    seen, stack = set(), [e]
-    while stack:
-        x = stack.pop()
-        if not isinstance(x, BaseException) or id(x) in seen:
-            continue
-        seen.add(id(x))
-        if isinstance(x, kind):
-            return x
-        failures = getattr(x, "failures", None)  # DCP's CheckpointException
-        if isinstance(failures, dict):
-            stack.extend(v[0] if isinstance(v, tuple) and v else v for v in failures.values())
-        stack.extend([x.__cause__, x.__context__])
-    return None
-
-
-def _known_error(prog: str, e: BaseException) -> int:
-    """One line and the exit status of an error the commands raise for the user, of the
-    system (a refused write, memory, permissions) or of a bug (EXIT_INTERNAL)."""
-    from torch_mhc.lm.train.errors import (
-        EXIT_BAD_INPUT,
-        EXIT_NO_SPACE,
-        EXIT_STOPPED,
-        CheckpointError,
-        ConfigError,
-        DiskFullError,
-        TrainingDiverged,
-        storage_errno,
-        storage_problem,
-    )
-
-    if isinstance(e, ConfigError):  # every rank has the same config: one rank says it
-        return _fail(prog, f"error: {_one_line(e)}", EXIT_BAD_INPUT, quiet=not _rank0())
-    if isinstance(e, CheckpointError):
-        return _fail(prog, f"error: {_one_line(e)}", EXIT_BAD_INPUT)
-    if isinstance(e, TrainingDiverged):
-        return _fail(prog, _one_line(e), EXIT_STOPPED)
-    if isinstance(e, DiskFullError):
-        return _fail(prog, f"error: {_one_line(e)}", EXIT_NO_SPACE)
-    code = storage_errno(e)
-    if code is not None:
-        where = getattr(_wrapped(e, OSError), "filename", None)
-        return _fail(prog, f"error: {storage_problem(code)}" + (f" writing {where}" if where
-                                                                  else ""), EXIT_NO_SPACE)
-    if _is_out_of_memory(e):
-        return _fail(prog, f"error: out of memory: {_first_line(e)} (a smaller model, batch or "
-                     "seq_len fits)", EXIT_BAD_INPUT)
-    os_error = _wrapped(e, OSError)
-    if os_error is not None:  # permissions, a vanished folder, a link refused
-        name = errno.errorcode.get(os_error.errno or 0, "no errno")
-        where = f": {os_error.filename}" if os_error.filename is not None else ""
-        text = os_error.strerror or _first_line(os_error)
-        return _fail(prog, f"error: {text} ({name}){where}", EXIT_BAD_INPUT)
-    if os.environ.get("MHC_TRACEBACK"):
-        raise e
-    return _fail(prog, f"error: internal error, {type(e).__name__}: {_first_line(e)} (a bug; "
-                 "MHC_TRACEBACK=1 shows the traceback)", EXIT_INTERNAL)
-
-
-def _is_out_of_memory(e: BaseException) -> bool:
-    if _wrapped(e, MemoryError) is not None or type(e).__name__ == "OutOfMemoryError":
-        return True
-    text = str(e)
-    return any(k in text for k in ("can't allocate memory", "out of memory",
-                                   "Cannot allocate memory"))
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return (text.splitlines()[0] if text else type(e).__name__)[:300]
-
-
-def _fail(prog: str, message: str, status: int, quiet: bool = False) -> int:
-    if not quiet:
-        print(f"{prog}: {message}", file=sys.stderr)
-    return status
-
-
-def _rank0() -> bool:
-    """False on the ranks > 0 of a torchrun launch (RANK, set before any process group)."""
-    try:
-        return int(os.environ.get("RANK", "0")) == 0
-    except ValueError:
-        return True
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())
 
 
 if __name__ == "__main__":  # python -m torch_mhc.tools.cli, as `mhc`

@@ -127,6 +127,6 @@ def run_command(args: argparse.Namespace) -> int:
 if __name__ == "__main__":  # the same as `mhc bench --ops`
     import sys
 
-    from torch_mhc.tools.cli import run_bench_tool
+    from torch_mhc.tools.bench.command import run_bench_tool
 
     sys.exit(run_bench_tool("--ops", sys.argv[1:]))

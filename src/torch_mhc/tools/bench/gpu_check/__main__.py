@@ -3,7 +3,7 @@
 
 import sys
 
-from torch_mhc.tools.cli import run_bench_tool
+from torch_mhc.tools.bench.command import run_bench_tool
 
 if __name__ == "__main__":
     raise SystemExit(run_bench_tool("--gpu", sys.argv[1:], prog="gpu_check"))

@@ -1,0 +1,207 @@
+"""The `mhc` command's one error boundary: every failure is one line on stderr,
+`mhc <command>: error: <what was expected and what came>`, with no traceback, and its own
+exit status (EXIT_STATUS); SIGINT / SIGTERM end the command with 130 / 143 however late they
+come (`Signals`). `cli.main` runs every command inside it; the delegated tools (cost, bench)
+parse with the helpers here, which turn argparse's exits and usage errors into statuses."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import os
+import signal
+import sys
+import threading
+
+from torch_mhc.tools.errors import UsageError
+
+__all__ = ["EXIT_INTERNAL", "EXIT_STATUS", "RaisingParser", "Signals", "fail", "parse",
+           "parse_error", "rank0", "report"]
+
+EXIT_STATUS = """exit status:
+  0    the run finished
+  1    stopped by the spike policy (a NaN/Inf or spiking loss); the last good checkpoint is kept
+  2    bad input: configuration, data, a corrupt or foreign checkpoint, out_dir in use by
+       another run, a missing extra
+  3    no space left on the device (or disk quota exceeded, or a file over the file-size
+       limit); a checkpoint written before is left intact
+  4    an internal error (a bug): one line naming it; MHC_TRACEBACK=1 shows the traceback
+  130  interrupted (Ctrl-C, SIGINT) after writing a checkpoint of the last completed step
+  143  terminated (SIGTERM), alike"""
+EXIT_INTERNAL = 4
+
+
+class RaisingParser(argparse.ArgumentParser):
+    """argparse whose usage errors raise UsageError (the caller prints one line)."""
+
+    def error(self, message: str):
+        raise UsageError(message)
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | int:
+    """The parsed arguments, or the exit status of --help (0) or of a usage error argparse
+    printed (2)."""
+    try:
+        return parser.parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 0
+
+
+def parse_error(parser: argparse.ArgumentParser, message: str) -> int:
+    """The parser's own report of a usage error (usage line, then the message): exit status 2."""
+    try:
+        parser.error(message)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    return 2
+
+
+class Signals:
+    """SIGINT and SIGTERM for the whole command. Outside the trainer's loop (which installs
+    its own handler and stops at a step boundary) the first one raises KeyboardInterrupt, so
+    that SIGTERM too unwinds through every cleanup instead of killing the process; later ones,
+    and every one after `mute()`, are only recorded. `first` decides the exit status."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.first: int | None = None
+        self.raised = self.muted = False
+
+    def handler(self, signum: int, frame) -> None:
+        self.first = self.first or signum
+        if not (self.raised or self.muted):
+            self.raised = True
+            raise KeyboardInterrupt(f"interrupted by {signal.Signals(signum).name}")
+
+    def mute(self) -> None:
+        self.muted = True
+
+    @contextlib.contextmanager
+    def installed(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield  # handlers can only be set from the main thread
+            return
+        previous = {s: signal.getsignal(s) for s in self.SIGNALS}
+        for s in self.SIGNALS:
+            signal.signal(s, self.handler)
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    def final_status(self, prog: str, status: int) -> int:
+        """A signal that came after the command's status was decided still decides it."""
+        if self.first is None or status in (128 + s for s in self.SIGNALS):
+            return status
+        if status == 0:
+            fail(prog, f"interrupted by {signal.Signals(self.first).name} after the command "
+                  "finished", 0)
+        return 128 + self.first
+
+
+def report(prog: str, e: BaseException, first_signal: int | None) -> int:
+    """One line and the exit status of any failure."""
+    if isinstance(e, SystemExit):
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    interrupt = _wrapped(e, KeyboardInterrupt)
+    if interrupt is not None:  # RunInterrupted says what was saved and which signal it was
+        signum = getattr(interrupt, "signum", None) or first_signal or signal.SIGINT
+        return fail(prog, _one_line(interrupt) or "interrupted", 128 + signum)
+    if isinstance(e, UsageError):
+        return fail(prog, f"error: {_one_line(e)}", 2)
+    return _known_error(prog, e)
+
+
+def _wrapped(e: BaseException, kind: type) -> BaseException | None:
+    """`e` or an error it wraps (a cause, a context, one of DCP's per-rank failures) that
+    is a `kind`, else None."""
+    seen, stack = set(), [e]
+    while stack:
+        x = stack.pop()
+        if not isinstance(x, BaseException) or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, kind):
+            return x
+        failures = getattr(x, "failures", None)  # DCP's CheckpointException
+        if isinstance(failures, dict):
+            stack.extend(v[0] if isinstance(v, tuple) and v else v for v in failures.values())
+        stack.extend([x.__cause__, x.__context__])
+    return None
+
+
+def _known_error(prog: str, e: BaseException) -> int:
+    """One line and the exit status of an error the commands raise for the user, of the
+    system (a refused write, memory, permissions) or of a bug (EXIT_INTERNAL)."""
+    from torch_mhc.lm.train.errors import (
+        EXIT_BAD_INPUT,
+        EXIT_NO_SPACE,
+        EXIT_STOPPED,
+        CheckpointError,
+        ConfigError,
+        DiskFullError,
+        TrainingDiverged,
+        storage_errno,
+        storage_problem,
+    )
+
+    if isinstance(e, ConfigError):  # every rank has the same config: one rank says it
+        return fail(prog, f"error: {_one_line(e)}", EXIT_BAD_INPUT, quiet=not rank0())
+    if isinstance(e, CheckpointError):
+        return fail(prog, f"error: {_one_line(e)}", EXIT_BAD_INPUT)
+    if isinstance(e, TrainingDiverged):
+        return fail(prog, _one_line(e), EXIT_STOPPED)
+    if isinstance(e, DiskFullError):
+        return fail(prog, f"error: {_one_line(e)}", EXIT_NO_SPACE)
+    code = storage_errno(e)
+    if code is not None:
+        where = getattr(_wrapped(e, OSError), "filename", None)
+        return fail(prog, f"error: {storage_problem(code)}" + (f" writing {where}" if where
+                                                                  else ""), EXIT_NO_SPACE)
+    if _is_out_of_memory(e):
+        return fail(prog, f"error: out of memory: {_first_line(e)} (a smaller model, batch or "
+                     "seq_len fits)", EXIT_BAD_INPUT)
+    os_error = _wrapped(e, OSError)
+    if os_error is not None:  # permissions, a vanished folder, a link refused
+        name = errno.errorcode.get(os_error.errno or 0, "no errno")
+        where = f": {os_error.filename}" if os_error.filename is not None else ""
+        text = os_error.strerror or _first_line(os_error)
+        return fail(prog, f"error: {text} ({name}){where}", EXIT_BAD_INPUT)
+    if os.environ.get("MHC_TRACEBACK"):
+        raise e
+    return fail(prog, f"error: internal error, {type(e).__name__}: {_first_line(e)} (a bug; "
+                 "MHC_TRACEBACK=1 shows the traceback)", EXIT_INTERNAL)
+
+
+def _is_out_of_memory(e: BaseException) -> bool:
+    if _wrapped(e, MemoryError) is not None or type(e).__name__ == "OutOfMemoryError":
+        return True
+    text = str(e)
+    return any(k in text for k in ("can't allocate memory", "out of memory",
+                                   "Cannot allocate memory"))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:300]
+
+
+def fail(prog: str, message: str, status: int, quiet: bool = False) -> int:
+    if not quiet:
+        print(f"{prog}: {message}", file=sys.stderr)
+    return status
+
+
+def rank0() -> bool:
+    """False on the ranks > 0 of a torchrun launch (RANK, set before any process group)."""
+    try:
+        return int(os.environ.get("RANK", "0")) == 0
+    except ValueError:
+        return True
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
