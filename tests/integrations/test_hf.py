@@ -582,6 +582,14 @@ def test_deepseek_v4_decoding_keeps_its_prepared_calls_and_follows_fn(monkeypatc
     assert len(made) == 2
     assert (changed - outs[0]).abs().max() > 1e-4
     assert torch.equal(changed, conn(x.clone().requires_grad_()).detach())
+    with torch.no_grad():  # a copy made under inference_mode serves later calls too
+        conn.fn.mul_(0.5)
+    with torch.inference_mode():
+        first = conn(x)
+    with torch.no_grad():
+        later = [conn(x) for _ in range(3)]
+    assert len(made) == 3
+    assert all(torch.equal(o, first) for o in later)
 
 
 def test_deepseek_v4_acceleration_float64(monkeypatch):

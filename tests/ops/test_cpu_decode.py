@@ -379,6 +379,48 @@ def test_a_subclass_that_changes_the_mixing_keeps_its_change_without_autograd():
     assert _decoders(conn) == []
 
 
+@pytest.mark.parametrize("kind", ["mhc", "hc", "mhc-lite"])
+def test_a_subclass_mapping_its_own_parameters_decodes_its_maps(kind):
+    """A subclass whose map_args maps another parameter layout (here: phi or W doubled)
+    decodes with its maps, on the first call and on the prepared calls after it."""
+    conn = _connection(kind, seed=13)
+    base_cls = type(conn)
+
+    class Doubled(base_cls):
+        def map_args(self, x):
+            args = list(super().map_args(x))
+            at = 2 if kind == "mhc-lite" else 1  # the successors' kind comes first
+            args[at] = 2 * args[at]
+            return tuple(args)
+
+    doubled = Doubled.__new__(Doubled)
+    doubled.__dict__.update(copy.deepcopy(conn).__dict__)
+    x = torch.randn(2, 1, 4, C)
+    expected = doubled(x.clone().requires_grad_()).detach()
+    assert (expected - conn(x.clone().requires_grad_()).detach()).abs().max() > 1e-4
+    with torch.no_grad():
+        for _ in range(3):
+            assert_close(doubled(x), expected, 2e-6)
+
+
+def test_a_subclass_checking_its_input_checks_every_decoding_call():
+    """A subclass with its own check_input: a prepared call does not skip it."""
+    seen = []
+
+    class Checked(ManifoldHyperConnection):
+        def check_input(self, x):
+            seen.append(x.shape)
+            super().check_input(x)
+
+    torch.manual_seed(14)
+    conn = perturbed(Checked(C, 4, 1, Branch(C), impl="cpu"), seed=14)
+    x = torch.randn(2, 1, 4, C)
+    with torch.no_grad():
+        for _ in range(3):
+            conn(x)
+    assert len(seen) == 3 and len(_decoders(conn)) == 1
+
+
 def test_many_tokens_take_the_threaded_ops_path_and_few_shapes_are_kept():
     """From native.SINGLE_THREAD_TOKENS tokens on, the ops' path (split over threads) runs;
     at most base._MAX_DECODERS shapes are kept per connection, sharing one table copy."""

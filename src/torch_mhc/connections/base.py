@@ -111,6 +111,9 @@ class Connection(nn.Module):
     # _maps_and_input) loses it, since the prepared path would skip its change, unless it
     # sets decode_kind itself.
     decode_kind: str | None = None
+    # False for a subclass with its own check_input: its decoding calls check every input,
+    # where a prepared call would skip the check (_prepared_decoder)
+    _plain_input_check = True
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -118,6 +121,8 @@ class Connection(nn.Module):
         if "decode_kind" not in own and any(
                 name in own for name in ("forward", "mix_in", "mix_out", "_maps_and_input")):
             cls.decode_kind = None
+        if "check_input" in own:
+            cls._plain_input_check = False
 
     def __init__(
         self,
@@ -210,7 +215,8 @@ class Connection(nn.Module):
         if torch.compiler.is_compiling():  # a trace needs the ops' custom ops
             return None
         decoders = _DECODERS.get(id(self))
-        if decoders is None or type(x) is not torch.Tensor:
+        if decoders is None or type(x) is not torch.Tensor or not x.is_cpu \
+                or not self._plain_input_check:
             return None
         dec = decoders.get((x.shape, x.dtype, threading.get_ident()))
         if (dec is None or dec.busy or _diag.ACTIVE is not None or self.check_finite

@@ -100,7 +100,9 @@ class HyperConnection(Connection):
         """map_args for the prepared decoding calls (Ops.decoder), read from _parameters
         (Module.__getattr__ costs a decoding step time) and with the scales as stored: their
         0-dim views cost a view each at every call, and the decoder takes one-element
-        tensors."""
+        tensors. A subclass that maps another parameter layout in map_args gets map_args."""
+        if type(self).map_args is not HyperConnection.map_args:
+            return self.map_args(x)
         p = self._parameters
         try:
             params = (p["w"], p["s_alpha"], p["s_beta"], p["static_pre"], p["static_post"],

@@ -72,9 +72,9 @@ __all__ = [
     "check_impl_name",
     "cpu",
     "get_impl",
+    "impl_state",
     "reference",
     "resolve_impl_name",
-    "impl_state",
     "set_default_impl",
 ]
 

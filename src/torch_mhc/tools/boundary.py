@@ -98,7 +98,7 @@ class Signals:
             return status
         if status == 0:
             fail(prog, f"interrupted by {signal.Signals(self.first).name} after the command "
-                  "finished", 0)
+                 "finished", 0)
         return 128 + self.first
 
 
@@ -160,10 +160,10 @@ def _known_error(prog: str, e: BaseException) -> int:
     if code is not None:
         where = getattr(_wrapped(e, OSError), "filename", None)
         return fail(prog, f"error: {storage_problem(code)}" + (f" writing {where}" if where
-                                                                  else ""), EXIT_NO_SPACE)
+                                                                 else ""), EXIT_NO_SPACE)
     if _is_out_of_memory(e):
         return fail(prog, f"error: out of memory: {_first_line(e)} (a smaller model, batch or "
-                     "seq_len fits)", EXIT_BAD_INPUT)
+                    "seq_len fits)", EXIT_BAD_INPUT)
     os_error = _wrapped(e, OSError)
     if os_error is not None:  # permissions, a vanished folder, a link refused
         name = errno.errorcode.get(os_error.errno or 0, "no errno")
@@ -173,7 +173,7 @@ def _known_error(prog: str, e: BaseException) -> int:
     if os.environ.get("MHC_TRACEBACK"):
         raise e
     return fail(prog, f"error: internal error, {type(e).__name__}: {_first_line(e)} (a bug; "
-                 "MHC_TRACEBACK=1 shows the traceback)", EXIT_INTERNAL)
+                "MHC_TRACEBACK=1 shows the traceback)", EXIT_INTERNAL)
 
 
 def _is_out_of_memory(e: BaseException) -> bool:

@@ -400,7 +400,7 @@ def _dispatch(argv: list[str]) -> int:
     prog = f"mhc {args.command}"
     if unknown:  # the subcommand's help lists its flags, the top level's does not
         return fail(prog, f"error: unrecognized arguments: {' '.join(unknown)} (see {prog} "
-                     "--help)", 2)
+                    "--help)", 2)
     return args.run(args)
 
 

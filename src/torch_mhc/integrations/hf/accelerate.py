@@ -5,7 +5,8 @@ Every `DeepseekV4HyperConnection` (attn_hc, ffn_hc of each decoder layer) is rep
 (torch_mhc.integrations.deepseek_v4 explains the maps and the layout) that holds the replaced
 module's own `fn`, `base` and `scale` Parameter objects, not copies, and derives phi, alpha and
 the biases from them at each call (a permutation and views: gradients reach fn, base, scale;
-without autograd, as in decoding, the permuted copy is made once per version of fn).
+without autograd, as in decoding, the permuted copy is made once per version of fn and kept
+beside the module: one more copy of fn per connection).
 The `DeepseekV4HyperHead` becomes a `DeepseekV4StreamHead` the same way (hc_fn, hc_base,
 hc_scale). So the state dict keeps its keys and tensors, an optimizer built before keeps
 working, save_pretrained writes an ordinary DeepSeek-V4 checkpoint, and collect_gains() sees
@@ -71,7 +72,11 @@ class DeepseekV4Connection(ManifoldHyperConnection):
         """map_args with phi's permuted copy made once per version of fn. The prepared
         decoding calls are kept while their arguments are the same tensors at the same
         versions: a fresh copy at each call made them again at every token (176 us a call
-        against 16 at C = 32, n = 4, one thread)."""
+        against 24 at C = 32, n = 4, one thread). The copy is kept while fn is the same
+        tensor, storage and version (as the prepared calls' own copies are: a write into
+        `fn.data`, which torch does not count, goes unseen; write under torch.no_grad()),
+        and is an ordinary tensor even under inference_mode, so that later calls can use
+        it."""
         fn = self.fn
         try:
             mark = (fn.data_ptr(), fn._version)
@@ -81,7 +86,7 @@ class DeepseekV4Connection(ManifoldHyperConnection):
         if kept is None or kept[0] is not fn or kept[1] != mark:
             if kept is None:
                 weakref.finalize(self, _PHI_COPIES.pop, id(self), None)
-            with torch.no_grad():
+            with torch.no_grad(), torch.inference_mode(False):
                 kept = (fn, mark, fn.t().index_select(1, self.column_order))
             _PHI_COPIES[id(self)] = kept
         return self._map_args(x, kept[2])

@@ -114,10 +114,11 @@ def _shapes_fit(kind: str, x: torch.Tensor, params: tuple) -> bool:
 
 
 def _marks(params: tuple) -> tuple[list, int, tuple]:
-    """What `current` compares: each tensor's identity (a view counts as its base: HC passes
-    s_alpha.view(()) at each call; the Decoder keeps the bases alive, so an identity cannot
-    pass to a new tensor), storage and version; then the trailing options (the map arguments
-    after the last tensor: iterations, epsilons) as one tuple, from their position on."""
+    """What `current` compares: each tensor's identity (a view counts as its base: the
+    DeepSeek-V4 connection passes slices of its `base` made at each call; the Decoder keeps
+    the bases alive, so an identity cannot pass to a new tensor), storage and version; then
+    the trailing options (the map arguments after the last tensor: iterations, epsilons) as
+    one tuple, from their position on."""
     last = max(i for i, t in enumerate(params) if isinstance(t, torch.Tensor))
     tensors = [(i, t if t._base is None else t._base, t.data_ptr(), t._version)
                for i, t in enumerate(params[:last + 1], start=1)  # x is argument 0
