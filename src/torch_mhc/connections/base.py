@@ -28,6 +28,7 @@ training moves the maps:
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import operator
@@ -100,6 +101,11 @@ _DECODERS: dict[int, dict] = {}
 
 
 _MAX_DECODERS = 8  # prepared shapes kept per connection (batch sizes, threads)
+
+
+@functools.cache
+def _item_getter(names: tuple[str, ...]) -> Callable:
+    return operator.itemgetter(*names)  # as fast as indexing the dict once per name
 
 
 class Connection(nn.Module):
@@ -212,27 +218,33 @@ class Connection(nn.Module):
         have pushed this connection's objects out of cache: this path reads as few of them as
         it can, and no argument checks (a decoder exists only for arguments that passed
         them)."""
-        if torch.compiler.is_compiling():  # a trace needs the ops' custom ops
+        if torch.compiler.is_compiling():  # (before any dict: dynamo traces this code)
             return None
         decoders = _DECODERS.get(id(self))
         if decoders is None or type(x) is not torch.Tensor or not x.is_cpu \
                 or not self._plain_input_check:
             return None
         dec = decoders.get((x.shape, x.dtype, threading.get_ident()))
-        if (dec is None or dec.busy or _diag.ACTIVE is not None or self.check_finite
+        if (dec is None or dec.busy or not self._may_decode()
                 or dec.impl_state != _ops.impl_state(self.impl)
-                or _ops.cpu.dispatch_mode_active() or not dec.current(self.decode_args(x))):
+                or not dec.current(self.decode_args(x))):
             return None
         return dec
+
+    def _may_decode(self) -> bool:
+        """False while diagnostics record the maps or check_finite checks them (the prepared
+        path returns neither), and under a trace or a dispatch mode (they need the ops'
+        custom ops)."""
+        return (_diag.ACTIVE is None and not self.check_finite
+                and not torch.compiler.is_compiling() and not _ops.cpu.dispatch_mode_active())
 
     def _decoder(self, x: torch.Tensor):
         """The implementation's prepared no-autograd path for x (Ops.decoder), kept per
         streams shape, dtype and thread while it matches the parameters; None where there
         is none, and while diagnostics record the maps or check_finite checks them (the
         prepared path returns neither)."""
-        if (_diag.ACTIVE is not None or self.check_finite or torch.compiler.is_compiling()
-                or _ops.cpu.dispatch_mode_active()):
-            return None  # (a trace or a dispatch mode needs the ops' custom ops)
+        if not self._may_decode():
+            return None
         ops = _ops.get_impl(self.impl, x.device, x.dtype)
         if ops.decoder is None:
             return None
@@ -253,6 +265,15 @@ class Connection(nn.Module):
             if dec is not None:
                 dec.impl_state = state
         return dec
+
+    def own_tensors(self, names: tuple[str, ...]) -> tuple:
+        """The parameters (or buffers) called names (two or more), read from _parameters
+        where they all are: Module.__getattr__ costs a decoding step time. Otherwise (a
+        parametrization or a subclass moved one, or one is a buffer) the attributes."""
+        try:
+            return _item_getter(names)(self._parameters)
+        except KeyError:
+            return tuple(getattr(self, name) for name in names)
 
     def decode_args(self, x: torch.Tensor) -> tuple:
         """Ops.decoder's arguments for x: the maps op's (map_args), x first."""

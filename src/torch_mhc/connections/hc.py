@@ -103,13 +103,8 @@ class HyperConnection(Connection):
         tensors. A subclass that maps another parameter layout in map_args gets map_args."""
         if type(self).map_args is not HyperConnection.map_args:
             return self.map_args(x)
-        p = self._parameters
-        try:
-            params = (p["w"], p["s_alpha"], p["s_beta"], p["static_pre"], p["static_post"],
-                      p["static_res"])
-        except KeyError:  # static HC (its scales are buffers) or moved (a parametrization)
-            params = (self.w, self.s_alpha, self.s_beta, self.static_pre, self.static_post,
-                      self.static_res)
+        params = self.own_tensors(("w", "s_alpha", "s_beta", "static_pre", "static_post",
+                                   "static_res"))
         return (x, *params, self.norm_eps)
 
     def _maps_and_input(self, ops, x: torch.Tensor):

@@ -96,11 +96,7 @@ class ManifoldHyperConnection(Connection):
     def map_args(self, x: torch.Tensor) -> tuple:
         """The arguments of ops.mhc_maps (a subclass holding another parameter layout maps it
         here)."""
-        p = self._parameters  # read directly: Module.__getattr__ costs a decoding step time
-        try:
-            params = p["phi"], p["alpha"], p["b_pre"], p["b_post"], p["b_res"]
-        except KeyError:  # moved elsewhere (a parametrization, a subclass): the attributes
-            params = self.phi, self.alpha, self.b_pre, self.b_post, self.b_res
+        params = self.own_tensors(("phi", "alpha", "b_pre", "b_post", "b_res"))
         return (x, *params, self.sinkhorn_iters, self.norm_eps, self.sinkhorn_eps, self.pre_eps)
 
     def _maps_and_input(self, ops, x: torch.Tensor):

@@ -162,18 +162,12 @@ class MhcResVariant(Connection):
     def map_args(self, x: torch.Tensor) -> tuple:
         """The arguments of ops.variant_maps (H_res built in float64 and rounded once there:
         functional.successors.variant_res says why)."""
-        p = self._parameters  # read directly: Module.__getattr__ costs a decoding step time
-        try:
-            params = p["phi"], p["alpha"], p["b_pre"], p["b_post"]
-        except KeyError:  # moved elsewhere (a parametrization, a subclass): the attributes
-            params = self.phi, self.alpha, self.b_pre, self.b_post
-        if "b_res" in p:
-            b_res = p["b_res"]
-        elif self.res_count(self.streams):  # (the static H_res has none: no getattr, whose
-            b_res = self.b_res              # AttributeError would be raised at every call)
-        else:
-            b_res = None
-        return (self.kind, x, *params, b_res, self.norm_eps)
+        if self.res_count(self.streams):
+            params = self.own_tensors(("phi", "alpha", "b_pre", "b_post", "b_res"))
+        else:  # the static H_res has no b_res (asking for it would raise and catch an
+            # AttributeError at every call)
+            params = (*self.own_tensors(("phi", "alpha", "b_pre", "b_post")), None)
+        return (self.kind, x, *params, self.norm_eps)
 
     def decode_args(self, x: torch.Tensor) -> tuple:
         """map_args without the kind (Ops.decoder takes x first and the kind apart)."""
