@@ -15,7 +15,13 @@ import torch
 
 from torch_mhc.tools.bench import suite as bench
 from torch_mhc.tools.bench import workloads
-from torch_mhc.tools.bench.timing import medians, summarize, time_interleaved, time_ms
+from torch_mhc.tools.bench.timing import (
+    median_interval,
+    medians,
+    summarize,
+    time_interleaved,
+    time_ms,
+)
 from torch_mhc.tools.bench.workloads import saved_bytes
 from torch_mhc.tools.cli import main
 
@@ -68,6 +74,56 @@ def test_summarize_medians_and_per_round_ratios():
     assert (s["x"]["min_ms"], s["x"]["max_ms"]) == (2.0, 6.0)
     with pytest.raises(ValueError, match="baseline 'y' is not among"):
         summarize({"x": [1.0]}, "y")
+    # the paired figures: the median of 2/1, 6/2, 4/4 and its interval (3 rounds: the
+    # extremes, which hold the median with probability 1 - 2 / 8)
+    assert s["x"]["ratio_paired"] == 2.0
+    assert s["x"]["ratio_interval"] == [1.0, 3.0, 0.75]
+    assert s["base"]["ratio_paired"] == 1.0
+    assert summarize({"a": [1.0]}, "a")["a"]["ratio_interval"] is None
+
+
+def median_interval_naive(values, level):
+    """The order-statistic interval written out: coverage(k) = P(X_(k) <= median <= X_(n+1-k))
+    = sum over j = k .. n - k of C(n, j) / 2^n (j: how many draws fall below the median)."""
+    n = len(values)
+    ordered = sorted(values)
+    best = 1
+    for k in range(1, (n + 1) // 2 + 1):
+        if sum(math.comb(n, j) for j in range(k, n - k + 1)) / 2 ** n >= level:
+            best = k
+    cover = sum(math.comb(n, j) for j in range(best, n - best + 1)) / 2 ** n
+    return [ordered[best - 1], ordered[n - best], cover]
+
+
+@pytest.mark.parametrize("level", [0.5, 0.9, 0.95, 0.99])
+def test_median_interval_matches_the_plain_reference(level):
+    gen = torch.Generator().manual_seed(3)
+    for n in range(2, 80):
+        values = torch.rand(n, generator=gen).tolist()
+        got, want = median_interval(values, level), median_interval_naive(values, level)
+        assert got[:2] == want[:2], n
+        assert got[2] == pytest.approx(want[2], rel=1e-12), n
+        if n >= 6 and level <= 0.95:
+            assert got[2] >= level, n  # 6 draws or more reach 95%
+    assert median_interval(list(range(5)), 0.95) == [0, 4, 1 - 2 / 32]  # below 95%: said
+    assert median_interval([7.0]) is None and median_interval([]) is None
+    with pytest.raises(ValueError, match="level must be between 0 and 1"):
+        median_interval([1.0, 2.0], 1.0)
+    big = median_interval(list(range(2001)))  # exact integers: no overflow
+    assert big[0] < 1000 < big[1] and 0.95 <= big[2] < 0.96
+
+
+def test_median_interval_covers_the_median_as_often_as_it_says():
+    # A skewed distribution (exponential, median log 2), 15 draws per interval: the stated
+    # coverage (96.5%) is the frequency with which the interval holds the true median.
+    gen = torch.Generator().manual_seed(0)
+    trials, held = 4000, 0
+    for _ in range(trials):
+        draws = torch.empty(15).exponential_(generator=gen).tolist()
+        low, high, coverage = median_interval(draws)
+        held += low <= math.log(2) <= high
+    sd = math.sqrt(coverage * (1 - coverage) / trials)
+    assert abs(held / trials - coverage) < 4 * sd, (held / trials, coverage)
 
 
 def test_saved_bytes_counts_distinct_storages_and_excludes():
@@ -197,6 +253,11 @@ def test_quick_decode(quick_report):
             assert e[v]["step_tokens_per_s"] == pytest.approx(want, rel=1e-12)
             ratio = e[v]["step_tokens_per_s"] / e["residual"]["step_tokens_per_s"]
             assert e[v]["step_tokens_per_s_ratio"] == pytest.approx(ratio, rel=1e-12)
+            # paired step by step: the interval holds its median, with its coverage
+            low, high, coverage = e[v]["step_tokens_per_s_ratio_interval"]
+            assert low <= e[v]["step_tokens_per_s_ratio_paired"] <= high
+            assert 0.95 <= coverage < 1
+        assert e["residual"]["step_tokens_per_s_ratio_interval"] == [1.0, 1.0, coverage]
 
 
 def test_saved_bytes_are_deterministic_across_calls(quick_report, capsys):

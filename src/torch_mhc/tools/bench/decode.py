@@ -163,6 +163,12 @@ def _entries(times: dict[str, list[float]], variants: tuple[str, ...], batch: in
         entries[v]["step_median_ms"] = step[v]["median_ms"]
         entries[v]["step_tokens_per_s"] = batch / step[v]["median_ms"] * 1e3
         entries[v]["step_tokens_per_s_ratio"] = 1.0 / step[v]["ratio"]
+        # the steps were timed side by side: the median of the step-by-step ratios, and its
+        # confidence interval, as tokens/s against the residual's
+        ci = step[v]["ratio_interval"]
+        entries[v]["step_tokens_per_s_ratio_paired"] = 1.0 / step[v]["ratio_paired"]
+        entries[v]["step_tokens_per_s_ratio_interval"] = (
+            None if ci is None else [1.0 / ci[1], 1.0 / ci[0], ci[2]])
         entries[v]["steps"] = len(times[f"{v}/step"])
     for v in variants:
         e, base = entries[v], entries["residual"]

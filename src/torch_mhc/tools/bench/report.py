@@ -13,19 +13,35 @@ def _md_steps(result: dict, title: str) -> list[str]:
         "",
         f"{cfg['layers']} blocks, batch {cfg['batch']} x {cfg['seq']} tokens, {cfg['dtype']}, "
         f"n = {cfg['streams']}, ops `{cfg['impl']}`; timed: {cfg['timed']}; "
-        f"{cfg['clock']} clock, median of the rounds, min-max as the spread.",
+        f"{cfg['clock']} clock, median of the rounds, min-max as the spread. Paired: the "
+        "median of the per-round ratios (each round times every variant once), with its "
+        "distribution-free confidence interval and that interval's coverage.",
         "",
-        "| d | variant | median ms | min-max ms | x residual | per-round ratio range | rounds |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| d | variant | median ms | min-max ms | x residual | per-round ratio range | paired "
+        "ratio (interval, coverage) | rounds |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for res in result["results"]:
         for v, e in res["entries"].items():
+            paired = _paired(e.get("ratio_paired"), e.get("ratio_interval"))
             lines.append(
                 f"| {res['dim']} | {v} | {e['median_ms']:.0f} | {e['min_ms']:.0f}-"
                 f"{e['max_ms']:.0f} | {e['ratio']:.3f} | {e['ratio_min']:.3f}-"
-                f"{e['ratio_max']:.3f} | {res['repeats']} |"
+                f"{e['ratio_max']:.3f} | {paired} | {res['repeats']} |"
             )
     return lines
+
+
+def _paired(ratio: float | None, interval: list | None) -> str:
+    """"1.089 (0.985-1.122, 96%)"; "-" in a report written before the paired figures."""
+    if ratio is None:
+        return "-"
+    if interval is None:
+        return f"{ratio:.3f}"
+    low, high, coverage = interval
+    if low == high:  # the baseline against itself
+        return f"{ratio:.3f}"
+    return f"{ratio:.3f} ({low:.3f}-{high:.3f}, {coverage:.0%})"
 
 
 def _md_saved(result: dict) -> list[str]:
@@ -93,21 +109,25 @@ def _md_decode(result: dict) -> list[str]:
         + (f" on each of {cfg['builds']} builds of the models (rotated order, pooled)"
            if cfg.get("builds", 1) > 1 else "")
         + ". Decode step: the median of the one-token steps after the prefill, every model's "
-        "steps interleaved one by one (decode tokens/s = batch / step); the JSON also has the "
-        "decode part of the whole call (generate - prefill).",
+        "steps interleaved one by one (decode tokens/s = batch / step); paired: the median "
+        "of the step-by-step ratios, with its distribution-free confidence interval and that "
+        "interval's coverage. The JSON also has the decode part of the whole call (generate - "
+        "prefill).",
         "",
         "| batch | variant | generate ms | prefill ms | tokens/s | x residual | decode step ms "
-        "| decode tokens/s | x residual |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| decode tokens/s | x residual | paired (interval, coverage) |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     for res in result["results"]:
         for v, e in res["entries"].items():
+            paired = _paired(e.get("step_tokens_per_s_ratio_paired"),
+                             e.get("step_tokens_per_s_ratio_interval"))
             lines.append(
                 f"| {res['batch']} | {v} | {e['median_ms']:.0f} | {e['prefill_median_ms']:.0f} "
                 f"| {e['tokens_per_s']:.1f} | {e['tokens_per_s_ratio']:.3f} | "
                 f"{e['step_median_ms']:.2f} | {e['step_tokens_per_s']:.1f} | "
-                f"{e['step_tokens_per_s_ratio']:.3f} |"
+                f"{e['step_tokens_per_s_ratio']:.3f} | {paired} |"
             )
     return lines
 

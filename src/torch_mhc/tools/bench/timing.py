@@ -4,7 +4,9 @@ time_interleaved: runs alternate between the entries (round r times every entry 
 shared machine's load changes all of them alike, and each entry's list of times lines up with
 the others'. `clock="process"` measures this process's CPU time instead of wall time: steadier
 when other processes compete for the cores (it counts every thread of the process, so compare
-entries run with the same thread count). summarize and medians turn its lists into figures.
+entries run with the same thread count). summarize and medians turn its lists into figures;
+median_interval bounds the median of the per-round ratios, so that a ratio printed from a
+few noisy rounds says how far it can be trusted.
 
 time_once: one run on either clock (the decode benchmark interleaves single steps with it).
 
@@ -23,8 +25,8 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["CLOCKS", "cuda_event_ms", "medians", "summarize", "synchronize", "time_interleaved",
-           "time_ms", "time_once"]
+__all__ = ["CLOCKS", "cuda_event_ms", "median_interval", "medians", "summarize", "synchronize",
+           "time_interleaved", "time_ms", "time_once"]
 
 CLOCKS = ("wall", "process")
 
@@ -79,6 +81,9 @@ def summarize(times: dict[str, list[float]], baseline: str) -> dict[str, dict]:
 
     ratio = median / the baseline's median (exactly 1.0 for the baseline); ratio_min and
     ratio_max are the extremes of the per-round ratios (run r over the baseline's run r).
+    ratio_paired is the median of those per-round ratios, and ratio_interval
+    [low, high, coverage] its distribution-free confidence interval (median_interval; None
+    for fewer than two rounds).
     """
     if baseline not in times:
         raise ValueError(f"baseline {baseline!r} is not among the timed entries {list(times)}")
@@ -94,9 +99,37 @@ def summarize(times: dict[str, list[float]], baseline: str) -> dict[str, dict]:
             "ratio": statistics.median(ts) / base_median,
             "ratio_min": min(per_round),
             "ratio_max": max(per_round),
+            "ratio_paired": statistics.median(per_round),
+            "ratio_interval": median_interval(per_round),
             "runs_ms": [round(t, 3) for t in ts],
         }
     return out
+
+
+def median_interval(values: list[float], level: float = 0.95) -> list[float] | None:
+    """[low, high, coverage]: a confidence interval for the median of the distribution that
+    values were drawn from, assuming only that the draws are independent.
+
+    The k-th smallest and k-th largest value bound the median with probability
+    1 - 2 P(Binomial(n, 1/2) < k), whatever the distribution; k is the largest whose
+    coverage is at least `level`. Below 6 values no pair reaches 95%: then the extremes
+    (k = 1) with their coverage, lower than asked (93.75% for 5). None for fewer than two.
+    """
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must be between 0 and 1, got {level!r}")
+    n = len(values)
+    if n < 2:
+        return None
+    ordered = sorted(values)
+    # tail = P(Binomial(n, 1/2) <= k - 1) * 2^n, in integers (exact for any n)
+    k, tail, term, total = 1, 1, 1, 2 ** n
+    while k + 1 <= (n + 1) // 2:
+        term = term * (n - k + 1) // k  # comb(n, k)
+        wider = tail + term  # the tail for k + 1
+        if 1 - 2 * wider / total < level:
+            break
+        k, tail = k + 1, wider
+    return [ordered[k - 1], ordered[n - k], 1 - 2 * tail / total]
 
 
 def medians(times: dict[str, list[float]]) -> dict[str, float]:
