@@ -378,3 +378,37 @@ def test_ops_benchmark_times_the_successors_beside_mhc(capsys):
     assert row.split("|")[-2].strip() == f"{med['cpu kromhc'] / med['cpu']:.3f}"
     with pytest.raises(argparse.ArgumentTypeError, match="mhc-lite"):
         ops_bench._kinds("mhc,mhc-heavy")
+
+
+def test_decode_in_situ_script_parts_nest_and_the_patches_come_off(capsys):
+    """benchmarks/bench_decode_in_situ.py: every mHC call takes the prepared native calls,
+    each part lies within the one around it, and the library and Decoder are restored."""
+    import importlib.util
+    from pathlib import Path
+
+    from torch_mhc.ops.cpu import decode, native
+
+    lib = native.load()
+    if lib is None:
+        pytest.skip("native CPU library unavailable")
+    path = Path(__file__).parents[2] / "benchmarks" / "bench_decode_in_situ.py"
+    spec = importlib.util.spec_from_file_location("bench_decode_in_situ", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    before = (decode.Decoder.mix_in, decode.Decoder.mix_out, lib.decode_maps, lib.decode_merge)
+    assert module.main(["--kinds", "mhc", "--batch", "2", "--dim", "16", "--layers", "1",
+                        "--prompt", "4", "--steps", "3", "--rounds", "2"]) == 0
+    assert (decode.Decoder.mix_in, decode.Decoder.mix_out, lib.decode_maps,
+            lib.decode_merge) == before
+    out = capsys.readouterr().out
+    results = json.loads(out[: out.index("\n| kind")])["results"]
+    assert list(results) == ["residual", "mhc"]
+    res, mhc = results["residual"], results["mhc"]
+    assert res["connections"] == mhc["connections"] == 2
+    assert res["prepared_calls_per_step"] == 0 and mhc["prepared_calls_per_step"] == 2
+    assert res["us_per_call"]["mix_in"] == 0 and res["us_per_call"]["native merge"] == 0
+    u = mhc["us_per_call"]
+    assert 0 < u["native maps"] <= u["mix_in"] and 0 < u["native merge"] <= u["mix_out"]
+    assert u["mix_in"] + u["mix_out"] <= mhc["connection_minus_branch_us"]
+    with pytest.raises(SystemExit):
+        module.main(["--steps", "0"])
