@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 
 from torch_mhc import ops as _ops
-from torch_mhc.tools.bench.timing import medians, summarize, time_interleaved, time_once
+from torch_mhc.tools.bench.timing import (
+    median_interval,
+    medians,
+    summarize,
+    time_interleaved,
+    time_once,
+)
 from torch_mhc.tools.bench.workloads import DTYPES, build_model, log, random_tokens
 
 __all__ = ["bench_decode", "time_decode_steps"]
@@ -163,12 +171,12 @@ def _entries(times: dict[str, list[float]], variants: tuple[str, ...], batch: in
         entries[v]["step_median_ms"] = step[v]["median_ms"]
         entries[v]["step_tokens_per_s"] = batch / step[v]["median_ms"] * 1e3
         entries[v]["step_tokens_per_s_ratio"] = 1.0 / step[v]["ratio"]
-        # the steps were timed side by side: the median of the step-by-step ratios, and its
-        # confidence interval, as tokens/s against the residual's
-        ci = step[v]["ratio_interval"]
-        entries[v]["step_tokens_per_s_ratio_paired"] = 1.0 / step[v]["ratio_paired"]
-        entries[v]["step_tokens_per_s_ratio_interval"] = (
-            None if ci is None else [1.0 / ci[1], 1.0 / ci[0], ci[2]])
+        # the steps were timed side by side: the median of the step-by-step tokens/s ratios
+        # (the residual's step time over this one's) and its confidence interval
+        per_step = [b / t for t, b in zip(times[f"{v}/step"], times["residual/step"],
+                                          strict=True)]
+        entries[v]["step_tokens_per_s_ratio_paired"] = statistics.median(per_step)
+        entries[v]["step_tokens_per_s_ratio_interval"] = median_interval(per_step)
         entries[v]["steps"] = len(times[f"{v}/step"])
     for v in variants:
         e, base = entries[v], entries["residual"]

@@ -23,7 +23,7 @@ def _md_steps(result: dict, title: str) -> list[str]:
     ]
     for res in result["results"]:
         for v, e in res["entries"].items():
-            paired = _paired(e.get("ratio_paired"), e.get("ratio_interval"))
+            paired = _paired(e.get("ratio_paired"), e.get("ratio_interval"), v == "residual")
             lines.append(
                 f"| {res['dim']} | {v} | {e['median_ms']:.0f} | {e['min_ms']:.0f}-"
                 f"{e['max_ms']:.0f} | {e['ratio']:.3f} | {e['ratio_min']:.3f}-"
@@ -32,15 +32,15 @@ def _md_steps(result: dict, title: str) -> list[str]:
     return lines
 
 
-def _paired(ratio: float | None, interval: list | None) -> str:
-    """"1.089 (0.985-1.122, 96%)"; "-" in a report written before the paired figures."""
+def _paired(ratio: float | None, interval: list | None, baseline: bool) -> str:
+    """The paired ratio as 1.089 (0.985-1.122, 96%): the interval and its coverage in
+    brackets; the baseline's plain 1.000, and "-" in a report written before the paired
+    figures."""
     if ratio is None:
         return "-"
-    if interval is None:
+    if interval is None or baseline:
         return f"{ratio:.3f}"
     low, high, coverage = interval
-    if low == high:  # the baseline against itself
-        return f"{ratio:.3f}"
     return f"{ratio:.3f} ({low:.3f}-{high:.3f}, {coverage:.0%})"
 
 
@@ -122,7 +122,7 @@ def _md_decode(result: dict) -> list[str]:
     for res in result["results"]:
         for v, e in res["entries"].items():
             paired = _paired(e.get("step_tokens_per_s_ratio_paired"),
-                             e.get("step_tokens_per_s_ratio_interval"))
+                             e.get("step_tokens_per_s_ratio_interval"), v == "residual")
             lines.append(
                 f"| {res['batch']} | {v} | {e['median_ms']:.0f} | {e['prefill_median_ms']:.0f} "
                 f"| {e['tokens_per_s']:.1f} | {e['tokens_per_s_ratio']:.3f} | "
