@@ -403,6 +403,24 @@ def test_a_subclass_mapping_its_own_parameters_decodes_its_maps(kind):
             assert_close(doubled(x), expected, 2e-6)
 
 
+def test_a_subclass_mapping_another_tensor_than_x_is_not_decoded():
+    """The prepared calls run on the connection's x: a map_args handing the maps another
+    tensor (here 2 x) gets the ops' path, and equals its autograd output."""
+
+    class Scaled(ManifoldHyperConnection):
+        def map_args(self, x):
+            return (2 * x, *super().map_args(x)[1:])
+
+    torch.manual_seed(15)
+    conn = perturbed(Scaled(C, 4, 1, Branch(C), impl="cpu"), seed=15)
+    x = torch.randn(2, 1, 4, C)
+    expected = conn(x.clone().requires_grad_()).detach()
+    with torch.no_grad():
+        for _ in range(3):
+            assert_close(conn(x), expected, 2e-6)
+    assert not _decoders(conn)
+
+
 def test_a_subclass_checking_its_input_checks_every_decoding_call():
     """A subclass with its own check_input: a prepared call does not skip it."""
     seen = []

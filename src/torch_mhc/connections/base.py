@@ -225,11 +225,13 @@ class Connection(nn.Module):
                 or not self._plain_input_check:
             return None
         dec = decoders.get((x.shape, x.dtype, threading.get_ident()))
-        if (dec is None or dec.busy or not self._may_decode()
-                or dec.impl_state != _ops.impl_state(self.impl)
-                or not dec.current(self.decode_args(x))):
+        if (dec is None or dec.busy or not x.is_contiguous() or not self._may_decode()
+                or dec.impl_state != _ops.impl_state(self.impl)):
             return None
-        return dec
+        # the key vouches for x's shape and dtype, so only the parameters and options are
+        # compared; the decoder runs on this x, so decode_args must pass x itself
+        args = self.decode_args(x)
+        return dec if args[0] is x and dec.params_current(args) else None
 
     def _may_decode(self) -> bool:
         """False while diagnostics record the maps or check_finite checks them (the prepared
@@ -249,6 +251,8 @@ class Connection(nn.Module):
         if ops.decoder is None:
             return None
         args = self.decode_args(x)
+        if args[0] is not x:  # the decoder would be built for another tensor than it runs on
+            return None
         decoders = _DECODERS.get(id(self))
         if decoders is None:
             decoders = _DECODERS[id(self)] = {}
