@@ -9,6 +9,9 @@ changed parameter would go unseen), timed only to size what that check costs.
 
 One-token steps of every model interleaved step by step after a prefill
 (tools.bench.decode's step measurement), the models built --builds times in rotated order.
+The steps run outside any frozen_connections block, so that every prepared call checks its
+parameters as a caller's own decoding loop would; --frozen runs them inside one, as
+LM.generate does (where the check happens once per connection).
 
     python benchmarks/bench_decode_paths.py --batch 1 --threads 1
     python benchmarks/bench_decode_paths.py --batch 8 --threads 1 --unchecked
@@ -64,6 +67,8 @@ def main() -> None:
                    help="process: this process's CPU time (one thread only: idle OpenMP "
                         "threads spin and are counted)")
     p.add_argument("--unchecked", action="store_true")
+    p.add_argument("--frozen", action="store_true",
+                   help="run the steps inside one frozen_connections block")
     args = p.parse_args()
     if args.clock == "process" and args.threads != 1:
         p.error("--clock process measures one thread only; use --clock wall with --threads "
@@ -84,7 +89,8 @@ def main() -> None:
                 _unchecked(model)
             models[name] = model.eval()
         idx = random_tokens(args.batch, args.prompt)
-        steps = time_decode_steps(models, idx, args.new_tokens, 1, args.clock, "cpu")
+        steps = time_decode_steps(models, idx, args.new_tokens, 1, args.clock, "cpu",
+                                  frozen=args.frozen)
         for key, ts in steps.items():
             times.setdefault(key.removesuffix("/step"), []).extend(ts)
     base = statistics.median(times["residual"])
@@ -92,7 +98,8 @@ def main() -> None:
                    "tokens_per_s_ratio": base / statistics.median(ts)}
             for name, ts in times.items()}
     print(json.dumps({"batch": args.batch, "threads": torch.get_num_threads(),
-                      "clock": args.clock, "builds": args.builds, "rows": rows}, indent=2))
+                      "clock": args.clock, "builds": args.builds, "frozen": args.frozen,
+                      "rows": rows}, indent=2))
     print("| variant | decode step ms | tokens/s x residual |\n|---|---:|---:|")
     for name, r in rows.items():
         print(f"| {name} | {r['step_median_ms']:.2f} | {r['tokens_per_s_ratio']:.3f} |")

@@ -77,6 +77,9 @@ def test_convert_keeps_logits_and_greedy_generation(family):
     print(f"{family} mhc n=4: max |logit diff| / max |logit| = {_rel(out, ref):.1e}")
     assert _rel(out, ref) <= REL, f"{family}: logits differ by {_rel(out, ref):.2e}"
     assert torch.equal(model.generate(prompt, attention_mask=prompt_mask, **gen), ref_tokens)
+    with torch_mhc.frozen_connections():  # each prepared call checked at its first token
+        assert torch.equal(model.generate(prompt, attention_mask=prompt_mask, **gen),
+                           ref_tokens)
 
     _perturb_connections(model)  # the connections are really in the computation
     assert _rel(_logits(model, ids, mask), ref) > 1e-2
@@ -540,6 +543,8 @@ def test_deepseek_v4_acceleration_shares_parameters_and_keeps_logits():
     print(f"DeepSeek-V4 fp32: max |logit diff| / max |logit| = {_rel(out, ref):.1e}")
     assert _rel(out, ref) <= REL, f"logits differ by {_rel(out, ref):.2e}"
     assert torch.equal(model.generate(ids[:, :6], **gen), ref_tokens)
+    with torch_mhc.frozen_connections():
+        assert torch.equal(model.generate(ids[:, :6], **gen), ref_tokens)
     loss = model(ids, labels=ids).loss
     grads = torch.autograd.grad(loss, list(after.values()), allow_unused=True)
     for (name, _), g, r in zip(after.items(), grads, ref_grads, strict=True):

@@ -489,3 +489,79 @@ def test_meta_and_fake_parameters_never_reach_the_native_loops(setup):
     assert run.returncode == 0, run.stderr[-2000:]
     assert ("refused: Tensor on device meta" if setup == "meta" else "ran: FakeTensor") \
         in run.stdout
+
+
+def _count_checks(monkeypatch) -> list:
+    """A list that grows by one at every check of a prepared call's parameters."""
+    checks = []
+    params_current = decode.Decoder.params_current
+    monkeypatch.setattr(decode.Decoder, "params_current",
+                        lambda self, args: checks.append(1) or params_current(self, args))
+    return checks
+
+
+def test_frozen_connections_check_each_prepared_call_once(monkeypatch):
+    """Inside frozen_connections a prepared call is checked at its first use in the block
+    only: a parameter changed inside goes unseen (the caller's promise, broken here on
+    purpose) until the block ends. Blocks nest; other threads check as usual."""
+    conn = _connection("mhc", seed=16)
+    x = torch.randn(2, 1, 4, C)
+    checks = _count_checks(monkeypatch)
+    with torch.no_grad():
+        before = conn(x)  # builds the prepared calls (checked by Decoder.current)
+        conn(x)
+        assert len(checks) == 1  # outside a block: every later call
+        with base.frozen_connections():
+            for _ in range(4):
+                assert torch.equal(conn(x), before)
+            assert len(checks) == 2  # the first call in the block
+            with base.frozen_connections():
+                conn(x)
+                conn(x)
+            assert len(checks) == 3  # once in the inner block
+            conn(x)
+            assert len(checks) == 4  # and once more back in the outer one
+
+            seen = []  # another thread's calls: checked at every call after its first
+
+            def other_thread():
+                with torch.no_grad():  # (grad mode is per thread too)
+                    seen.extend(conn(x) for _ in range(3))
+
+            worker = threading.Thread(target=other_thread)
+            worker.start()
+            worker.join()
+            assert len(seen) == 3 and len(checks) == 6
+
+            conn.phi.mul_(1.5)  # broken promise: unseen inside the block
+            assert torch.equal(conn(x), before)
+        after = conn(x)  # seen once the block ends
+    expected = _reference_of(conn)(x.clone().requires_grad_()).detach()
+    assert_close(after, expected, 2e-6)
+    assert (after - before).abs().max() > 1e-4
+
+
+def test_generate_checks_each_connection_once(monkeypatch):
+    """LM.generate decodes inside frozen_connections: over 6 one-token steps each connection's
+    prepared call is checked once (at its second step; its first builds it), the first
+    connection's too (it gets expand_streams' broadcast view), and the tokens are those of
+    the same steps taken one by one outside the block."""
+    from torch_mhc.lm.model import LM, ModelConfig
+
+    torch.manual_seed(0)
+    model = LM(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, max_seq_len=32,
+                           connection="mhc", streams=4)).eval()
+    prompt = torch.randint(0, 64, (1, 5))
+    checks = _count_checks(monkeypatch)
+    out = model.generate(prompt, 7, temperature=0.0)
+    assert len(checks) == 4  # 2 blocks x 2 connections
+    with torch.no_grad():  # the same greedy steps, each checked
+        idx, cache = prompt, model.new_kv_cache(1, 11)
+        logits, _ = model(idx, kv_cache=cache)
+        for step in range(7):
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            idx = torch.cat((idx, nxt), 1)
+            if step < 6:
+                logits, _ = model(nxt, kv_cache=cache, start_pos=cache.pos)
+    assert torch.equal(out, idx)
+    assert len(checks) == 4 + 4 * 7  # outside the block: every call (the prefill and 6 steps)

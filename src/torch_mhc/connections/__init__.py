@@ -6,7 +6,7 @@ streams, the optimizer's parameter groups), stream_head (DeepSeek-V4's learned s
 reduction).
 """
 
-from torch_mhc.connections.base import Connection
+from torch_mhc.connections.base import Connection, frozen_connections
 from torch_mhc.connections.factory import (
     CONNECTION_KINDS,
     check_streams,
@@ -34,6 +34,7 @@ __all__ = [
     "StreamHead",
     "check_streams",
     "expand_streams",
+    "frozen_connections",
     "make_connection",
     "param_groups",
     "reduce_streams",

@@ -28,7 +28,9 @@ training moves the maps:
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
 import math
 import numbers
 import operator
@@ -44,7 +46,7 @@ from torch_mhc.runtime import diagnostics as _diag
 from torch_mhc.runtime import recompute as _recompute
 
 __all__ = ["Connection", "assign_parameter", "check_count", "check_eps", "check_flag",
-           "check_gate", "pre_bias", "res_bias"]
+           "check_gate", "frozen_connections", "pre_bias", "res_bias"]
 
 
 def check_count(value, owner: str, name: str, least: int) -> int:
@@ -101,6 +103,35 @@ _DECODERS: dict[int, dict] = {}
 
 
 _MAX_DECODERS = 8  # prepared shapes kept per connection (batch sizes, threads)
+
+# This thread's innermost frozen_connections block (.block: its number; 0 or absent: none).
+_FROZEN = threading.local()
+_BLOCKS = itertools.count(1)
+
+
+@contextlib.contextmanager
+def frozen_connections():
+    """A block inside which the connections' parameters and options do not change.
+
+    A connection's decoding call without autograd (a KV-cached step) checks that its prepared
+    native calls still match its parameters (identity, storage, version) and options at
+    every token. Inside this block each prepared call is checked at its first use only: at
+    batch 1 the per-token checks cost 2-3% of a decoding step's tokens/s (d = 512, 8 blocks,
+    one thread, 2026-12-02; benchmarks/README.md). `LM.generate` runs inside one; wrap a Hugging Face
+    `model.generate(...)` in it the same way.
+
+    The promise is the caller's: a parameter changed inside the block (an optimizer step,
+    load_state_dict, an in-place write) goes unseen by the calls already checked in it, which
+    go on computing with the old values until the block ends. Per thread: another thread's
+    calls are checked as usual. Blocks nest (an inner one checks each call once again).
+    Autograd calls, the check of the input and of the implementation in use are unaffected.
+    """
+    outer = getattr(_FROZEN, "block", 0)
+    _FROZEN.block = next(_BLOCKS)
+    try:
+        yield
+    finally:
+        _FROZEN.block = outer
 
 
 @functools.cache
@@ -185,6 +216,8 @@ class Connection(nn.Module):
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         decoding = not torch.is_grad_enabled() and self.decode_kind is not None
+        if decoding and type(x) is torch.Tensor and not x.is_contiguous():
+            x = x.contiguous()  # expand_streams' broadcast view, at the first connection
         # a decoding loop's usual call: a decoder prepared for exactly this x, checked first
         dec = self._prepared_decoder(x) if decoding else None
         if dec is None:
@@ -212,8 +245,9 @@ class Connection(nn.Module):
 
     def _prepared_decoder(self, x):
         """The decoder this connection already made for x's shape, dtype and thread, if it
-        still applies to x as it is (a contiguous CPU tensor), to the parameters and options
-        and to the implementation "auto" resolves to; else None (then _decoder decides).
+        still applies to x as it is (a CPU tensor, contiguous: forward made it so), to the
+        parameters and options and to the implementation "auto" resolves to; else None
+        (then _decoder decides).
         A decoding step calls every connection once per token, after the branches' weights
         have pushed this connection's objects out of cache: this path reads as few of them as
         it can, and no argument checks (a decoder exists only for arguments that passed
@@ -225,13 +259,19 @@ class Connection(nn.Module):
                 or not self._plain_input_check:
             return None
         dec = decoders.get((x.shape, x.dtype, threading.get_ident()))
-        if (dec is None or dec.busy or not x.is_contiguous() or not self._may_decode()
+        if (dec is None or dec.busy or not self._may_decode()
                 or dec.impl_state != _ops.impl_state(self.impl)):
             return None
+        block = getattr(_FROZEN, "block", 0)
+        if block and dec.frozen_in == block:  # checked at its first call in this block
+            return dec
         # the key vouches for x's shape and dtype, so only the parameters and options are
         # compared; the decoder runs on this x, so decode_args must pass x itself
         args = self.decode_args(x)
-        return dec if args[0] is x and dec.params_current(args) else None
+        if args[0] is not x or not dec.params_current(args):
+            return None
+        dec.frozen_in = block
+        return dec
 
     def _may_decode(self) -> bool:
         """False while diagnostics record the maps or check_finite checks them (the prepared

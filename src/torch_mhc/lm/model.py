@@ -37,6 +37,7 @@ from torch_mhc.connections import (
     CONNECTION_KINDS,
     check_streams,
     expand_streams,
+    frozen_connections,
     make_connection,
     reduce_streams,
 )
@@ -534,29 +535,31 @@ class LM(nn.Module):
         if max_new_tokens == 0:
             return idx
         B, T0 = idx.shape
-        if not use_cache:
-            for _ in range(max_new_tokens):
-                logits, _ = self(idx[:, -self.cfg.max_seq_len :])  # [B, t, V]
-                nxt = self._sample(logits[:, -1], temperature, top_k, generator)  # [B, 1]
-                idx = torch.cat((idx, nxt), dim=1)
-            return idx
-
         needed = T0 + max_new_tokens - 1  # the last sampled token is never fed back
-        if needed > self.cfg.max_seq_len:
+        if use_cache and needed > self.cfg.max_seq_len:
             raise ValueError(
                 f"with use_cache=True the prompt and fed-back tokens must fit in max_seq_len: "
                 f"T0 + max_new_tokens - 1 = {T0} + {max_new_tokens} - 1 = {needed} > "
                 f"{self.cfg.max_seq_len}; shorten the request or pass use_cache=False "
                 f"(which crops the context)"
             )
-        cache = self.new_kv_cache(B, max_len=needed)
-        logits, _ = self(idx, kv_cache=cache, start_pos=0)  # prefill: [B, T0, V]
-        for step in range(max_new_tokens):
-            nxt = self._sample(logits[:, -1], temperature, top_k, generator)  # [B, 1]
-            idx = torch.cat((idx, nxt), dim=1)
-            if step < max_new_tokens - 1:
-                logits, _ = self(nxt, kv_cache=cache, start_pos=cache.pos)  # [B, 1, V]
-        return idx
+        # the parameters do not change while this call runs: each connection's prepared
+        # decoding calls are checked at their first token only
+        with frozen_connections():
+            if not use_cache:
+                for _ in range(max_new_tokens):
+                    logits, _ = self(idx[:, -self.cfg.max_seq_len :])  # [B, t, V]
+                    nxt = self._sample(logits[:, -1], temperature, top_k, generator)  # [B, 1]
+                    idx = torch.cat((idx, nxt), dim=1)
+                return idx
+            cache = self.new_kv_cache(B, max_len=needed)
+            logits, _ = self(idx, kv_cache=cache, start_pos=0)  # prefill: [B, T0, V]
+            for step in range(max_new_tokens):
+                nxt = self._sample(logits[:, -1], temperature, top_k, generator)  # [B, 1]
+                idx = torch.cat((idx, nxt), dim=1)
+                if step < max_new_tokens - 1:
+                    logits, _ = self(nxt, kv_cache=cache, start_pos=cache.pos)  # [B, 1, V]
+            return idx
 
     @staticmethod
     def _sample(logits, temperature, top_k, generator) -> torch.Tensor:

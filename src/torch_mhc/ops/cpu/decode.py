@@ -130,8 +130,8 @@ class Decoder:
     """One connection's prepared decoding calls for streams of one shape and dtype."""
 
     __slots__ = ("size", "dtype", "a_shape", "tensor_marks", "options_from",
-                 "options", "tables", "maps", "busy", "impl_state", "_a_like", "_call",
-                 "_addr", "_lib")
+                 "options", "tables", "maps", "busy", "impl_state", "frozen_in", "_a_like",
+                 "_call", "_addr", "_lib")
 
     def __init__(self, lib: _native.NativeOps, kind: str, args: tuple):
         x, params = args[0], args[1:]
@@ -173,6 +173,8 @@ class Decoder:
         self.tensor_marks, self.options_from, self.options = _marks(params)
         self.busy = False  # between mix_in and mix_out (Connection.forward sets it)
         self.impl_state = None  # ops.impl_state when made (Connection sets it)
+        # the frozen_connections block in which Connection last checked it (0: none)
+        self.frozen_in = 0
         self._call, self._addr, self._lib = call, ctypes.addressof(call), lib
 
     def current(self, args: tuple) -> bool:

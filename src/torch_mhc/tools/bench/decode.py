@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 
 import torch
 
 from torch_mhc import ops as _ops
+from torch_mhc.connections import frozen_connections
 from torch_mhc.tools.bench.timing import (
     median_interval,
     medians,
@@ -78,7 +80,8 @@ def bench_decode(
                    "new_tokens": new_tokens, "dtype": dtype, "device": device,
                    "impl": _ops.resolve_impl_name(impl, device, dt), "repeats": repeats,
                    "builds": builds, "warmup": warmup, "clock": clock,
-                   "sampling": "greedy, KV cache"},
+                   "sampling": "greedy, KV cache",
+                   "steps": "inside one frozen_connections block, as LM.generate runs them"},
         "results": results,
     }
 
@@ -118,14 +121,22 @@ def _time_batch(models: dict, batch: int, prompt: int, new_tokens: int, impl: st
 
 @torch.no_grad()
 def time_decode_steps(models: dict, idx: torch.Tensor, new_tokens: int, warmup: int,
-                      clock: str, device: str) -> dict[str, list[float]]:
+                      clock: str, device: str, frozen: bool = True) -> dict[str, list[float]]:
     """"<variant>/step": the time of each one-token KV-cached step after the prefill of idx,
     the steps of all models interleaved (one step of each in turn, the first rotating).
 
     A whole generate call takes seconds, long enough for the machine's memory bandwidth to
     change under it (rounds of the same model spread by 10% here); a step of every model in
-    turn puts the models' steps side by side within tens of milliseconds.
+    turn puts the models' steps side by side within tens of milliseconds. frozen: the steps
+    run inside one frozen_connections block, as LM.generate runs its tokens (False: every
+    connection call checks its parameters, as a caller's own loop outside such a block).
     """
+    with frozen_connections() if frozen else contextlib.nullcontext():
+        return _decode_steps(models, idx, new_tokens, warmup, clock, device)
+
+
+def _decode_steps(models: dict, idx: torch.Tensor, new_tokens: int, warmup: int, clock: str,
+                  device: str) -> dict[str, list[float]]:
     batch, prompt = idx.shape
     caches = {}
     for v, m in models.items():
