@@ -117,8 +117,8 @@ def frozen_connections():
     native calls still match its parameters (identity, storage, version) and options at
     every token. Inside this block each prepared call is checked at its first use only: at
     batch 1 the per-token checks cost 2-3% of a decoding step's tokens/s (d = 512, 8 blocks,
-    one thread, 2026-12-02; benchmarks/README.md). `LM.generate` runs inside one; wrap a Hugging Face
-    `model.generate(...)` in it the same way.
+    one thread, 2026-12-02; benchmarks/README.md). `LM.generate` runs inside one; wrap a
+    Hugging Face `model.generate(...)` in it the same way.
 
     The promise is the caller's: a parameter changed inside the block (an optimizer step,
     load_state_dict, an in-place write) goes unseen by the calls already checked in it, which
