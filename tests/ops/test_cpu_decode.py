@@ -541,6 +541,42 @@ def test_frozen_connections_check_each_prepared_call_once(monkeypatch):
     assert (after - before).abs().max() > 1e-4
 
 
+def test_frozen_blocks_closed_out_of_order_or_on_another_thread_close(monkeypatch):
+    """Blocks held by generators close in any order, and a generator may close its block on
+    another thread: once every block has closed, every call is checked again."""
+    conn = _connection("mhc", seed=17)
+    x = torch.randn(2, 1, 4, C)
+    checks = _count_checks(monkeypatch)
+
+    def stream(n):
+        with base.frozen_connections():
+            for _ in range(n):
+                with torch.no_grad():  # (not held across the yield: grad mode is per thread)
+                    out = conn(x)
+                yield out
+
+    with torch.no_grad():
+        conn(x)
+    first, second = stream(3), stream(3)
+    next(first)
+    next(second)
+    list(first)  # the outer block closes while the inner one is open
+    list(second)
+    finished = []  # a block opened here, closed on another thread
+    third = stream(2)
+    next(third)
+    worker = threading.Thread(target=lambda: finished.extend(third))
+    worker.start()
+    worker.join()
+    assert len(finished) == 1
+    assert base._FROZEN.open == []
+    count = len(checks)
+    with torch.no_grad():
+        for _ in range(3):
+            conn(x)
+    assert len(checks) == count + 3  # no block open: every call checked
+
+
 def test_generate_checks_each_connection_once(monkeypatch):
     """LM.generate decodes inside frozen_connections: over 6 one-token steps each connection's
     prepared call is checked once (at its second step; its first builds it), the first

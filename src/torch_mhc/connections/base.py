@@ -104,7 +104,9 @@ _DECODERS: dict[int, dict] = {}
 
 _MAX_DECODERS = 8  # prepared shapes kept per connection (batch sizes, threads)
 
-# This thread's innermost frozen_connections block (.block: its number; 0 or absent: none).
+# This thread's open frozen_connections blocks (.open: their numbers, the innermost last). A
+# list, not one number restored on exit: blocks held by generators close in any order, and
+# a generator may close its block on another thread than the one it opened it on.
 _FROZEN = threading.local()
 _BLOCKS = itertools.count(1)
 
@@ -125,13 +127,18 @@ def frozen_connections():
     go on computing with the old values until the block ends. Per thread: another thread's
     calls are checked as usual. Blocks nest (an inner one checks each call once again).
     Autograd calls, the check of the input and of the implementation in use are unaffected.
+    A generator suspended inside a block leaves the block open on its thread: whatever that
+    thread runs meanwhile runs inside it.
     """
-    outer = getattr(_FROZEN, "block", 0)
-    _FROZEN.block = next(_BLOCKS)
+    blocks = getattr(_FROZEN, "open", None)
+    if blocks is None:
+        blocks = _FROZEN.open = []
+    block = next(_BLOCKS)
+    blocks.append(block)
     try:
         yield
     finally:
-        _FROZEN.block = outer
+        blocks.remove(block)  # this thread's list, whichever thread closes the block
 
 
 @functools.cache
@@ -262,7 +269,8 @@ class Connection(nn.Module):
         if (dec is None or dec.busy or not self._may_decode()
                 or dec.impl_state != _ops.impl_state(self.impl)):
             return None
-        block = getattr(_FROZEN, "block", 0)
+        blocks = getattr(_FROZEN, "open", None)
+        block = blocks[-1] if blocks else 0  # the innermost open frozen_connections block
         if block and dec.frozen_in == block:  # checked at its first call in this block
             return dec
         # the key vouches for x's shape and dtype, so only the parameters and options are

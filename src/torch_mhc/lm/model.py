@@ -521,6 +521,8 @@ class LM(nn.Module):
         cropped to its last max_seq_len tokens. With the cache each step runs over [B, 1]
         only, and the context never slides: the prompt and every token fed back
         (T0 + max_new_tokens - 1 positions) must fit in max_seq_len, else ValueError.
+        Runs inside torch_mhc.frozen_connections(): the connections' parameters and options
+        must not change during the call (a hook changing them would go unseen).
         """
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
