@@ -14,10 +14,11 @@ methods (ops/cpu/decode.py) and the two native calls they make. Per connection c
     mix_out               the merge: the output's allocation, the native call
     native merge          the native call alone (H_res x + H_post^T f)
 
-Each clock adds its own cost to the call it wraps (0.6 us warm on the 2-core EPYC this was
+Each clock adds its own cost to the call it wraps (0.3-0.6 us warm on the 2-core EPYC this was
 written on; more inside a step, where it too is out of cache), and each part includes the
 clocks of the parts inside it. The step times are of the wrapped models: `mhc bench --only
-decode` times the models as shipped.
+decode` times the models as shipped. The steps run outside any frozen_connections block, so
+every call checks its parameters (as a caller's own decoding loop does).
 
     python benchmarks/bench_decode_in_situ.py --batch 8 --threads 1
     python benchmarks/bench_decode_in_situ.py --batch 1 --kinds mhc,hc,mhc-lite --json out.json
@@ -44,9 +45,22 @@ from torch_mhc.tools.bench.workloads import build_model, random_tokens
 PARTS = ("connection", "branch", "mix_in", "native maps", "mix_out", "native merge")
 
 
+def timed(fn, add):
+    """fn, with the seconds of each call passed to add(seconds)."""
+    now = time.perf_counter
+
+    def call(*args, **kwargs):
+        t0 = now()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            add(now() - t0)
+
+    return call
+
+
 class Clocks:
-    """Seconds and calls summed per part, and a way to wrap a callable so that its calls add
-    to one part."""
+    """Seconds and calls summed per part."""
 
     def __init__(self):
         self.reset()
@@ -59,16 +73,8 @@ class Clocks:
         self.calls[part] += 1
 
     def wrap(self, part: str, fn):
-        now = time.perf_counter
-
-        def timed(*args, **kwargs):
-            t0 = now()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.add(part, now() - t0)
-
-        return timed
+        """fn, its calls adding to part."""
+        return timed(fn, lambda seconds: self.add(part, seconds))
 
 
 def instrument(model: torch.nn.Module, clocks: Clocks) -> int:
@@ -96,17 +102,8 @@ def run(kinds: list[str], batch: int, dim: int, layers: int, prompt: int, steps:
     methods = {"mix_in": _decode.Decoder.mix_in, "mix_out": _decode.Decoder.mix_out}
     calls = {"native maps": lib.decode_maps, "native merge": lib.decode_merge}
 
-    def route(part, fn):
-        now = time.perf_counter
-
-        def timed(*args):
-            t0 = now()
-            try:
-                return fn(*args)
-            finally:
-                current["clocks"].add(part, now() - t0)
-
-        return timed
+    def route(part, fn):  # fn, its calls adding to part of the model running at the time
+        return timed(fn, lambda seconds: current["clocks"].add(part, seconds))
 
     try:
         _decode.Decoder.mix_in = route("mix_in", methods["mix_in"])

@@ -5,7 +5,7 @@ switches pick the tool wherever they stand on the line (`BENCH_TOOLS`, `run_benc
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import importlib
 
 from torch_mhc.tools.boundary import fail, parse, parse_error
 from torch_mhc.tools.errors import UsageError
@@ -32,30 +32,12 @@ def run_bench(argv: list[str]) -> int:
     return suite.run_command(args, argv)
 
 
-def _gpu_check_parser() -> tuple[argparse.ArgumentParser, object]:
-    from torch_mhc.tools.bench import gpu_check
-
-    return argparse.ArgumentParser(prog="gpu_check",
-                                   description=gpu_check.__doc__.splitlines()[0]), gpu_check
-
-
-def _aot_parser() -> tuple[argparse.ArgumentParser, object]:
-    from torch_mhc.ops.triton import aot
-
-    return argparse.ArgumentParser(prog="mhc bench --aot",
-                                   description=aot.__doc__.splitlines()[0]), aot
-
-
-def _ops_parser() -> tuple[argparse.ArgumentParser, object]:
-    from torch_mhc.tools.bench import ops
-
-    return argparse.ArgumentParser(prog="mhc bench --ops",
-                                   description=ops.__doc__.splitlines()[0]), ops
-
-
-# switch of `mhc bench` -> (its parser, the module with add_arguments and run_command)
-BENCH_TOOLS: dict[str, Callable[[], tuple[argparse.ArgumentParser, object]]] = {
-    "--gpu": _gpu_check_parser, "--aot": _aot_parser, "--ops": _ops_parser}
+# switch of `mhc bench` -> (the tool's module, with add_arguments and run_command; its prog)
+BENCH_TOOLS: dict[str, tuple[str, str]] = {
+    "--gpu": ("torch_mhc.tools.bench.gpu_check", "gpu_check"),
+    "--aot": ("torch_mhc.ops.triton.aot", "mhc bench --aot"),
+    "--ops": ("torch_mhc.tools.bench.ops", "mhc bench --ops"),
+}
 
 
 def run_bench_tool(switch: str, argv: list[str], prog: str = "mhc bench") -> int:
@@ -63,7 +45,9 @@ def run_bench_tool(switch: str, argv: list[str], prog: str = "mhc bench") -> int
     the op benchmark (--ops), with their own options. A bad option value is a usage error of
     the tool's parser; what the run itself refuses (the GPU check without a GPU) is one line,
     `<prog>: error: ...`. Returns the exit status."""
-    parser, tool = BENCH_TOOLS[switch]()
+    module, tool_prog = BENCH_TOOLS[switch]
+    tool = importlib.import_module(module)  # imported only when its switch is given
+    parser = argparse.ArgumentParser(prog=tool_prog, description=tool.__doc__.splitlines()[0])
     tool.add_arguments(parser)
     args = parse(parser, argv)
     if isinstance(args, int):
