@@ -34,6 +34,7 @@ from tests.helpers.references import sinkhorn_log_naive
 from torch_mhc import HyperConnection, ManifoldHyperConnection, expand_streams, sinkhorn_unrolled
 from torch_mhc.functional import maps as reference
 from torch_mhc.functional.sinkhorn import LINEAR_RANGE
+from torch_mhc.functional.successors import res_count
 from torch_mhc.ops.cpu import build as native_build
 from torch_mhc.ops.cpu import native
 from torch_mhc.ops.cpu import ops as cpu
@@ -1034,3 +1035,50 @@ def test_mhc_maps_with_rows_hundreds_apart_are_finite_and_exact(cpu_path):
     for got, want in zip([*outs, *grads], [*want_outs, *want_grads], strict=True):
         assert torch.isfinite(got).all()
         assert_close(got, want, 2e-5)
+
+
+def test_tuning_flags_ask_for_wide_vectors_on_intel_avx512_only(monkeypatch):
+    lines = {"vendor_id": "vendor_id\t: GenuineIntel", "flags": "flags\t: fpu avx2 avx512f"}
+    monkeypatch.setattr(native_build, "_cpuinfo", lambda field: lines[field])
+    assert native_build.tuning_flags() == ["-DTORCH_MHC_SKINNY_W=16"]
+    lines["flags"] = "flags\t: fpu avx2"
+    assert native_build.tuning_flags() == []
+    lines.update(vendor_id="vendor_id\t: AuthenticAMD", flags="flags\t: fpu avx2 avx512f")
+    assert native_build.tuning_flags() == []
+
+
+@pytest.fixture(scope="module")
+def narrow_library(tmp_path_factory) -> native.NativeOps:
+    """The library built with 8-float skinny vectors whatever the CPU."""
+    _need_native()
+    out = tmp_path_factory.mktemp("narrow") / "narrow.so"
+    native_build._compile(native_build._compiler(),
+                          [*native_build.FLAGS, "-DTORCH_MHC_SKINNY_W=8"], out)
+    return native.NativeOps(out)
+
+
+@pytest.mark.parametrize("n,res", [(4, "mhc"), (4, "mhc-lite"), (4, "kromhc"),
+                                   (4, "mhc-static-res"), (3, "mhc"), (2, "mhc")])
+def test_wide_and_narrow_forward_give_the_same_bits(narrow_library, n, res):
+    """The training forward's x @ phi on 16-float vectors over phi padded to 16 columns
+    (xphi_tile16) sums each logit in the same order as the 8-float loops over the unpadded
+    rows: every output is bit for bit the same. The narrow library is built here with the
+    width forced to 8; on CPUs where build.py asks for 16, the loaded one is the wide one."""
+    wide = native.load()
+    if native_build.tuning_flags():
+        assert wide.skinny_width == 16
+    assert narrow_library.skinny_width == 8
+    c, t = 40, 37  # 37 tokens: full tiles and single tokens; C not a multiple of 16
+    g = torch.Generator().manual_seed(n)
+    m = 2 * n + (n * n if res == "mhc" else res_count(res, n))
+    x = torch.randn(t, n, c, generator=g)
+    phi = torch.randn(n * c, m, generator=g) / (n * c) ** 0.5
+    ab = torch.randn(2, m, generator=g)
+    iters = 20 if res == "mhc" else 1
+    outs = []
+    for lib in (wide, narrow_library):
+        phip = torch.nn.functional.pad(phi, (0, native.padded_width(m, lib.skinny_width) - m))
+        outs.append(lib.maps_fwd(x, phip.contiguous(), ab, iters, 1e-6, 0.0, 0.0, True,
+                                 native.RES[res]))
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)

@@ -5,7 +5,8 @@ Nothing here runs at import; `build_library()` is called by the first native op
 
 - Compiler: $CC parsed as a shell would ("ccache gcc -O2" is a command with arguments),
   else cc, gcc or clang on PATH; $CFLAGS (also parsed as a shell would) is appended to our
-  flags. OpenMP (-fopenmp) first; a compiler without it builds the serial library.
+  flags and to the CPU's tuning defines (tuning_flags). OpenMP (-fopenmp) first; a
+  compiler without it builds the serial library.
 - Cache: torch_mhc_cpu_<key>.so in $TORCH_MHC_CACHE, else $XDG_CACHE_HOME/torch_mhc, else
   ~/.cache/torch_mhc; key = sha256 of the source, the command, the flags and the CPU's
   signature (-march=native depends on it).
@@ -72,16 +73,30 @@ def _compiler() -> list[str] | None:
     return None
 
 
-def _cpu_signature() -> str:
-    """What -march=native depends on: the machine and its CPU flags."""
-    flags = ""
+def _cpuinfo(field: str) -> str:
+    """The first line of /proc/cpuinfo starting with field ("" where there is none)."""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         for line in cpuinfo.read_text(errors="replace").splitlines():
-            if line.startswith("flags"):
-                flags = line
-                break
-    return f"{platform.machine()}|{platform.processor()}|{flags}"
+            if line.startswith(field):
+                return line
+    return ""
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the machine and its CPU flags."""
+    return f"{platform.machine()}|{platform.processor()}|{_cpuinfo('flags')}"
+
+
+def tuning_flags() -> list[str]:
+    """Defines for this CPU: 16-float vectors in the training forward's x @ phi on Intel
+    CPUs with AVX-512 (two 512-bit FMA ports: twice the 8-float vectors' work per cycle; Zen 4
+    runs a 512-bit FMA as two halves, and there the 8-float ones are faster; native.c's
+    xphi_tile16). CFLAGS, appended after these, can override it: -DTORCH_MHC_SKINNY_W=8."""
+    flags = _cpuinfo("flags").split()
+    if "GenuineIntel" in _cpuinfo("vendor_id") and "avx512f" in flags:
+        return ["-DTORCH_MHC_SKINNY_W=16"]
+    return []
 
 
 def _sha256(path: Path) -> str:
@@ -129,7 +144,7 @@ def build_library(rebuild: bool = False) -> Path | None:
     if command is None:
         warn_fallback("no C compiler: none of $CC, cc, gcc, clang found")
         return None
-    extra = shlex.split(os.environ.get("CFLAGS", ""))
+    extra = [*tuning_flags(), *shlex.split(os.environ.get("CFLAGS", ""))]
     errors = []
     for flags in ([*FLAGS, *OPENMP, *extra], [*FLAGS, *extra]):
         lib = _library_path(command, flags)

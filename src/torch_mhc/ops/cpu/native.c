@@ -532,6 +532,42 @@ INLINE void xphi_tile(const void* x, const float* phip, int64_t t, int64_t K, co
         for (int v = 0; v < MV; ++v) v8store(z + (u * MV + v) * WG, acc[u][v]);
 }
 
+/* The forward's x @ phi with 16-float vectors, where the build sets TORCH_MHC_SKINNY_W=16
+   (build.py does on Intel CPUs with AVX-512: their two 512-bit FMA ports do twice the work
+   of two 256-bit ones; Zen 4 runs a 512-bit FMA as two halves) and phip's padded width is a
+   whole number of them (MV even: the training forward's tables, ops/cpu/ops.py's
+   padded_table(wide=True)). n = 4's 24 logits then take two vectors of a 32-wide row instead
+   of three of 24: the maps forward ran in 2.25 against 2.86 ms (T = 2048, C = 512, one
+   thread, Xeon with AVX-512, 2026-12-02, 21 interleaved rounds). Decoding keeps the unpadded
+   24-wide rows: one token's maps read all of phi, and the padding's third more bytes cost
+   more there than the wider vectors save (the native maps call inside a decoding step at
+   batch 1: 18.0 us padded, 14.8 us unpadded). */
+#if defined(TORCH_MHC_SKINNY_W) && TORCH_MHC_SKINNY_W == 16 && defined(__AVX512F__)
+#define WIDE_XPHI 1
+INLINE void xphi_tile16(const void* x, const float* phip, int64_t t, int64_t K, const int TT,
+                        const int MV16, float* z, int bf) {
+    v16 acc[MAX_TILE][MAX_MV / 2];
+    for (int u = 0; u < TT; ++u)
+        for (int v = 0; v < MV16; ++v) acc[u][v] = (v16){0};
+    for (int64_t k = 0; k < K; ++k) {
+        v16 p[MAX_MV / 2];
+        for (int v = 0; v < MV16; ++v) memcpy(&p[v], phip + (k * MV16 + v) * 16, sizeof p[v]);
+        for (int u = 0; u < TT; ++u) {
+            const float s = lds(x, (t + u) * K + k, bf);
+            for (int v = 0; v < MV16; ++v) acc[u][v] += s * p[v];
+        }
+    }
+    for (int u = 0; u < TT; ++u)
+        for (int v = 0; v < MV16; ++v) memcpy(z + (u * MV16 + v) * 16, &acc[u][v], sizeof acc[u][v]);
+}
+#else
+#define WIDE_XPHI 0
+#endif
+
+/* The widest vectors the skinny matmuls use (native.py pads the training forward's phi to
+   a multiple of it). */
+int native_skinny_width(void) { return WIDE_XPHI ? 16 : 8; }
+
 /* Memory to bring into cache while a compute-bound loop runs: up to three byte ranges,
    walked one 64-byte line per touch (the next group of tokens' inputs of the maps backward,
    fetched during this group's dphi, so that the next group's first passes find them in L2
@@ -605,6 +641,21 @@ INLINE void dphi_tile(const void* x, const float* dz, float* dphi, int64_t t, in
 
 static void xphi_rows(const void* x, const float* phip, int64_t t, int64_t tt, int64_t K,
                       int64_t MV, float* z, int bf) {
+#if WIDE_XPHI
+    if (MV % 2 == 0) {  /* 16-float vectors: TT tokens x MV / 2 of them within 24 registers */
+#define XPHI16(TT, MV16) xphi_tile16(x, phip, t + u, K, TT, MV16, z + u * (MV16) * 16, bf)
+        int64_t u = 0;
+        switch (MV / 2) {
+            TILED_CASE(1, 8, XPHI16)
+            TILED_CASE(2, 8, XPHI16)
+            TILED_CASE(3, 8, XPHI16)
+            TILED_CASE(4, 4, XPHI16)
+            default: TILED_CASE(5, 4, XPHI16)
+        }
+#undef XPHI16
+        return;
+    }
+#endif
 #define XPHI(TT, MV) xphi_tile(x, phip, t + u, K, TT, MV, z + u * (MV) * WG, bf)
     TILED(MV, XPHI)
 #undef XPHI

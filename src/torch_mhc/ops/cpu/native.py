@@ -149,9 +149,10 @@ class PerThread:
         self.tensor = tensor
 
 
-def padded_width(m: int) -> int:
-    """Columns of phi padded to whole 8-float vectors (the skinny matmuls' register tiles)."""
-    return -(-m // 8) * 8
+def padded_width(m: int, width: int = 8) -> int:
+    """Columns of phi padded to whole vectors of `width` floats (the skinny matmuls' register
+    tiles: 8, or NativeOps.skinny_width for the training forward)."""
+    return -(-m // width) * width
 
 
 class NativeOps:
@@ -172,6 +173,9 @@ class NativeOps:
         for fn in (self.decode_maps, self.decode_merge):
             fn.argtypes, fn.restype = [_P], None
         self.openmp = bool(self._lib.native_openmp())
+        # 16 where the forward's x @ phi runs 16-float vectors over a phi padded to 16 columns
+        # (Intel AVX-512 builds), else 8 (native.c's xphi_tile16)
+        self.skinny_width = int(self._lib.native_skinny_width())
         # Threads this process started itself: used where OpenMP cannot be (a forked child,
         # or a library built without OpenMP). Reset in a forked child (its threads are gone).
         self.own_threads = not self.openmp

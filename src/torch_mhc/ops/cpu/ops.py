@@ -150,7 +150,7 @@ class _MhcMaps(torch.autograd.Function):
         if ctx.native:
             ab = _gate_table(alpha, b_pre, b_post, b_res)
             lt, r, h_pre, h_post, h_res, a = torch.ops.torch_mhc.cpu_mhc_maps_fwd(
-                x, padded_table(phi), ab, iters, norm_eps, sk_eps, pre_eps, with_pre
+                x, padded_table(phi, wide=True), ab, iters, norm_eps, sk_eps, pre_eps, with_pre
             )
             # Saved: the logits [T, M] and the RMS, M + 1 numbers per token besides x.
             ctx.save_for_backward(x, phi, alpha, lt, r, ab)
@@ -174,13 +174,18 @@ class _MhcMaps(torch.autograd.Function):
         return _maps_backward_torch(ctx, g_pre, g_post, g_res, g_a, g_merge)
 
 
-def padded_table(phi: torch.Tensor) -> torch.Tensor:
+def padded_table(phi: torch.Tensor, wide: bool = False) -> torch.Tensor:
     """phi [K, M] (or HC's W [C, M]) as float32 with its columns zero-padded to whole 8-float
-    vectors (native.padded_width)."""
+    vectors (native.padded_width), or with wide to whole vectors of the library's widest
+    skinny matmul (16 floats on Intel's AVX-512: the training forward's many tokens run
+    faster on the wider vectors, one decoded token on the unpadded bytes; native.c's
+    xphi_tile16)."""
     m = phi.shape[1]
+    lib = _native.load() if wide else None
+    width = lib.skinny_width if lib is not None else 8
     # contiguous: the native loops read rows of [K, Mp]; pad by 0 may return phi's own strides
     return torch.nn.functional.pad(
-        phi.to(torch.float32), (0, _native.padded_width(m) - m)
+        phi.to(torch.float32), (0, _native.padded_width(m, width) - m)
     ).contiguous()
 
 
@@ -439,9 +444,11 @@ def cached_tables(make, *tensors: torch.Tensor) -> tuple:
     return tables
 
 
-def mhc_tables(phi, alpha, b_pre, b_post, b_res) -> tuple[torch.Tensor, torch.Tensor]:
-    """(phi padded [K, Mp], gate table [2, M]) in float32 for the native maps."""
-    return padded_table(phi), _gate_table(alpha, b_pre, b_post, b_res)
+def mhc_tables(phi, alpha, b_pre, b_post, b_res, *, wide: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(phi padded [K, Mp], gate table [2, M]) in float32 for the native maps (wide: the
+    training forward's padding, padded_table)."""
+    return padded_table(phi, wide), _gate_table(alpha, b_pre, b_post, b_res)
 
 
 def hc_tables(w, s_alpha, s_beta, static_pre, static_post, static_res):

@@ -132,7 +132,7 @@ class _VariantMaps(torch.autograd.Function):
         ctx.native = takes_native(x, phi.shape[1])
         ctx.b_dtypes = (b_pre.dtype, b_post.dtype, None if b_res is None else b_res.dtype)
         if ctx.native:
-            phip, ab = variant_tables(phi, alpha, b_pre, b_post, b_res)
+            phip, ab = variant_tables(phi, alpha, b_pre, b_post, b_res, wide=True)
             lt, r, h_pre, h_post, h_res, a = torch.ops.torch_mhc.cpu_mhc_maps_fwd(
                 x, phip, ab, 1, norm_eps, 0.0, 0.0, with_pre, native.RES[kind])
             # Saved: the logits [T, M] and the RMS, as mHC's maps.
@@ -180,13 +180,15 @@ class _VariantMaps(torch.autograd.Function):
         return (None, dx, d_phi, *params, None, None, None)
 
 
-def variant_tables(phi, alpha, b_pre, b_post, b_res=None) -> tuple[torch.Tensor, torch.Tensor]:
+def variant_tables(phi, alpha, b_pre, b_post, b_res=None, *, wide: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(phi padded [K, Mp], gate table [2, M]: each logit's gate, then its bias) in float32,
-    the native maps' inputs (ops.cpu.mhc_tables' layout; b_res None without res logits)."""
+    the native maps' inputs (ops.cpu.mhc_tables' layout, wide as there; b_res None without
+    res logits)."""
     n = b_pre.shape[0]
     gate, bias = _gate_rows(alpha, b_pre, b_post, b_res, n, phi.shape[1] - 2 * n,
                             torch.float32)
-    return padded_table(phi), torch.stack([gate, bias]).contiguous()
+    return padded_table(phi, wide), torch.stack([gate, bias]).contiguous()
 
 
 def _plus(g: torch.Tensor | None, extra: torch.Tensor | None, dtype) -> torch.Tensor | None:

@@ -41,7 +41,7 @@ def _inputs(tokens: int, n: int, c: int, dtype: torch.dtype, iters: int):
     phi = torch.randn(n * c, m, generator=g) / (n * c) ** 0.5
     alpha, b_pre, b_post = torch.full((3,), 0.5), torch.zeros(n), torch.zeros(n)
     b_res = torch.randn(n, n, generator=g)
-    phip, ab = cpu.mhc_tables(phi, alpha, b_pre, b_post, b_res)
+    phip, ab = cpu.mhc_tables(phi, alpha, b_pre, b_post, b_res, wide=True)
     return dict(x=x, phip=phip, phit=phip[:, :m].t().contiguous(), ab=ab, iters=iters,
                 g=torch.randn(tokens, n, c, generator=g).to(dtype))
 
