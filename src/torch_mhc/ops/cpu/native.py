@@ -328,7 +328,8 @@ class NativeOps:
         dx = self.blocks.empty(x.shape, x.dtype)
         dht = torch.empty((t, m), dtype=torch.float32, device=x.device)
         threads = self.threads_for(t)
-        dphi = torch.zeros((threads, n * c, mp), dtype=torch.float32, device=x.device)
+        # phi's gradient transposed, [Mp, n C] per thread (native.c's dphit_block)
+        dphit = torch.zeros((threads, mp, n * c), dtype=torch.float32, device=x.device)
         # Sinkhorn's recomputed iterates and denominators for 16 tokens, per thread (torch's
         # CPU allocations are 64-byte aligned, and so is each row: a multiple of 16 floats).
         steps = 2 * iters - 1
@@ -337,10 +338,10 @@ class NativeOps:
         base = torch.empty((threads, 8 * n * c), dtype=torch.float32)
         self._run("maps_bwd", x.dtype,
                   [x, phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_merge, dx, dht,
-                   PerThread(dphi), PerThread(sk_y), PerThread(base)], t, n, c, m, mp // 8,
+                   PerThread(dphit), PerThread(sk_y), PerThread(base)], t, n, c, m, mp // 8,
                   iters, res, sk_eps, pre_eps)
-        dphi = dphi[0] if dphi.shape[0] == 1 else dphi.sum(dim=0)
-        return dx, dht, dphi[:, :m].contiguous()
+        dphit = dphit[0] if threads == 1 else dphit.sum(dim=0)
+        return dx, dht, dphit[:m].t().contiguous()
 
     def hc_bwd(self, x, wt, d, u, r, h_pre, h_res, g_pre, g_post, g_res, g_a, g_merge, sc):
         """The backward of HC's maps and pre-aggregation (and of the merge's H_res x when
