@@ -64,7 +64,8 @@ def cpu_path(request, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize(
     "tokens, n, c",
-    [((7,), 4, 100), ((2, 5), 3, 100), ((63,), 8, 16), ((1,), 1, 8), ((5,), 2, 33)],
+    [((7,), 4, 100), ((2, 5), 3, 100), ((63,), 8, 16), ((1,), 1, 8), ((5,), 2, 33),
+     ((9,), 5, 24), ((18,), 6, 16), ((17,), 7, 16)],  # phi's gradient in 2 and 3 row blocks
 )
 def test_mhc_maps_match_reference(tokens, n, c, dtype, cpu_path):
     inputs = maps_inputs(tokens, n, c, dtype)
@@ -1038,12 +1039,17 @@ def test_mhc_maps_with_rows_hundreds_apart_are_finite_and_exact(cpu_path):
 
 
 def test_tuning_flags_ask_for_wide_vectors_on_intel_avx512_only(monkeypatch):
+    monkeypatch.delenv("CFLAGS", raising=False)
     lines = {"vendor_id": "vendor_id\t: GenuineIntel", "flags": "flags\t: fpu avx2 avx512f"}
     monkeypatch.setattr(native_build, "_cpuinfo", lambda field: lines[field])
     assert native_build.tuning_flags() == ["-DTORCH_MHC_SKINNY_W=16"]
     lines["flags"] = "flags\t: fpu avx2"
     assert native_build.tuning_flags() == []
     lines.update(vendor_id="vendor_id\t: AuthenticAMD", flags="flags\t: fpu avx2 avx512f")
+    assert native_build.tuning_flags() == []
+    # CFLAGS choosing the width itself: no define of ours to clash with it
+    lines.update(vendor_id="vendor_id\t: GenuineIntel")
+    monkeypatch.setenv("CFLAGS", "-O2 -DTORCH_MHC_SKINNY_W=8")
     assert native_build.tuning_flags() == []
 
 
@@ -1057,21 +1063,25 @@ def narrow_library(tmp_path_factory) -> native.NativeOps:
     return native.NativeOps(out)
 
 
-@pytest.mark.parametrize("n,res", [(4, "mhc"), (4, "mhc-lite"), (4, "kromhc"),
-                                   (4, "mhc-static-res"), (3, "mhc"), (2, "mhc")])
-def test_wide_and_narrow_forward_give_the_same_bits(narrow_library, n, res):
+@pytest.mark.parametrize("n,res,dtype", [
+    (4, "mhc", torch.float32), (4, "mhc", torch.bfloat16), (4, "mhc-lite", torch.float32),
+    (4, "kromhc", torch.float32), (4, "mhc-static-res", torch.float32),
+    (2, "mhc", torch.float32), (3, "mhc", torch.float32), (5, "mhc", torch.float32),
+    (6, "mhc", torch.float32), (7, "mhc", torch.float32), (8, "mhc", torch.bfloat16),
+])  # 1 to 5 16-float vectors a row
+def test_wide_and_narrow_forward_give_the_same_bits(narrow_library, n, res, dtype):
     """The training forward's x @ phi on 16-float vectors over phi padded to 16 columns
     (xphi_tile16) sums each logit in the same order as the 8-float loops over the unpadded
     rows: every output is bit for bit the same. The narrow library is built here with the
     width forced to 8; on CPUs where build.py asks for 16, the loaded one is the wide one."""
     wide = native.load()
-    if native_build.tuning_flags():
-        assert wide.skinny_width == 16
+    if native_build.tuning_flags() and not os.environ.get("CFLAGS", "").strip():
+        assert wide.skinny_width == 16  # CFLAGS may take it back (-DTORCH_MHC_SKINNY_W=8)
     assert narrow_library.skinny_width == 8
     c, t = 40, 37  # 37 tokens: full tiles and single tokens; C not a multiple of 16
     g = torch.Generator().manual_seed(n)
     m = 2 * n + (n * n if res == "mhc" else res_count(res, n))
-    x = torch.randn(t, n, c, generator=g)
+    x = torch.randn(t, n, c, generator=g).to(dtype)
     phi = torch.randn(n * c, m, generator=g) / (n * c) ** 0.5
     ab = torch.randn(2, m, generator=g)
     iters = 20 if res == "mhc" else 1

@@ -90,9 +90,13 @@ def _cpu_signature() -> str:
 
 def tuning_flags() -> list[str]:
     """Defines for this CPU: 16-float vectors in the training forward's x @ phi on Intel
-    CPUs with AVX-512 (two 512-bit FMA ports: twice the 8-float vectors' work per cycle; Zen 4
-    runs a 512-bit FMA as two halves, and there the 8-float ones are faster; native.c's
-    xphi_tile16). CFLAGS, appended after these, can override it: -DTORCH_MHC_SKINNY_W=8."""
+    CPUs with AVX-512 (native.c's xphi_tile16; measured on a Xeon with two 512-bit FMA ports,
+    where they do twice the 8-float vectors' work per cycle; Zen 4 runs a 512-bit FMA as two
+    halves, so there they would do no more work and the padding would cost a third more).
+    None where $CFLAGS sets TORCH_MHC_SKINNY_W itself (-DTORCH_MHC_SKINNY_W=8: the 8-float
+    loops, for Intel parts with one 512-bit FMA port)."""
+    if "TORCH_MHC_SKINNY_W" in os.environ.get("CFLAGS", ""):
+        return []
     flags = _cpuinfo("flags").split()
     if "GenuineIntel" in _cpuinfo("vendor_id") and "avx512f" in flags:
         return ["-DTORCH_MHC_SKINNY_W=16"]

@@ -505,7 +505,8 @@ INLINE float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
 /* ---------------------------------------------------------------------------------------
    The skinny matmuls with phi: z = x @ phi per token tile, dphi += x^T dz.
    phip [K, Mp] is phi with its M columns padded to Mp = 8 MV with zeros (8-float vectors:
-   M = 24 for n = 4 then needs no padding, which 16-float vectors would pad to 32).
+   M = 24 for n = 4 then needs no padding; the training forward's 16-float ones below pad it
+   to 32).
    TT tokens x MV vectors of accumulators stay in registers; each phi row is loaded once per
    tile and each x element once.
    --------------------------------------------------------------------------------------- */
@@ -533,15 +534,16 @@ INLINE void xphi_tile(const void* x, const float* phip, int64_t t, int64_t K, co
 }
 
 /* The forward's x @ phi with 16-float vectors, where the build sets TORCH_MHC_SKINNY_W=16
-   (build.py does on Intel CPUs with AVX-512: their two 512-bit FMA ports do twice the work
-   of two 256-bit ones; Zen 4 runs a 512-bit FMA as two halves) and phip's padded width is a
-   whole number of them (MV even: the training forward's tables, ops/cpu/ops.py's
-   padded_table(wide=True)). n = 4's 24 logits then take two vectors of a 32-wide row instead
-   of three of 24: the maps forward ran in 2.25 against 2.86 ms (T = 2048, C = 512, one
-   thread, Xeon with AVX-512, 2026-12-02, 21 interleaved rounds). Decoding keeps the unpadded
-   24-wide rows: one token's maps read all of phi, and the padding's third more bytes cost
-   more there than the wider vectors save (the native maps call inside a decoding step at
-   batch 1: 18.0 us padded, 14.8 us unpadded). */
+   (build.py does on Intel CPUs with AVX-512: with two 512-bit FMA ports they do twice the
+   work of 256-bit ones; Zen 4 runs a 512-bit FMA as two halves) and phip's padded width is a
+   whole number of them (MV even: any table so padded, as the training forward's are,
+   ops/cpu/ops.py's padded_table(wide=True); a [K, Mp] row reads the same as 8- or 16-float
+   vectors). n = 4's 24 logits then take two vectors of a 32-wide row instead of three of 24:
+   the maps forward ran in 2.25 against 2.86 ms (T = 2048, C = 512, one thread, Xeon with
+   AVX-512, 2026-12-02, 21 interleaved rounds). Calls without autograd (decoding) keep the
+   unpadded 24-wide rows: one token's maps read all of phi, and the padding's third more
+   bytes cost more there than the wider vectors save (the native maps call inside a decoding
+   step: 18.0 against 14.8 us at batch 1, 40.7 against 38.3 us at batch 8). */
 #if defined(TORCH_MHC_SKINNY_W) && TORCH_MHC_SKINNY_W == 16 && defined(__AVX512F__)
 #define WIDE_XPHI 1
 INLINE void xphi_tile16(const void* x, const float* phip, int64_t t, int64_t K, const int TT,
@@ -569,8 +571,8 @@ INLINE void xphi_tile16(const void* x, const float* phip, int64_t t, int64_t K, 
 int native_skinny_width(void) { return WIDE_XPHI ? 16 : 8; }
 
 /* Memory to bring into cache while a compute-bound loop runs: up to three byte ranges,
-   walked one 64-byte line per touch (the next group of tokens' inputs of the maps backward,
-   fetched during this group's dphi, so that the next group's first passes find them in L2
+   walked one 64-byte line per touch (the next group of tokens' inputs of a backward, fetched
+   during this group's dphi or dW, so that the next group's first passes find them in L2
    instead of waiting on memory). */
 typedef struct {
     const char* p[3];
@@ -607,6 +609,18 @@ INLINE void dphi_tile(const void* x, const float* dz, float* dphi, int64_t t, in
     }
 }
 
+/* Where the maps backward keeps phi's gradient: transposed, [Mp, K] (dphit_rows below), on
+   AVX-512, whose 32 vector registers hold its 24 sums of 16 floats; else [K, Mp] (dphi_rows,
+   as HC's rows backward): with 16 registers those sums spill, and the same kernels built
+   without AVX-512 on the Xeon took 14.97 against 12.87 ms. native.py reads the layout. */
+#if defined(__AVX512F__)
+#define DPHI_TRANSPOSED 1
+#else
+#define DPHI_TRANSPOSED 0
+#endif
+int native_dphi_transposed(void) { return DPHI_TRANSPOSED; }
+
+#if DPHI_TRANSPOSED
 /* The next group's rows of the maps backward's inputs, fetched into cache during this
    group's dphi (so that its first passes find them in L2 instead of waiting on memory):
    x and gmerge [g, K], ga [g, C] from the next group's first token (NULL: none), g rows. */
@@ -622,7 +636,7 @@ typedef struct {
    chunks of k outermost, the chunk's QB sums in registers over all the group's tokens. The
    sums run over the tokens in order, as dphi_tile's do, so the bits are the same; but each
    element of dphit is loaded and stored once per group of 16 tokens instead of once per 8,
-   and the vectors are 16 floats with no padding of M: the maps backward took 6.02 against
+   and the vectors run along K, 16 floats each, whatever M: the maps backward took 6.02 against
    6.57 ms with dphi_tile (T = 2048, C = 512, one thread, Xeon with AVX-512, 2026-12-02, 21
    interleaved rounds). The q loops are unrolled by pragma: left to itself GCC split the 24 sums into two
    loops over the tokens. With `next`, fetches chunk k of the next group's row u at each
@@ -663,6 +677,7 @@ static void dphit_rows(const void* x, const float* dz, float* dphit, int64_t t, 
         }
     }
 }
+#endif
 
 /* z [tt, Mp] = x[t .. t + tt) @ phip and dphi += x[t .. t + tt)^T dz: full tiles of TT tokens,
    then single tokens, with TT and MV literal in every call (so that the accumulators are
@@ -923,7 +938,8 @@ INLINE void maps_fwd_body(const void* x, const float* phip, const float* ab, flo
      dH_res += <gmerge[i], x[j]>                        (the merge's share, fused_dx path)
      dh~ = the gates' and Sinkhorn's backward           -> dht [T, M] (for db, dalpha)
      dl = alpha_row dh~, coef = -<dl, l> / (r^2 K), dz = dl / r
-     dphi^T += dz^T x                                   (dphit [Mp, K], this thread's partial)
+     dphi += x^T dz                                     (this thread's partial: [Mp, K] or
+                                                         [K, Mp], DPHI_TRANSPOSED)
      dx = coef x + dz phi^T + H_pre[j] ga + sum_i H_res[i, j] gmerge[i]
    phit [M, K] is phi transposed; sk_y is scratch for Sinkhorn's iterates (see native.py).
    --------------------------------------------------------------------------------------- */
@@ -988,7 +1004,7 @@ INLINE void maps_dx_tile(const void* x, const float* phit, const void* ga, const
 INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, const float* lt,
                           const float* r, const float* gpre, const float* gpost,
                           const float* gres, const void* ga, const void* gmerge, void* dx,
-                          float* dht, float* dphit, v16* sk_y, float* base, int64_t t0,
+                          float* dht, float* dphi, v16* sk_y, float* base, int64_t t0,
                           int64_t t1,
                           const int64_t n, int64_t C, int64_t M, int64_t MV, int iters,
                           int res, float sk_eps, float pre_eps, int bf) {
@@ -1079,11 +1095,20 @@ INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, con
         /* The next group's x, ga and gmerge rows, fetched during dphi. */
         const int64_t t2 = t + G < t1 ? t + G : t1, t3 = t + 2 * G < t1 ? t + 2 * G : t1;
         const int64_t size = bf ? 2 : 4;
+#if DPHI_TRANSPOSED
         const next_rows_t next = {
             (const char*)x + t2 * K * size,
             gmerge ? (const char*)gmerge + t2 * K * size : NULL,
             ga ? (const char*)ga + t2 * C * size : NULL, t3 - t2, size};
-        dphit_rows(x, dz, dphit, t, g, K, C, Mp, &next, bf);
+        dphit_rows(x, dz, dphi, t, g, K, C, Mp, &next, bf);
+#else
+        const ahead_t ahead = {
+            {(const char*)x + t2 * K * size, ga ? (const char*)ga + t2 * C * size : NULL,
+             gmerge ? (const char*)gmerge + t2 * K * size : NULL},
+            {(t3 - t2) * K * size / 64, ga ? (t3 - t2) * C * size / 64 : 0,
+             gmerge ? (t3 - t2) * K * size / 64 : 0}};
+        dphi_rows(x, dz, dphi, t, g, K, MV, &ahead, bf);
+#endif
         int64_t s = 0;
         for (; s + 8 <= g; s += 8)
             maps_dx_tile(x, phit, ga, gmerge, coef + s, hp + s * n, hr + s * nn, dz + s * Mp, dx,
@@ -1345,7 +1370,7 @@ EXPORT_BOTH(maps_fwd,
             (x, phip, ab, lt, r, hpre, hpost, hres, a, a_, b_, N_, C, M, MV, (int)iters,
              (int)res, (float)norm_eps, (float)sk_eps, (float)pre_eps, bf))
 
-/* Per-thread slices: dphit [Mp, K], sk_y [(2 iters - 1)(n n + n) 16], base [8 K]. */
+/* Per-thread slices: dphi [Mp, K] or [K, Mp], sk_y [(2 iters - 1)(n n + n) 16], base [8 K]. */
 EXPORT_BOTH(maps_bwd,
             (const void* x, const float* phit, const float* ab, const float* lt,
              const float* r, const float* gpre, const float* gpost, const float* gres,
@@ -1398,8 +1423,9 @@ EXPORT_ROWS(bf16, 1)
    prepared once per connection and shape (ops/cpu/decode.py sets the pointers that change
    per call): converting twenty ctypes arguments per call cost more than the arithmetic of
    one token. They call the exported entry points on one thread (the team is skipped: the
-   parallel region's if clause), so a decoded step runs the very code, and gets the very
-   bits, of the autograd path.
+   parallel region's if clause), so a decoded step runs the autograd path's loops (its x @
+   phi on 8-float vectors where the training forward's may run 16-float ones: the same sums
+   in the same order) and gets the very bits of the autograd path.
    --------------------------------------------------------------------------------------- */
 
 typedef struct {

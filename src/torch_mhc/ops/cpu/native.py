@@ -176,6 +176,8 @@ class NativeOps:
         # 16 where the forward's x @ phi runs 16-float vectors over a phi padded to 16 columns
         # (Intel AVX-512 builds), else 8 (native.c's xphi_tile16)
         self.skinny_width = int(self._lib.native_skinny_width())
+        # whether maps_bwd's per-thread dphi partials are [Mp, K] (AVX-512 builds) or [K, Mp]
+        self.dphi_transposed = bool(self._lib.native_dphi_transposed())
         # Threads this process started itself: used where OpenMP cannot be (a forked child,
         # or a library built without OpenMP). Reset in a forked child (its threads are gone).
         self.own_threads = not self.openmp
@@ -328,8 +330,9 @@ class NativeOps:
         dx = self.blocks.empty(x.shape, x.dtype)
         dht = torch.empty((t, m), dtype=torch.float32, device=x.device)
         threads = self.threads_for(t)
-        # phi's gradient transposed, [Mp, n C] per thread (native.c's dphit_block)
-        dphit = torch.zeros((threads, mp, n * c), dtype=torch.float32, device=x.device)
+        # phi's gradient per thread, [Mp, n C] or [n C, Mp] (native.c's DPHI_TRANSPOSED)
+        shape = (mp, n * c) if self.dphi_transposed else (n * c, mp)
+        dphi = torch.zeros((threads, *shape), dtype=torch.float32, device=x.device)
         # Sinkhorn's recomputed iterates and denominators for 16 tokens, per thread (torch's
         # CPU allocations are 64-byte aligned, and so is each row: a multiple of 16 floats).
         steps = 2 * iters - 1
@@ -338,10 +341,10 @@ class NativeOps:
         base = torch.empty((threads, 8 * n * c), dtype=torch.float32)
         self._run("maps_bwd", x.dtype,
                   [x, phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_merge, dx, dht,
-                   PerThread(dphit), PerThread(sk_y), PerThread(base)], t, n, c, m, mp // 8,
+                   PerThread(dphi), PerThread(sk_y), PerThread(base)], t, n, c, m, mp // 8,
                   iters, res, sk_eps, pre_eps)
-        dphit = dphit[0] if threads == 1 else dphit.sum(dim=0)
-        return dx, dht, dphit[:m].t().contiguous()
+        dphi = dphi[0] if threads == 1 else dphi.sum(dim=0)
+        return dx, dht, (dphi[:m].t() if self.dphi_transposed else dphi[:, :m]).contiguous()
 
     def hc_bwd(self, x, wt, d, u, r, h_pre, h_res, g_pre, g_post, g_res, g_a, g_merge, sc):
         """The backward of HC's maps and pre-aggregation (and of the merge's H_res x when
