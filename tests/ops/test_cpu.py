@@ -1092,3 +1092,25 @@ def test_wide_and_narrow_forward_give_the_same_bits(narrow_library, n, res, dtyp
                                  native.RES[res]))
     for a, b in zip(*outs, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("cols, rows, dtype", [(88, 160, torch.float32), (16, 160, torch.float32),
+                                               (28, 160, torch.float32), (24, 100, torch.float32),
+                                               (24, 160, torch.float64)])
+def test_maps_refuse_a_table_the_loops_would_overrun(cols, rows, dtype):
+    """phi's padded table sizes the loops' register tiles: one wider than 80 columns wrote
+    past them, one narrower than M read past its rows. A clear error instead, through the
+    custom op too; the right table passes."""
+    _need_native()
+    n, c, m = 4, 40, 24
+    x = torch.randn(5, n, c)
+    ab = torch.randn(2, m)
+    good = torch.zeros(n * c, 24)
+    native.load().maps_fwd(x, good, ab, 20, 1e-6, 0.0, 0.0, True)
+    bad = torch.zeros(rows, cols, dtype=dtype)
+    with pytest.raises(ValueError, match=r"phi's table as float32 \[160, Mp\]"):
+        native.load().maps_fwd(x, bad, ab, 20, 1e-6, 0.0, 0.0, True)
+    with pytest.raises(ValueError, match="phi's table"):
+        native.load().maps_infer(x, bad, ab, 20, 1e-6, 0.0, 0.0)
+    with pytest.raises(ValueError, match="phi's table"):
+        torch.ops.torch_mhc.cpu_mhc_maps_fwd(x, bad, ab, 20, 1e-6, 0.0, 0.0, True)

@@ -268,6 +268,7 @@ class NativeOps:
         a [T, C] in x's dtype (None without with_pre).
         """
         t, n, c = x.shape
+        _check_tables(phip, ab, n * c)
         m = ab.shape[1]
         _check_res(res, n, m)
         f32 = dict(dtype=torch.float32, device=x.device)
@@ -285,6 +286,7 @@ class NativeOps:
         the RMS (inference: nothing is kept for a backward)."""
         *lead, n, c = x.shape
         t = math.prod(lead)
+        _check_tables(phip, ab, n * c)
         _check_res(res, n, ab.shape[1])
         h_pre, h_post, h_res, a = self._maps_outputs(x, lead, t, True)
         self._run("maps_fwd", x.dtype, [x, phip, ab, None, None, h_pre, h_post, h_res, a], t,
@@ -397,6 +399,20 @@ MAX_STREAMS = 8  # native.c's MAXN: per-token arrays of n (n x n) vectors
 # native.c's H_res maps: mHC's Sinkhorn, then its successors' closed forms (res argument)
 RES = {"mhc": 0, "mhc-lite": 1, "kromhc": 2, "mhc-static-res": 3}
 MAX_MAP_LOGITS = 80  # native.c's MAX_MV 8-float vectors: phi's widest padded row
+
+
+def _check_tables(phip: torch.Tensor, ab: torch.Tensor, k: int) -> None:
+    """ValueError unless phip is a float32 [K, Mp] table (Mp a multiple of 8, M <= Mp <=
+    MAX_MAP_LOGITS) and ab a float32 [2, M] one: the loops read Mp / 8 vectors a row into
+    register tiles sized for MAX_MAP_LOGITS columns, and 2 M gate numbers."""
+    m = ab.shape[-1] if ab.dim() == 2 else -1
+    if (ab.dim() != 2 or ab.shape[0] != 2 or ab.dtype != torch.float32
+            or phip.dim() != 2 or phip.dtype != torch.float32 or phip.shape[0] != k
+            or phip.shape[1] % 8 or not m <= phip.shape[1] <= MAX_MAP_LOGITS):
+        raise ValueError(
+            f"the native maps expect phi's table as float32 [{k}, Mp] (Mp a multiple of 8, "
+            f"M <= Mp <= {MAX_MAP_LOGITS}) and the gates as float32 [2, M], got "
+            f"{phip.dtype} {tuple(phip.shape)} and {ab.dtype} {tuple(ab.shape)}")
 
 
 def _check_res(res: int, n: int, m: int) -> None:
