@@ -560,7 +560,8 @@ INLINE void xphi_tile16(const void* x, const float* phip, int64_t t, int64_t K, 
         }
     }
     for (int u = 0; u < TT; ++u)
-        for (int v = 0; v < MV16; ++v) memcpy(z + (u * MV16 + v) * 16, &acc[u][v], sizeof acc[u][v]);
+        for (int v = 0; v < MV16; ++v)
+            memcpy(z + (u * MV16 + v) * 16, &acc[u][v], sizeof acc[u][v]);
 }
 #else
 #define WIDE_XPHI 0
@@ -636,11 +637,11 @@ typedef struct {
    chunks of k outermost, the chunk's QB sums in registers over all the group's tokens. The
    sums run over the tokens in order, as dphi_tile's do, so the bits are the same; but each
    element of dphit is loaded and stored once per group of 16 tokens instead of once per 8,
-   and the vectors run along K, 16 floats each, whatever M: the maps backward took 6.02 against
-   6.57 ms with dphi_tile (T = 2048, C = 512, one thread, Xeon with AVX-512, 2026-12-02, 21
-   interleaved rounds). The q loops are unrolled by pragma: left to itself GCC split the 24 sums into two
-   loops over the tokens. With `next`, fetches chunk k of the next group's row u at each
-   step (x and gmerge; ga for k < C). */
+   and the vectors run along K, 16 floats each, whatever M: the maps backward took 6.02
+   against 6.57 ms with dphi_tile (T = 2048, C = 512, one thread, Xeon with AVX-512,
+   2026-12-02, 21 interleaved rounds). The q loops are unrolled by pragma: left to itself GCC
+   split the 24 sums into two loops over the tokens. With `next`, fetches chunk k of the next
+   group's row u at each step (x and gmerge; ga for k < C). */
 INLINE void dphit_block(const void* x, const float* dz, float* dphit, int64_t t, int64_t g,
                         int64_t K, int64_t C, int64_t Mp, int64_t q0, const int QB,
                         const next_rows_t* next, int bf) {
