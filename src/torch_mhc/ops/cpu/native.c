@@ -1423,10 +1423,13 @@ EXPORT_ROWS(bf16, 1)
    and aggregation before the branch, its merge after it. Every argument sits in one block
    prepared once per connection and shape (ops/cpu/decode.py sets the pointers that change
    per call): converting twenty ctypes arguments per call cost more than the arithmetic of
-   one token. They call the exported entry points on one thread (the team is skipped: the
-   parallel region's if clause), so a decoded step runs the autograd path's loops (its x @
-   phi on 8-float vectors where the training forward's may run 16-float ones: the same sums
-   in the same order) and gets the very bits of the autograd path.
+   one token. They run the exported entry points' loop bodies on the caller's thread without
+   entering OpenMP: even a parallel region that its if clause keeps to one thread passes
+   through libgomp (a team made and ended), whose code and data the branch between two calls
+   has pushed out of the caches (the maps call at batch 1 after 16 MiB of other traffic: 16.1
+   against 21.0 us, 2026-12-02). The bodies are the autograd path's (its x @ phi on 8-float
+   vectors where the training forward's may run 16-float ones: the same sums in the same
+   order), so a decoded step gets the very bits of the autograd path.
    --------------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -1444,19 +1447,26 @@ typedef struct {
     double norm_eps, sk_eps, pre_eps;
 } decode_call;
 
+/* CALL with bf a constant, as in the exported entry points: each dtype's loops apart */
+#define FOR_DTYPE(BF, CALL)                                                             \
+    do {                                                                                \
+        if (BF) { const int bf = 1; CALL; } else { const int bf = 0; CALL; }            \
+    } while (0)
+
 void decode_maps(const decode_call* d) {
     if (d->kind == 0) {
-        (d->bf ? maps_fwd_bf16 : maps_fwd_f32)(
-            d->x, d->table, d->gates, NULL, NULL, d->hpre, d->hpost, d->hres, d->a, 0, d->t, 1,
-            d->n, d->C, d->M, d->MV, d->iters, d->res, d->norm_eps, d->sk_eps, d->pre_eps);
+        FOR_DTYPE(d->bf, WITH_N(d->n, maps_fwd_body(
+            d->x, d->table, d->gates, NULL, NULL, d->hpre, d->hpost, d->hres, d->a, 0, d->t, N_,
+            d->C, d->M, d->MV, (int)d->iters, (int)d->res, (float)d->norm_eps,
+            (float)d->sk_eps, (float)d->pre_eps, bf)));
     } else {
-        (d->bf ? hc_fwd_bf16 : hc_fwd_f32)(
-            d->x, d->table, d->gates, d->hpre, d->hpost, d->hres, d->a, 0, d->t, 1, d->n, d->C,
-            d->MV, d->norm_eps);
+        FOR_DTYPE(d->bf, WITH_N(d->n, hc_fwd_body(
+            d->x, d->table, d->gates, d->hpre, d->hpost, d->hres, d->a, 0, d->t, N_, d->C, d->MV,
+            (float)d->norm_eps, bf)));
     }
 }
 
 void decode_merge(const decode_call* d) {
-    (d->bf ? merge_fwd_bf16 : merge_fwd_f32)(d->x, d->f, d->hpost, d->hres, d->out, 0, d->t, 1,
-                                             d->n, d->C);
+    FOR_DTYPE(d->bf, WITH_N(d->n, merge_fwd_body(d->x, d->f, d->hpost, d->hres, d->out, 0,
+                                                  d->t, N_, d->C, bf)));
 }
