@@ -100,7 +100,7 @@ def run(kinds: list[str], batch: int, dim: int, layers: int, prompt: int, steps:
     # of the model that runs at the time
     current = {"clocks": None}
     methods = {"mix_in": _decode.Decoder.mix_in, "mix_out": _decode.Decoder.mix_out}
-    calls = {"native maps": lib.decode_maps, "native merge": lib.decode_merge}
+    calls = dict(zip(("native maps", "native merge"), lib.decoding_calls(), strict=True))
 
     def route(part, fn):  # fn, its calls adding to part of the model running at the time
         return timed(fn, lambda seconds: current["clocks"].add(part, seconds))
@@ -108,8 +108,8 @@ def run(kinds: list[str], batch: int, dim: int, layers: int, prompt: int, steps:
     try:
         _decode.Decoder.mix_in = route("mix_in", methods["mix_in"])
         _decode.Decoder.mix_out = route("mix_out", methods["mix_out"])
-        lib.decode_maps, lib.decode_merge = (route("native maps", calls["native maps"]),
-                                             route("native merge", calls["native merge"]))
+        lib._decoding = (route("native maps", calls["native maps"]),
+                         route("native merge", calls["native merge"]))
         models, caches, counts, prepared = {}, {}, {}, {}
         idx = random_tokens(batch, prompt)
         for kind in kinds:
@@ -139,7 +139,7 @@ def run(kinds: list[str], batch: int, dim: int, layers: int, prompt: int, steps:
                     prepared[kind] = c.calls["native maps"] / steps
     finally:
         _decode.Decoder.mix_in, _decode.Decoder.mix_out = methods["mix_in"], methods["mix_out"]
-        lib.decode_maps, lib.decode_merge = calls["native maps"], calls["native merge"]
+        lib._decoding = calls["native maps"], calls["native merge"]
     results = {}
     for kind in kinds:
         med = {p: statistics.median(v) for p, v in per_round[kind].items()}

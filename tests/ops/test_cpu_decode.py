@@ -6,6 +6,7 @@ prepared calls follow every change of the parameters, shapes, threads and copies
 import copy
 import pickle
 import threading
+import warnings
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from torch_mhc import ops as ops_
 from torch_mhc.connections import base
 from torch_mhc.connections.successors import make_variant
 from torch_mhc.functional.successors import VARIANT_KINDS
+from torch_mhc.ops.cpu import build as native_build
 from torch_mhc.ops.cpu import decode, native
 from torch_mhc.runtime import diagnostics
 
@@ -601,3 +603,90 @@ def test_generate_checks_each_connection_once(monkeypatch):
                 logits, _ = model(nxt, kv_cache=cache, start_pos=cache.pos)
     assert torch.equal(out, idx)
     assert len(checks) == 4 + 4 * 7  # outside the block: every call (the prefill and 6 steps)
+
+
+# ---------------------------------------------------------------------------------------------
+# The decoding calls: decode_calls.c's built-ins, or ctypes where they do not build
+# ---------------------------------------------------------------------------------------------
+
+
+def _decode_with(calls, kind: str, x: torch.Tensor):
+    """A fresh connection's decoding output for x with the library's decoding calls set to
+    calls (restored after)."""
+    lib = native.load()
+    saved = lib.decoding_calls()
+    lib._decoding = calls
+    try:
+        conn = _connection(kind, seed=21).to(x.dtype)
+        with torch.no_grad():
+            out = conn(x)
+        assert [d._maps_call for d in _decoders(conn)] == [calls[0]]
+        return out
+    finally:
+        lib._decoding = saved
+
+
+@pytest.mark.parametrize("kind", ["mhc", "hc", "mhc-lite"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_extension_and_ctypes_decode_the_same_bits(kind, dtype):
+    """Both ways into native.c's entry points pass the same block and tensors: the outputs
+    are equal bit for bit, and equal the reference."""
+    lib = native.load()
+    module = native._decode_calls_module()
+    if module is None:
+        pytest.skip("the decoding extension does not build here (no Python.h)")
+    assert lib.decoding_calls() == (module.maps, module.merge)  # taken where it builds
+    x = torch.randn(3, 1, 4, C).to(dtype)
+    by_extension = _decode_with((module.maps, module.merge), kind, x)
+    by_ctypes = _decode_with((lib._lib.decode_maps, lib._lib.decode_merge), kind, x)
+    assert torch.equal(by_extension, by_ctypes)
+    with torch.no_grad():
+        expected = _reference_of(_connection(kind, seed=21).to(dtype))(x)
+    assert_close(by_extension, expected, TOL[dtype] if dtype != torch.float32 else 2e-6)
+
+
+def test_the_decoding_extension_refuses_what_is_not_an_address():
+    module = native._decode_calls_module()
+    if module is None:
+        pytest.skip("the decoding extension does not build here (no Python.h)")
+    with pytest.raises(TypeError, match=r"maps expects 3 addresses, got 2 arguments"):
+        module.maps(1, 2)
+    with pytest.raises(TypeError, match=r"merge expects int addresses, got str for argument 3"):
+        module.merge(1, 2, "f", 4)
+    with pytest.raises(ValueError, match=r"maps expects the call block's address, got 0"):
+        module.maps(0, 0, 0)
+    with pytest.raises(OverflowError):
+        module.merge(1 << 70, 0, 0, 0)
+
+
+@pytest.mark.parametrize("how", ["no compiler", "failing compiler", "no Python.h",
+                                 "not an extension"])
+def test_decoding_calls_go_through_ctypes_where_the_extension_does_not_build(
+        monkeypatch, tmp_path, how):
+    """No compiler, a failing build, no Python headers, or a file that is no extension
+    module: no warning, the library's own functions through ctypes, the same results."""
+    monkeypatch.setenv("TORCH_MHC_CACHE", str(tmp_path / "cache"))
+    if how == "no compiler":
+        monkeypatch.delenv("CC", raising=False)
+        monkeypatch.setenv("PATH", "")
+    elif how == "failing compiler":
+        monkeypatch.setenv("CC", "false")
+    elif how == "no Python.h":
+        monkeypatch.setattr(native_build.sysconfig, "get_paths",
+                            lambda: {"include": str(tmp_path)})
+    else:  # a compiler whose output is the native library itself: no PyInit__decode_calls
+        script = tmp_path / "cc"
+        script.write_text("#!/bin/sh\nwhile [ \"$#\" -gt 1 ]; do\n"
+                          f"  if [ \"$1\" = \"-o\" ]; then cp '{native.load().path}' \"$2\"; fi\n"
+                          "  shift\ndone\n")
+        script.chmod(0o755)
+        monkeypatch.setenv("CC", str(script))
+    fresh = native.NativeOps(native.load().path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        calls = fresh.decoding_calls()
+    assert calls == (fresh._lib.decode_maps, fresh._lib.decode_merge)
+    x = torch.randn(2, 1, 4, C)
+    with torch.no_grad():
+        expected = _reference_of(_connection("mhc", seed=21))(x)
+    assert_close(_decode_with(calls, "mhc", x), expected, 2e-6)

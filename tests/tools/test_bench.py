@@ -395,15 +395,14 @@ def test_decode_in_situ_script_parts_nest_and_the_patches_come_off(capsys):
     spec = importlib.util.spec_from_file_location("bench_decode_in_situ", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    before = (decode.Decoder.mix_in, decode.Decoder.mix_out, lib.decode_maps, lib.decode_merge)
+    before = (decode.Decoder.mix_in, decode.Decoder.mix_out, lib.decoding_calls())
     threads = torch.get_num_threads()
     try:  # two rounds: each median is then a mean, so the sums below compare as the parts do
         assert module.main(["--kinds", "mhc", "--batch", "2", "--dim", "16", "--layers", "1",
                             "--prompt", "4", "--steps", "3", "--rounds", "2"]) == 0
     finally:
         torch.set_num_threads(threads)
-    assert (decode.Decoder.mix_in, decode.Decoder.mix_out, lib.decode_maps,
-            lib.decode_merge) == before
+    assert (decode.Decoder.mix_in, decode.Decoder.mix_out, lib.decoding_calls()) == before
     out = capsys.readouterr().out
     results = json.loads(out[: out.index("\n| kind")])["results"]
     assert list(results) == ["residual", "mhc"]

@@ -2,14 +2,19 @@
 
 Nothing here runs at import; `build_library()` is called by the first native op
 (native.load) and returns the path of a complete library, or None after one warning.
+`build_decode_calls()` builds decode_calls.c, the decoding calls as Python built-ins, at the
+first decoding call (native.NativeOps.decoding_calls), the same way against the running
+Python's headers; without them it returns None, with no warning (ctypes then makes the
+calls).
 
 - Compiler: $CC parsed as a shell would ("ccache gcc -O2" is a command with arguments),
   else cc, gcc or clang on PATH; $CFLAGS (also parsed as a shell would) is appended to our
   flags and to the CPU's tuning defines (tuning_flags). OpenMP (-fopenmp) first; a
   compiler without it builds the serial library.
-- Cache: torch_mhc_cpu_<key>.so in $TORCH_MHC_CACHE, else $XDG_CACHE_HOME/torch_mhc, else
+- Cache: torch_mhc_cpu_<key>.so (torch_mhc_decode_calls_<key><Python's extension suffix>)
+  in $TORCH_MHC_CACHE, else $XDG_CACHE_HOME/torch_mhc, else
   ~/.cache/torch_mhc; key = sha256 of the source, the command, the flags and the CPU's
-  signature (-march=native depends on it).
+  signature (-march=native depends on it), and the Python version for the extension.
 - Publishing: the compiler writes into a private temporary directory; the bytes are copied
   to a temporary file in the cache, fsynced and renamed over the final name
   (files.atomic_write), then the same for a sidecar <name>.sha256 holding the library's
@@ -29,15 +34,17 @@ import shlex
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import warnings
 from pathlib import Path
 
 from torch_mhc.runtime.files import atomic_write, fsync_dir
 
-__all__ = ["build_library", "cache_dir", "warn_fallback"]
+__all__ = ["build_decode_calls", "build_library", "cache_dir", "warn_fallback"]
 
 SOURCE = Path(__file__).with_name("native.c")
+DECODE_CALLS_SOURCE = Path(__file__).with_name("decode_calls.c")
 FLAGS = ["-O3", "-march=native", "-std=gnu11", "-ffp-contract=fast", "-shared", "-fPIC"]
 OPENMP = ["-fopenmp"]
 _BUILD_TIMEOUT_S = 600
@@ -116,11 +123,11 @@ def _verified(lib: Path) -> bool:
         return False
 
 
-def _compile(command: list[str], flags: list[str], lib: Path) -> None:
-    """Compile the source with command + flags and publish it (and its sidecar) as lib."""
+def _compile(command: list[str], flags: list[str], lib: Path, source: Path = SOURCE) -> None:
+    """Compile source with command + flags and publish it (and its sidecar) as lib."""
     with tempfile.TemporaryDirectory(prefix="torch_mhc_build_") as tmp:
         out = Path(tmp) / lib.name
-        proc = subprocess.run([*command, *flags, str(SOURCE), "-o", str(out)],
+        proc = subprocess.run([*command, *flags, str(source), "-o", str(out)],
                               capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
         if proc.returncode != 0:
             raise RuntimeError(f"{shlex.join(command)} failed: {proc.stderr.strip()[-1500:]}")
@@ -130,12 +137,14 @@ def _compile(command: list[str], flags: list[str], lib: Path) -> None:
     fsync_dir(lib.parent)
 
 
-def _library_path(command: list[str], flags: list[str]) -> Path:
-    text = SOURCE.read_text()
+def _library_path(command: list[str], flags: list[str], source: Path = SOURCE,
+                  name: str = "torch_mhc_cpu", suffix: str = ".so", *more_key: str) -> Path:
+    text = source.read_text()
     key = hashlib.sha256(
-        "\n".join([text, shlex.join(command), " ".join(flags), _cpu_signature()]).encode()
+        "\n".join([text, shlex.join(command), " ".join(flags), _cpu_signature(), *more_key])
+        .encode()
     ).hexdigest()[:16]
-    return cache_dir() / f"torch_mhc_cpu_{key}.so"
+    return cache_dir() / f"{name}_{key}{suffix}"
 
 
 def build_library(rebuild: bool = False) -> Path | None:
@@ -162,3 +171,28 @@ def build_library(rebuild: bool = False) -> Path | None:
             errors.append(str(err))
     warn_fallback("; ".join(dict.fromkeys(errors)))
     return None
+
+
+def build_decode_calls() -> Path | None:
+    """The path of the decoding calls' Python extension (decode_calls.c) for this Python,
+    built now unless a verified one is cached; None where it cannot be built (no compiler,
+    no Python.h, a failed build): the decoding calls then go through ctypes, a few
+    microseconds slower a call, with the same results, so there is nothing to warn about."""
+    command = _compiler()
+    include = sysconfig.get_paths().get("include")
+    if (sys.platform == "win32" or command is None or not include
+            or not (Path(include) / "Python.h").is_file()):
+        return None
+    flags = ["-O2", "-std=gnu11", "-shared", "-fPIC", f"-I{include}",
+             *shlex.split(os.environ.get("CFLAGS", ""))]
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    lib = _library_path(command, flags, DECODE_CALLS_SOURCE, "torch_mhc_decode_calls", suffix,
+                        sys.version)
+    if lib.exists() and _verified(lib):
+        return lib
+    try:
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        _compile(command, flags, lib, DECODE_CALLS_SOURCE)
+    except (OSError, RuntimeError, subprocess.SubprocessError):
+        return None
+    return lib

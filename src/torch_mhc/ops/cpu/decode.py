@@ -13,11 +13,13 @@ shape and thread:
     out = dec.mix_out(x, branch(a))          # H_res x + H_post^T f
 
 For fewer than native.SINGLE_THREAD_TOKENS tokens only (more take the ops' path, which
-splits them over torch's threads). Each call sets the pointers that change in one prepared
-argument block (native.c's decode_call) and runs on the caller's thread; it allocates only
-the tensor it returns. The maps live in buffers of the Decoder, written by mix_in and read
-by the following mix_out, so one Decoder serves one call at a time: Connection keys them by
-thread and takes the ops' path when its branch calls it again in between (`busy`).
+splits them over torch's threads). Each call passes the prepared argument block (native.c's
+decode_call) and its tensors' addresses to one native function, through decode_calls.c's
+built-ins where they build (NativeOps.decoding_calls; else ctypes), and runs on the
+caller's thread; it allocates only the tensor it returns. The maps live in buffers of the
+Decoder, written by mix_in and read by the following mix_out, so one Decoder serves one call
+at a time: Connection keys them by thread and takes the ops' path when its branch calls it
+again in between (`busy`).
 
 `current(args)` says whether a Decoder still describes the arguments: the same parameter
 objects, over the same storage, at the same version (an optimizer step, load_state_dict or
@@ -131,7 +133,7 @@ class Decoder:
 
     __slots__ = ("size", "dtype", "a_shape", "tensor_marks", "options_from",
                  "options", "tables", "maps", "busy", "impl_state", "frozen_in", "_a_like",
-                 "_call", "_addr", "_lib")
+                 "_call", "_addr", "_maps_call", "_merge_call")
 
     def __init__(self, lib: _native.NativeOps, kind: str, args: tuple):
         x, params = args[0], args[1:]
@@ -141,6 +143,7 @@ class Decoder:
         # with a shape and a dtype to parse
         self._a_like = torch.empty(self.a_shape, dtype=x.dtype)
         call = _native.DecodeCall()
+        lib.entry_points(call)
         if kind == "mhc":
             phi, alpha, b_pre, b_post, b_res, iters, norm_eps, sk_eps, pre_eps = params
             check_maps_scalars("mhc_maps", iters, norm_eps, sk_eps, pre_eps)
@@ -175,7 +178,8 @@ class Decoder:
         self.impl_state = None  # ops.impl_state when made (Connection sets it)
         # the frozen_connections block in which Connection last checked it (0: none)
         self.frozen_in = 0
-        self._call, self._addr, self._lib = call, ctypes.addressof(call), lib
+        self._call, self._addr = call, ctypes.addressof(call)
+        self._maps_call, self._merge_call = lib.decoding_calls()
 
     def current(self, args: tuple) -> bool:
         """Whether this Decoder computes the maps of args (see the module docstring)."""
@@ -200,9 +204,7 @@ class Decoder:
         """The maps (kept for mix_out) and the branch input a = sum_j H_pre[j] x[j]
         [..., C] of contiguous x [..., n, C] (shape and dtype as built)."""
         a = torch.empty_like(self._a_like)
-        call = self._call
-        call.x, call.a = x.data_ptr(), a.data_ptr()
-        self._lib.decode_maps(self._addr)
+        self._maps_call(self._addr, x.data_ptr(), a.data_ptr())
         return a
 
     def mix_out(self, x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
@@ -212,7 +214,5 @@ class Decoder:
         if f.dtype is not self.dtype or not f.is_contiguous() or not f.is_cpu:
             f = f.to(device="cpu", dtype=self.dtype).contiguous()
         out = torch.empty_like(x)  # x: contiguous, of the shape and dtype built for
-        call = self._call
-        call.x, call.f, call.out = x.data_ptr(), f.data_ptr(), out.data_ptr()
-        self._lib.decode_merge(self._addr)
+        self._merge_call(self._addr, x.data_ptr(), f.data_ptr(), out.data_ptr())
         return out

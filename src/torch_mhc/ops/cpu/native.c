@@ -1420,23 +1420,26 @@ EXPORT_ROWS(bf16, 1)
 
 /* ---------------------------------------------------------------------------------------
    Decoding: a connection's two calls per step without autograd, for a few tokens: its maps
-   and aggregation before the branch, its merge after it. Every argument sits in one block
-   prepared once per connection and shape (ops/cpu/decode.py sets the pointers that change
-   per call): converting twenty ctypes arguments per call cost more than the arithmetic of
-   one token. They run the exported entry points' loop bodies on the caller's thread without
-   entering OpenMP: even a parallel region that its if clause keeps to one thread passes
-   through libgomp (a team made and ended), whose code and data the branch between two calls
-   has pushed out of the caches (the maps call at batch 1 after 16 MiB of other traffic: 16.1
+   and aggregation before the branch, its merge after it. Every argument but the tensors of
+   the call sits in one block prepared once per connection and shape (ops/cpu/decode.py):
+   converting twenty ctypes arguments per call cost more than the arithmetic of one token.
+   Each entry point takes the block and the call's tensors, as ops/cpu/decode_calls.c's
+   built-in functions call them through the block's first two fields (without ctypes on the
+   way), and ctypes where that extension is not built.
+   They run the exported entry points' loop bodies on the caller's thread without entering
+   OpenMP: even a parallel region that its if clause keeps to one thread passes through
+   libgomp (a team made and ended), whose code and data the branch between two calls has
+   pushed out of the caches (the maps call at batch 1 after 16 MiB of other traffic: 16.1
    against 21.0 us, 2026-12-02). The bodies are the autograd path's (its x @ phi on 8-float
    vectors where the training forward's may run 16-float ones: the same sums in the same
    order), so a decoded step gets the very bits of the autograd path.
    --------------------------------------------------------------------------------------- */
 
-typedef struct {
-    const void* x;       /* streams [t, n, C] */
-    const void* f;       /* the branch output [t, C] (merge) */
-    void* a;             /* the branch input [t, C] (maps) */
-    void* out;           /* the merge's output [t, n, C] */
+typedef struct decode_call decode_call;
+struct decode_call {
+    /* decode_calls.c declares these two fields again, first and in this order */
+    void (*maps)(const decode_call* d, const void* x, void* a);
+    void (*merge)(const decode_call* d, const void* x, const void* f, void* out);
     const float* table;  /* mHC: phi [n C, Mp]; HC: W [C, Mp] (padded float32) */
     const float* gates;  /* mHC: [2, M] gate and bias per logit; HC: its scalars */
     float* hpre;         /* [t, n] */
@@ -1445,7 +1448,7 @@ typedef struct {
     int64_t t, n, C, M, MV, iters, bf, kind;  /* kind: 0 mHC or a successor, 1 HC */
     int64_t res;         /* mHC's H_res map (RES_SINKHORN) or a successor's */
     double norm_eps, sk_eps, pre_eps;
-} decode_call;
+};
 
 /* CALL with bf a constant, as in the exported entry points: each dtype's loops apart */
 #define FOR_DTYPE(BF, CALL)                                                             \
@@ -1453,20 +1456,29 @@ typedef struct {
         if (BF) { const int bf = 1; CALL; } else { const int bf = 0; CALL; }            \
     } while (0)
 
-void decode_maps(const decode_call* d) {
+/* The maps of x [t, n, C] into the block's hpre, hpost and hres, and the branch input a
+   [t, C]. */
+void decode_maps(const decode_call* d, const void* x, void* a) {
     if (d->kind == 0) {
         FOR_DTYPE(d->bf, WITH_N(d->n, maps_fwd_body(
-            d->x, d->table, d->gates, NULL, NULL, d->hpre, d->hpost, d->hres, d->a, 0, d->t, N_,
+            x, d->table, d->gates, NULL, NULL, d->hpre, d->hpost, d->hres, a, 0, d->t, N_,
             d->C, d->M, d->MV, (int)d->iters, (int)d->res, (float)d->norm_eps,
             (float)d->sk_eps, (float)d->pre_eps, bf)));
     } else {
         FOR_DTYPE(d->bf, WITH_N(d->n, hc_fwd_body(
-            d->x, d->table, d->gates, d->hpre, d->hpost, d->hres, d->a, 0, d->t, N_, d->C, d->MV,
+            x, d->table, d->gates, d->hpre, d->hpost, d->hres, a, 0, d->t, N_, d->C, d->MV,
             (float)d->norm_eps, bf)));
     }
 }
 
-void decode_merge(const decode_call* d) {
-    FOR_DTYPE(d->bf, WITH_N(d->n, merge_fwd_body(d->x, d->f, d->hpost, d->hres, d->out, 0,
+/* out [t, n, C] = H_res x + H_post^T f with the maps of the block's last decode_maps. */
+void decode_merge(const decode_call* d, const void* x, const void* f, void* out) {
+    FOR_DTYPE(d->bf, WITH_N(d->n, merge_fwd_body(x, f, d->hpost, d->hres, out, 0,
                                                   d->t, N_, d->C, bf)));
+}
+
+/* Where the block's entry points are, for decode.py to put in its first two fields. */
+void decode_entry_points(decode_call* d) {
+    d->maps = decode_maps;
+    d->merge = decode_merge;
 }

@@ -29,6 +29,8 @@ tensor holds them (TORCH_MHC_CPU_POOL_MB caps it, default 1024 MiB; 0 turns it o
 from __future__ import annotations
 
 import ctypes
+import importlib.machinery
+import importlib.util
 import math
 import mmap
 import os
@@ -41,7 +43,7 @@ from pathlib import Path
 import torch
 
 from torch_mhc.functional import successors as _successors
-from torch_mhc.ops.cpu.build import build_library, warn_fallback
+from torch_mhc.ops.cpu.build import build_decode_calls, build_library, warn_fallback
 
 __all__ = ["DecodeCall", "SINGLE_THREAD_TOKENS", "load", "NativeOps"]
 
@@ -133,10 +135,11 @@ _SIGNATURES = {
 
 
 class DecodeCall(ctypes.Structure):
-    """native.c's decode_call: every argument of a connection's two decoding calls."""
+    """native.c's decode_call: its two entry points (set by NativeOps.entry_points), then
+    every argument of a connection's two decoding calls but their tensors."""
 
     _fields_ = [(name, _P) for name in
-                ("x", "f", "a", "out", "table", "gates", "hpre", "hpost", "hres")]
+                ("maps", "merge", "table", "gates", "hpre", "hpost", "hres")]
     _fields_ += [(name, _I) for name in
                  ("t", "n", "C", "M", "MV", "iters", "bf", "kind", "res")]
     _fields_ += [(name, _D) for name in ("norm_eps", "sk_eps", "pre_eps")]
@@ -168,10 +171,12 @@ class NativeOps:
                 fn.argtypes = [_P] * n_ptrs + [_I, _I, _I] + sizes
                 fn.restype = None
                 self._fns[name, dtype] = fn
-        # decode_maps(&call), decode_merge(&call): the call's address as the one argument.
-        self.decode_maps, self.decode_merge = self._lib.decode_maps, self._lib.decode_merge
-        for fn in (self.decode_maps, self.decode_merge):
-            fn.argtypes, fn.restype = [_P], None
+        # decode_maps(&call, x, a), decode_merge(&call, x, f, out): addresses; called through
+        # decode_calls.c's built-ins where they build (decoding_calls)
+        for name, count in (("decode_maps", 3), ("decode_merge", 4), ("decode_entry_points", 1)):
+            fn = getattr(self._lib, name)
+            fn.argtypes, fn.restype = [_P] * count, None
+        self._decoding: tuple | None = None
         self.openmp = bool(self._lib.native_openmp())
         # 16 where the forward's x @ phi runs 16-float vectors over a phi padded to 16 columns
         # (Intel AVX-512 builds), else 8 (native.c's xphi_tile16)
@@ -184,6 +189,22 @@ class NativeOps:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
         self.blocks = BlockPool(_pool_cap())
+
+    def entry_points(self, call: DecodeCall) -> None:
+        """Put this library's decode_maps and decode_merge in call's first two fields."""
+        self._lib.decode_entry_points(ctypes.addressof(call))
+
+    def decoding_calls(self) -> tuple:
+        """(maps, merge): maps(call, x, a) and merge(call, x, f, out), every argument an
+        address (ctypes.addressof(call) of a DecodeCall filled by entry_points, the tensors'
+        data_ptr()), calling the call block's entry points. decode_calls.c's built-in
+        functions where that extension builds (at the first call here), else the library's
+        functions through ctypes: the same entry points, a few microseconds slower a call."""
+        if self._decoding is None:
+            module = _decode_calls_module()
+            self._decoding = ((module.maps, module.merge) if module is not None else
+                              (self._lib.decode_maps, self._lib.decode_merge))
+        return self._decoding
 
     def after_fork_in_child(self) -> None:
         """libgomp's team and our executor's threads exist only in the parent."""
@@ -436,6 +457,23 @@ def supports(x: torch.Tensor) -> bool:
     storage (the maps are float32), n <= MAX_STREAMS."""
     return (x.device.type == "cpu" and x.dtype in _SUFFIX and x.dim() >= 2
             and x.shape[-2] <= MAX_STREAMS)
+
+
+def _decode_calls_module():
+    """decode_calls.c's extension module, built or found in the cache, or None (no Python
+    headers, no compiler, a file that does not load)."""
+    path = build_decode_calls()
+    if path is None:
+        return None
+    name = "torch_mhc.ops.cpu._decode_calls"  # PyInit__decode_calls
+    try:
+        loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+        spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+    except (ImportError, OSError):
+        return None
+    return module
 
 
 _loaded: NativeOps | None = None
