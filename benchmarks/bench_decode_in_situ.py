@@ -18,10 +18,12 @@ Each clock adds its own cost to the call it wraps (0.3-0.6 us warm on the 2-core
 written on; more inside a step, where it too is out of cache), and each part includes the
 clocks of the parts inside it. The step times are of the wrapped models: `mhc bench --only
 decode` times the models as shipped. The steps run outside any frozen_connections block, so
-every call checks its parameters (as a caller's own decoding loop does).
+every call checks its parameters (as a caller's own decoding loop does). `--calls ctypes`
+makes the two native calls through ctypes, as where ops/cpu/decode_calls.c does not build.
 
     python benchmarks/bench_decode_in_situ.py --batch 8 --threads 1
     python benchmarks/bench_decode_in_situ.py --batch 1 --kinds mhc,hc,mhc-lite --json out.json
+    python benchmarks/bench_decode_in_situ.py --batch 1 --kinds mhc --calls ctypes
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ def instrument(model: torch.nn.Module, clocks: Clocks) -> int:
 
 
 def run(kinds: list[str], batch: int, dim: int, layers: int, prompt: int, steps: int,
-        rounds: int) -> dict:
+        rounds: int, calls: str = "library") -> dict:
     """Per kind: the median over rounds of each part's time per connection call (us) and of
     the step (ms). Rounds alternate between the models."""
     lib = _native.load()
@@ -100,7 +102,9 @@ def run(kinds: list[str], batch: int, dim: int, layers: int, prompt: int, steps:
     # of the model that runs at the time
     current = {"clocks": None}
     methods = {"mix_in": _decode.Decoder.mix_in, "mix_out": _decode.Decoder.mix_out}
-    calls = dict(zip(("native maps", "native merge"), lib.decoding_calls(), strict=True))
+    shipped = lib.decoding_calls()
+    chosen = (lib._lib.decode_maps, lib._lib.decode_merge) if calls == "ctypes" else shipped
+    calls = dict(zip(("native maps", "native merge"), chosen, strict=True))
 
     def route(part, fn):  # fn, its calls adding to part of the model running at the time
         return timed(fn, lambda seconds: current["clocks"].add(part, seconds))
@@ -139,7 +143,7 @@ def run(kinds: list[str], batch: int, dim: int, layers: int, prompt: int, steps:
                     prepared[kind] = c.calls["native maps"] / steps
     finally:
         _decode.Decoder.mix_in, _decode.Decoder.mix_out = methods["mix_in"], methods["mix_out"]
-        lib._decoding = calls["native maps"], calls["native merge"]
+        lib._decoding = shipped
     results = {}
     for kind in kinds:
         med = {p: statistics.median(v) for p, v in per_round[kind].items()}
@@ -179,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=64, help="one-token steps per round")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--calls", choices=("library", "ctypes"), default="library",
+                   help="the native calls as the library makes them (through "
+                        "ops/cpu/decode_calls.c where it builds) or through ctypes")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
     for name in ("batch", "dim", "layers", "prompt", "steps", "rounds", "threads"):
@@ -188,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     kinds = kinds if "residual" in kinds else ["residual", *kinds]
     torch.set_num_threads(args.threads)
     results = run(kinds, args.batch, args.dim, args.layers, args.prompt, args.steps,
-                  args.rounds)
+                  args.rounds, args.calls)
     report = {"config": {**{k: v for k, v in vars(args).items() if k != "json"},
                          "kinds": kinds, "torch": torch.__version__,
                          "date": datetime.datetime.now(datetime.timezone.utc)

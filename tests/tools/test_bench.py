@@ -380,9 +380,11 @@ def test_ops_benchmark_times_the_successors_beside_mhc(capsys):
         ops_bench._kinds("mhc,mhc-heavy")
 
 
-def test_decode_in_situ_script_parts_nest_and_the_patches_come_off(capsys):
-    """benchmarks/bench_decode_in_situ.py: every mHC call takes the prepared native calls,
-    each part lies within the one around it, and the library and Decoder are restored."""
+@pytest.mark.parametrize("calls", ["library", "ctypes"])
+def test_decode_in_situ_script_parts_nest_and_the_patches_come_off(capsys, calls):
+    """benchmarks/bench_decode_in_situ.py: every mHC call takes the prepared native calls
+    (the library's, or ctypes' with --calls ctypes), each part lies within the one around it,
+    and the library and Decoder are restored."""
     import importlib.util
     from pathlib import Path
 
@@ -399,7 +401,8 @@ def test_decode_in_situ_script_parts_nest_and_the_patches_come_off(capsys):
     threads = torch.get_num_threads()
     try:  # two rounds: each median is then a mean, so the sums below compare as the parts do
         assert module.main(["--kinds", "mhc", "--batch", "2", "--dim", "16", "--layers", "1",
-                            "--prompt", "4", "--steps", "3", "--rounds", "2"]) == 0
+                            "--prompt", "4", "--steps", "3", "--rounds", "2",
+                            "--calls", calls]) == 0
     finally:
         torch.set_num_threads(threads)
     assert (decode.Decoder.mix_in, decode.Decoder.mix_out, lib.decoding_calls()) == before

@@ -3,11 +3,11 @@
    A KV-cached decoding step calls every connection once per token, and between two calls
    the branch's weights push everything else out of the caches. Through ctypes each call
    then also pays for ctypes' own cold path (its argument conversions, the call interface it
-   prepares at every call): at batch 1 (d = 512, n = 4) after 16 MiB of other traffic, the
-   maps call took 14.9 us from here against 19.4 us through ctypes and the merge call 4.7
-   against 8.0 us (median of 200, one thread, Xeon with AVX-512, 2026-12-02; /tmp harness
-   of the library's two entry points). These functions go straight to native.c's entry
-   points:
+   prepares at every call). Inside a decoding step at batch 1 (d = 512, n = 4, one thread,
+   Xeon with AVX-512, 2026-12-02) the merge call took 2.2 us from here against 4.9 us
+   through ctypes, the maps call 21.7-22.4 against 22.0-22.9 us (two runs each of
+   `python benchmarks/bench_decode_in_situ.py --batch 1 --kinds mhc --calls library` and
+   `--calls ctypes`). These functions go straight to native.c's entry points:
 
        maps(call, x, a)          call->maps(call, x, a)
        merge(call, x, f, out)    call->merge(call, x, f, out)
