@@ -104,7 +104,7 @@ def run(kinds: list[str], batch: int, dim: int, layers: int, prompt: int, steps:
     methods = {"mix_in": _decode.Decoder.mix_in, "mix_out": _decode.Decoder.mix_out}
     shipped = lib.decoding_calls()
     chosen = (lib._lib.decode_maps, lib._lib.decode_merge) if calls == "ctypes" else shipped
-    calls = dict(zip(("native maps", "native merge"), chosen, strict=True))
+    natives = dict(zip(("native maps", "native merge"), chosen, strict=True))
 
     def route(part, fn):  # fn, its calls adding to part of the model running at the time
         return timed(fn, lambda seconds: current["clocks"].add(part, seconds))
@@ -112,8 +112,8 @@ def run(kinds: list[str], batch: int, dim: int, layers: int, prompt: int, steps:
     try:
         _decode.Decoder.mix_in = route("mix_in", methods["mix_in"])
         _decode.Decoder.mix_out = route("mix_out", methods["mix_out"])
-        lib._decoding = (route("native maps", calls["native maps"]),
-                         route("native merge", calls["native merge"]))
+        lib._decoding = (route("native maps", natives["native maps"]),
+                         route("native merge", natives["native merge"]))
         models, caches, counts, prepared = {}, {}, {}, {}
         idx = random_tokens(batch, prompt)
         for kind in kinds:

@@ -177,6 +177,12 @@ def test_decoding_steps_aside_where_the_prepared_path_does_not_apply():
     with torch.no_grad(), diagnostics.collect_gains() as gains:
         conn(x)
     assert len(gains.maps) == 1
+    with torch.no_grad():
+        conn(x)  # prepared now: the next call finds its decoder first, and still steps aside
+    assert len(_decoders(conn)) == 1
+    with torch.no_grad(), diagnostics.collect_gains() as gains:
+        conn(x)
+    assert len(gains.maps) == 1
     checked = _connection("mhc", seed=4, check_finite=True)
     with torch.no_grad(), pytest.raises(FloatingPointError, match="input streams"):
         checked(torch.full((1, 1, 4, C), float("nan")))
@@ -234,6 +240,11 @@ def test_the_branch_output_is_checked_and_converted():
         assert_close(conn(x), want, 2e-6)
         mode[0] = "strided"
         assert torch.equal(conn(x), want)
+        tupled = perturbed(ManifoldHyperConnection(C, 4, 1, lambda h: (inner(h),), impl="cpu"),
+                           seed=7)
+        with pytest.raises(TypeError, match="the branch must return a tensor"):
+            tupled(x)
+        assert len(_decoders(tupled)) == 1  # the prepared path made the check
 
 
 @pytest.mark.parametrize("kind", ["mhc", "hc", "kromhc"])
@@ -242,6 +253,7 @@ def test_an_empty_batch_decodes(kind):
     with torch.no_grad():
         out = conn(torch.randn(0, 1, 4, C))
     assert out.shape == (0, 1, 4, C)
+    assert len(_decoders(conn)) == 1  # through the native calls (its tensors' address is 0)
 
 
 def test_a_connection_takes_its_prepared_calls_with_it():
@@ -634,8 +646,9 @@ def test_the_extension_and_ctypes_decode_the_same_bits(kind, dtype):
     lib = native.load()
     module = native._decode_calls_module()
     if module is None:
-        pytest.skip("the decoding extension does not build here (no Python.h)")
-    assert lib.decoding_calls() == (module.maps, module.merge)  # taken where it builds
+        pytest.skip("the decoding extension does not build or load here")
+    fresh = native.NativeOps(lib.path)
+    assert [type(f).__name__ for f in fresh.decoding_calls()] == ["builtin_function_or_method"] * 2
     x = torch.randn(3, 1, 4, C).to(dtype)
     by_extension = _decode_with((module.maps, module.merge), kind, x)
     by_ctypes = _decode_with((lib._lib.decode_maps, lib._lib.decode_merge), kind, x)
@@ -648,7 +661,7 @@ def test_the_extension_and_ctypes_decode_the_same_bits(kind, dtype):
 def test_the_decoding_extension_refuses_what_is_not_an_address():
     module = native._decode_calls_module()
     if module is None:
-        pytest.skip("the decoding extension does not build here (no Python.h)")
+        pytest.skip("the decoding extension does not build or load here")
     with pytest.raises(TypeError, match=r"maps expects 3 addresses, got 2 arguments"):
         module.maps(1, 2)
     with pytest.raises(TypeError, match=r"merge expects int addresses, got str for argument 3"):
@@ -690,3 +703,30 @@ def test_decoding_calls_go_through_ctypes_where_the_extension_does_not_build(
     with torch.no_grad():
         expected = _reference_of(_connection("mhc", seed=21))(x)
     assert_close(_decode_with(calls, "mhc", x), expected, 2e-6)
+
+
+def test_the_call_block_has_native_c_s_layout():
+    """native.py's DecodeCall is native.c's decode_call (decode_calls.c reads its first two
+    fields, the entry points, which entry_points fills)."""
+    import ctypes
+
+    lib = native.load()
+    size = lib._lib.decode_call_size
+    size.restype = ctypes.c_int64
+    assert size() == ctypes.sizeof(native.DecodeCall)
+    call = native.DecodeCall()
+    lib.entry_points(call)
+    assert call.maps == ctypes.cast(lib._lib.decode_maps, ctypes.c_void_p).value
+    assert call.merge == ctypes.cast(lib._lib.decode_merge, ctypes.c_void_p).value
+
+
+def test_a_cut_short_decoding_extension_is_built_again(monkeypatch, tmp_path):
+    """A cached extension whose bytes no longer hash to its sidecar is rebuilt, never loaded."""
+    monkeypatch.setenv("TORCH_MHC_CACHE", str(tmp_path))
+    path = native_build.build_decode_calls()
+    if path is None:
+        pytest.skip("the decoding extension does not build here")
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 3])
+    again = native_build.build_decode_calls()
+    assert again == path and path.read_bytes() == data

@@ -287,7 +287,7 @@ class Connection(nn.Module):
     def _may_decode(self) -> bool:
         """False while diagnostics record the maps or check_finite checks them (the prepared
         path returns neither), and under a trace or a dispatch mode (they need the ops'
-        custom ops)."""
+        custom ops). _prepared_decoder spells the same checks out."""
         return (_diag.ACTIVE is None and not self.check_finite
                 and not torch.compiler.is_compiling() and not _ops.cpu.dispatch_mode_active())
 

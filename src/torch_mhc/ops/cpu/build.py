@@ -173,26 +173,29 @@ def build_library(rebuild: bool = False) -> Path | None:
     return None
 
 
-def build_decode_calls() -> Path | None:
+def build_decode_calls(rebuild: bool = False) -> Path | None:
     """The path of the decoding calls' Python extension (decode_calls.c) for this Python,
-    built now unless a verified one is cached; None where it cannot be built (no compiler,
-    no Python.h, a failed build): the decoding calls then go through ctypes, a few
-    microseconds slower a call, with the same results, so there is nothing to warn about."""
+    built now unless a verified one is cached (rebuild=True builds anyway); None where it
+    cannot be built (no compiler, no Python.h, a failed build, the source missing): the
+    decoding calls then go through ctypes, a few microseconds slower a call, with the same
+    results, so there is nothing to warn about."""
     command = _compiler()
     include = sysconfig.get_paths().get("include")
     if (sys.platform == "win32" or command is None or not include
             or not (Path(include) / "Python.h").is_file()):
         return None
-    flags = ["-O2", "-std=gnu11", "-shared", "-fPIC", f"-I{include}",
-             *shlex.split(os.environ.get("CFLAGS", ""))]
-    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    lib = _library_path(command, flags, DECODE_CALLS_SOURCE, "torch_mhc_decode_calls", suffix,
-                        sys.version)
-    if lib.exists() and _verified(lib):
-        return lib
     try:
+        flags = ["-O2", "-std=gnu11", "-shared", "-fPIC", f"-I{include}",
+                 # on macOS the Python symbols resolve when the interpreter loads the module
+                 *(["-undefined", "dynamic_lookup"] if sys.platform == "darwin" else []),
+                 *shlex.split(os.environ.get("CFLAGS", ""))]
+        suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+        lib = _library_path(command, flags, DECODE_CALLS_SOURCE, "torch_mhc_decode_calls",
+                            suffix, sys.version)
+        if not rebuild and lib.exists() and _verified(lib):
+            return lib
         lib.parent.mkdir(parents=True, exist_ok=True)
         _compile(command, flags, lib, DECODE_CALLS_SOURCE)
-    except (OSError, RuntimeError, subprocess.SubprocessError):
+    except (OSError, ValueError, RuntimeError, subprocess.SubprocessError):
         return None
     return lib

@@ -133,7 +133,7 @@ class Decoder:
 
     __slots__ = ("size", "dtype", "a_shape", "tensor_marks", "options_from",
                  "options", "tables", "maps", "busy", "impl_state", "frozen_in", "_a_like",
-                 "_call", "_addr", "_maps_call", "_merge_call")
+                 "_call", "_addr", "_maps_call", "_merge_call", "_lib")
 
     def __init__(self, lib: _native.NativeOps, kind: str, args: tuple):
         x, params = args[0], args[1:]
@@ -180,6 +180,7 @@ class Decoder:
         self.frozen_in = 0
         self._call, self._addr = call, ctypes.addressof(call)
         self._maps_call, self._merge_call = lib.decoding_calls()
+        self._lib = lib  # whose entry points the block holds: loaded while the block is used
 
     def current(self, args: tuple) -> bool:
         """Whether this Decoder computes the maps of args (see the module docstring)."""

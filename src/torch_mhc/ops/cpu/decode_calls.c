@@ -53,6 +53,7 @@ static int addresses(const char* name, PyObject* const* args, Py_ssize_t nargs,
 }
 
 static PyObject* maps(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    (void)self;
     void* p[3];
     if (!addresses("maps", args, nargs, 3, p)) return NULL;
     const decode_call* d = p[0];
@@ -63,6 +64,7 @@ static PyObject* maps(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 static PyObject* merge(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    (void)self;
     void* p[4];
     if (!addresses("merge", args, nargs, 4, p)) return NULL;
     const decode_call* d = p[0];
@@ -83,7 +85,18 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_decode_calls",
     "torch_mhc's decoding calls into its native library (ops/cpu/decode_calls.c).", -1,
-    methods,
+    methods, NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__decode_calls(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__decode_calls(void) {
+    PyObject* m = PyModule_Create(&module);
+#ifdef Py_GIL_DISABLED
+    /* a free-threaded Python would turn its GIL back on for a module that does not say this;
+       the functions keep no state of their own (each thread decodes with its own block) */
+    if (m != NULL && PyUnstable_Module_SetGIL(m, Py_MOD_GIL_NOT_USED) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+#endif
+    return m;
+}

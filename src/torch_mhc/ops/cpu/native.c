@@ -1,7 +1,8 @@
 /* torch_mhc native CPU kernels: the mHC connection's passes over the streams, one loop each.
 
    Built and loaded by native.py (plain C11 with GCC/Clang vector extensions, no torch
-   headers); called through ctypes on contiguous tensors. Shapes: x [T, n, C] streams in fp32
+   headers); called through ctypes on contiguous tensors (the two decoding calls at the
+   end also through decode_calls.c, a CPython extension). Shapes: x [T, n, C] streams in fp32
    or bf16 (the `bf` flag; bf16 is converted to fp32 in registers and rounded once on store),
    K = n C, maps in fp32, M = 2 n + R map logits per token (pre, post, then the R res logits:
    n n row-major for mHC's Sinkhorn, fewer for its successors, see `res` below),
@@ -1507,6 +1508,9 @@ void decode_merge(const decode_call* d, const void* x, const void* f, void* out)
     FOR_DTYPE(d->bf, WITH_N(d->n, merge_fwd_body(x, f, d->hpost, d->hres, out, 0,
                                                   d->t, N_, d->C, bf)));
 }
+
+/* The block's size, for the test that native.py's DecodeCall matches it. */
+int64_t decode_call_size(void) { return (int64_t)sizeof(decode_call); }
 
 /* Where the block's entry points are, for decode.py to put in its first two fields. */
 void decode_entry_points(decode_call* d) {

@@ -11,7 +11,9 @@ measurements.
 Building (ops/cpu/build.py): nothing happens at import. The first native op builds the
 library with the system C compiler (plain C11 with GCC/Clang vector extensions and OpenMP,
 no torch headers; once per machine and source version) into a cache directory, or finds it
-there, and loads it with ctypes. Without a working compiler one warning names the
+there, and loads it with ctypes (the two decoding calls, ops/cpu/decode.py, go through a
+small CPython extension built the same way at the first one, decode_calls.c, or ctypes
+where it does not build). Without a working compiler one warning names the
 pure-torch fallback that ops.cpu then uses; TORCH_MHC_NATIVE=0 turns the native path off
 (and the warning with it).
 
@@ -461,19 +463,21 @@ def supports(x: torch.Tensor) -> bool:
 
 def _decode_calls_module():
     """decode_calls.c's extension module, built or found in the cache, or None (no Python
-    headers, no compiler, a file that does not load)."""
-    path = build_decode_calls()
-    if path is None:
-        return None
-    name = "torch_mhc.ops.cpu._decode_calls"  # PyInit__decode_calls
-    try:
-        loader = importlib.machinery.ExtensionFileLoader(name, str(path))
-        spec = importlib.util.spec_from_file_location(name, path, loader=loader)
-        module = importlib.util.module_from_spec(spec)
-        loader.exec_module(module)
-    except (ImportError, OSError):
-        return None
-    return module
+    headers, no compiler, a file that does not load even when built once more)."""
+    for rebuild in (False, True):  # a verified file that does not load is built once more
+        path = build_decode_calls(rebuild)
+        if path is None:
+            return None
+        name = "torch_mhc.ops.cpu._decode_calls"  # PyInit__decode_calls
+        try:
+            loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+            spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+            module = importlib.util.module_from_spec(spec)
+            loader.exec_module(module)
+            return module
+        except Exception:  # noqa: BLE001 (ImportError, OSError, a warning made an error)
+            continue
+    return None
 
 
 _loaded: NativeOps | None = None
