@@ -510,19 +510,7 @@ INLINE float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
    to 32).
    TT tokens x MV vectors of accumulators stay in registers; each phi row is loaded once per
    tile and each x element once.
-   `far`: phi comes from beyond the caches, as in a decoding call (between two calls of one
-   connection its branch's weights have streamed through every cache, and one call's tokens
-   read all of phi once): its rows are then prefetched PHI_AHEAD bytes ahead of the loads,
-   where the hardware's prefetcher alone kept too few lines in flight. Inside a decoding
-   step (d = 512, n = 4, one thread, Xeon with AVX-512, 2026-12-02) the maps call took 29.3
-   against 40.2 us at batch 8 and 21.2 against 23.1 us at batch 1; the step as a whole moved
-   by less than its run-to-run spread (the old loops' step 0.999-1.003x the new one's in four
-   paired runs at batch 8): there phi's bytes share the memory bandwidth with the weights'
-   whenever they are read. Training reuses phi from cache across its tiles and does not
-   prefetch it.
    --------------------------------------------------------------------------------------- */
-
-#define PHI_AHEAD 8192
 
 #define WG 8  /* floats per vector in the skinny matmuls */
 
@@ -530,15 +518,12 @@ INLINE v8 v8load(const float* p) { v8 v; memcpy(&v, p, sizeof v); return v; }
 INLINE void v8store(float* p, v8 v) { memcpy(p, &v, sizeof v); }
 
 INLINE void xphi_tile(const void* x, const float* phip, int64_t t, int64_t K, const int TT,
-                      const int MV, float* z, int far, int bf) {
+                      const int MV, float* z, int bf) {
     v8 acc[MAX_TILE][MAX_MV];
     for (int u = 0; u < TT; ++u)
         for (int v = 0; v < MV; ++v) acc[u][v] = (v8){0};
     for (int64_t k = 0; k < K; ++k) {
         v8 p[MAX_MV];
-        if (far)  /* two 8-float vectors a 64-byte line */
-            for (int v = 0; v < MV; v += 2)
-                __builtin_prefetch((const char*)(phip + (k * MV + v) * WG) + PHI_AHEAD);
         for (int v = 0; v < MV; ++v) p[v] = v8load(phip + (k * MV + v) * WG);
         for (int u = 0; u < TT; ++u) {
             const float s = lds(x, (t + u) * K + k, bf);
@@ -563,15 +548,12 @@ INLINE void xphi_tile(const void* x, const float* phip, int64_t t, int64_t K, co
 #if defined(TORCH_MHC_SKINNY_W) && TORCH_MHC_SKINNY_W == 16 && defined(__AVX512F__)
 #define WIDE_XPHI 1
 INLINE void xphi_tile16(const void* x, const float* phip, int64_t t, int64_t K, const int TT,
-                        const int MV16, float* z, int far, int bf) {
+                        const int MV16, float* z, int bf) {
     v16 acc[MAX_TILE][MAX_MV / 2];
     for (int u = 0; u < TT; ++u)
         for (int v = 0; v < MV16; ++v) acc[u][v] = (v16){0};
     for (int64_t k = 0; k < K; ++k) {
         v16 p[MAX_MV / 2];
-        if (far)  /* one 16-float vector a 64-byte line */
-            for (int v = 0; v < MV16; ++v)
-                __builtin_prefetch((const char*)(phip + (k * MV16 + v) * 16) + PHI_AHEAD);
         for (int v = 0; v < MV16; ++v) memcpy(&p[v], phip + (k * MV16 + v) * 16, sizeof p[v]);
         for (int u = 0; u < TT; ++u) {
             const float s = lds(x, (t + u) * K + k, bf);
@@ -731,12 +713,11 @@ static void dphit_rows(const void* x, const float* dz, float* dphit, int64_t t, 
         default: TILED_CASE(10, 2, CALL)                                      \
     }
 
-INLINE void xphi_rows_as(const void* x, const float* phip, int64_t t, int64_t tt, int64_t K,
-                         int64_t MV, float* z, const int far, int bf) {
+static void xphi_rows(const void* x, const float* phip, int64_t t, int64_t tt, int64_t K,
+                      int64_t MV, float* z, int bf) {
 #if WIDE_XPHI
     if (MV % 2 == 0) {  /* 16-float vectors: TT tokens x MV / 2 of them within 24 registers */
-#define XPHI16(TT, MV16) \
-    xphi_tile16(x, phip, t + u, K, TT, MV16, z + u * (MV16) * 16, far, bf)
+#define XPHI16(TT, MV16) xphi_tile16(x, phip, t + u, K, TT, MV16, z + u * (MV16) * 16, bf)
         int64_t u = 0;
         switch (MV / 2) {
             TILED_CASE(1, 8, XPHI16)
@@ -749,21 +730,9 @@ INLINE void xphi_rows_as(const void* x, const float* phip, int64_t t, int64_t tt
         return;
     }
 #endif
-#define XPHI(TT, MV) xphi_tile(x, phip, t + u, K, TT, MV, z + u * (MV) * WG, far, bf)
+#define XPHI(TT, MV) xphi_tile(x, phip, t + u, K, TT, MV, z + u * (MV) * WG, bf)
     TILED(MV, XPHI)
 #undef XPHI
-}
-
-/* The loops apart for phi in cache and phi from far (a test of `far` in the loop over K cost
-   the training forward 2-3%) */
-static void xphi_rows(const void* x, const float* phip, int64_t t, int64_t tt, int64_t K,
-                      int64_t MV, float* z, int bf) {
-    xphi_rows_as(x, phip, t, tt, K, MV, z, 0, bf);
-}
-
-static void xphi_rows_far(const void* x, const float* phip, int64_t t, int64_t tt, int64_t K,
-                          int64_t MV, float* z, int bf) {
-    xphi_rows_as(x, phip, t, tt, K, MV, z, 1, bf);
 }
 
 static void dphi_rows(const void* x, const float* dz, float* dphi, int64_t t, int64_t tt,
@@ -914,7 +883,7 @@ INLINE void maps_fwd_body(const void* x, const float* phip, const float* ab, flo
                           float* r, float* hpre, float* hpost, float* hres, void* a,
                           int64_t t0, int64_t t1, const int64_t n, int64_t C, int64_t M,
                           int64_t MV, int iters, int res, float norm_eps, float sk_eps,
-                          float pre_eps, int phi_far, int bf) {
+                          float pre_eps, int bf) {
     const int64_t K = n * C, Mp = MV * WG, nn = n * n, R = M - 2 * n;
     float z[G * Mp], ht[M], lrow[M];
     v16 m[nn];
@@ -925,7 +894,7 @@ INLINE void maps_fwd_body(const void* x, const float* phip, const float* ab, flo
     for (int64_t t = t0; t < t1; t += G) {
         const int64_t g = t1 - t < G ? t1 - t : G;
         int any_far = 0;
-        (phi_far ? xphi_rows_far : xphi_rows)(x, phip, t, g, K, MV, z, bf);
+        xphi_rows(x, phip, t, g, K, MV, z, bf);
         for (int64_t u = 0; u < g; ++u) {
             const int64_t tu = t + u;
             const float rr = sqrtf(sum_squares(x, tu, K, bf) / (float)K + norm_eps);
@@ -1401,7 +1370,7 @@ EXPORT_BOTH(maps_fwd,
              int64_t threads, int64_t n, int64_t C, int64_t M, int64_t MV, int64_t iters,
              int64_t res, double norm_eps, double sk_eps, double pre_eps),
             (x, phip, ab, lt, r, hpre, hpost, hres, a, a_, b_, N_, C, M, MV, (int)iters,
-             (int)res, (float)norm_eps, (float)sk_eps, (float)pre_eps, 0, bf))
+             (int)res, (float)norm_eps, (float)sk_eps, (float)pre_eps, bf))
 
 /* Per-thread slices: dphi [Mp, K] or [K, Mp], sk_y [(2 iters - 1)(n n + n) 16], base [8 K]. */
 EXPORT_BOTH(maps_bwd,
@@ -1495,7 +1464,7 @@ void decode_maps(const decode_call* d, const void* x, void* a) {
         FOR_DTYPE(d->bf, WITH_N(d->n, maps_fwd_body(
             x, d->table, d->gates, NULL, NULL, d->hpre, d->hpost, d->hres, a, 0, d->t, N_,
             d->C, d->M, d->MV, (int)d->iters, (int)d->res, (float)d->norm_eps,
-            (float)d->sk_eps, (float)d->pre_eps, 1, bf)));
+            (float)d->sk_eps, (float)d->pre_eps, bf)));
     } else {
         FOR_DTYPE(d->bf, WITH_N(d->n, hc_fwd_body(
             x, d->table, d->gates, d->hpre, d->hpost, d->hres, a, 0, d->t, N_, d->C, d->MV,
