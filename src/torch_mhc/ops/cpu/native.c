@@ -1430,8 +1430,8 @@ EXPORT_ROWS(bf16, 1)
    They run the exported entry points' loop bodies on the caller's thread without entering
    OpenMP: even a parallel region that its if clause keeps to one thread passes through
    libgomp (a team made and ended), whose code and data the branch between two calls has
-   pushed out of the caches (the maps call at batch 1 after 16 MiB of other traffic: 16.1
-   against 21.0 us, 2026-12-02). The bodies are the autograd path's (its x @ phi on 8-float
+   pushed out of the caches (the maps call at batch 1 after 16 MiB of other traffic: 16.4
+   against 21.7 us, 2026-12-02). The bodies are the autograd path's (its x @ phi on 8-float
    vectors where the training forward's may run 16-float ones: the same sums in the same
    order), so a decoded step gets the very bits of the autograd path.
    --------------------------------------------------------------------------------------- */
