@@ -418,3 +418,39 @@ def test_decode_in_situ_script_parts_nest_and_the_patches_come_off(capsys, calls
     assert u["mix_in"] + u["mix_out"] <= mhc["connection_minus_branch_us"]
     with pytest.raises(SystemExit):
         module.main(["--steps", "0"])
+
+
+def test_decode_paths_script_runs_a_second_build_of_the_kernels(tmp_path, capsys):
+    """benchmarks/bench_decode_paths.py --against SOURCE: the extra model's prepared calls
+    run the library built from SOURCE (same values), and a source whose call block differs
+    is refused with the reason."""
+    import ctypes
+    import importlib.util
+    from pathlib import Path
+
+    from torch_mhc.connections import ManifoldHyperConnection, base
+    from torch_mhc.ops.cpu import build, native
+
+    if native.load() is None or build._compiler() is None:
+        pytest.skip("native CPU library unavailable")
+    path = Path(__file__).parents[2] / "benchmarks" / "bench_decode_paths.py"
+    spec = importlib.util.spec_from_file_location("bench_decode_paths", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    other = module._library_from(str(build.SOURCE), str(tmp_path))
+    torch.manual_seed(0)
+    conn = ManifoldHyperConnection(16, 4, 0, torch.nn.Linear(16, 16), impl="cpu")
+    twin = ManifoldHyperConnection(16, 4, 0, torch.nn.Linear(16, 16), impl="cpu")
+    twin.load_state_dict(conn.state_dict())
+    module._built_from(twin, other)
+    x = torch.randn(2, 1, 4, 16)
+    with torch.no_grad():
+        assert torch.equal(twin(x), conn(x))
+    (dec,) = [d for d in base._DECODERS[id(twin)].values() if d is not None]
+    assert dec._lib is other
+    assert dec._call.maps == ctypes.cast(other._lib.decode_maps, ctypes.c_void_p).value
+    bad = tmp_path / "old.c"  # a library without the block's entry points (before 90c52e6)
+    bad.write_text("void decode_maps(void) {}\n")
+    (tmp_path / "old").mkdir()  # another file name: dlopen hands back a loaded one by name
+    with pytest.raises(SystemExit, match="decode_call block is not this library's"):
+        module._library_from(str(bad), str(tmp_path / "old"))
