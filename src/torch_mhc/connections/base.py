@@ -141,6 +141,23 @@ def frozen_connections():
         blocks.remove(block)  # this thread's list, whichever thread closes the block
 
 
+# A decoding step calls _prepared_decoder for every connection after the branches' weights
+# have pushed its code out of cache, where each Python call costs a microsecond or more: its
+# two checks of a trace and of a dispatch mode, made at every call, with one call fewer each.
+# torch.compiler.is_compiling() calls torch.jit.is_scripting() before it returns this flag;
+# torches that hold the flag True while torch.compile traces (those with a compile session)
+# let it be read directly. Older ones set it for torch.export only, and dynamo answers the
+# function call itself.
+if hasattr(torch.compiler, "_compile_session_context"):
+    def _compiling() -> bool:
+        return torch.compiler._is_compiling_flag
+else:
+    _compiling = torch.compiler.is_compiling
+
+# ops.cpu.dispatch_mode_active() without its Python frame: a dispatch mode is active
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+
+
 @functools.cache
 def _item_getter(names: tuple[str, ...]) -> Callable:
     return operator.itemgetter(*names)  # as fast as indexing the dict once per name
@@ -260,7 +277,7 @@ class Connection(nn.Module):
         have pushed this connection's objects out of cache: this path reads as few of them as
         it can, and no argument checks (a decoder exists only for arguments that passed
         them)."""
-        if torch.compiler.is_compiling():  # (before any dict: dynamo traces this code)
+        if _compiling():  # (before any dict: dynamo traces this code)
             return None
         decoders = _DECODERS.get(id(self))
         if decoders is None or type(x) is not torch.Tensor or not x.is_cpu \
@@ -269,8 +286,7 @@ class Connection(nn.Module):
         dec = decoders.get((x.shape, x.dtype, threading.get_ident()))
         # _may_decode's checks (the trace's made above), spelled out: each call costs here
         if (dec is None or dec.busy or _diag.ACTIVE is not None or self.check_finite
-                or _ops.cpu.dispatch_mode_active()
-                or dec.impl_state != _ops.impl_state(self.impl)):
+                or _dispatch_modes() or dec.impl_state != _ops.impl_state(self.impl)):
             return None
         blocks = getattr(_FROZEN, "open", None)
         block = blocks[-1] if blocks else 0  # the innermost open frozen_connections block
