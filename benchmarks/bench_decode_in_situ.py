@@ -9,6 +9,7 @@ call and its branch's call are wrapped in clocks, and so are the prepared decode
 methods (ops/cpu/decode.py) and the two native calls they make. Per connection call:
 
     connection - branch   what the connection adds around its block
+    lookup                finding the prepared decoder for x (Connection._prepared_decoder)
     mix_in                maps and aggregation: the branch input's allocation, the native call
     native maps           the native call alone (x @ phi, the RMS, gates, H_res, aggregation)
     mix_out               the merge: the output's allocation, the native call
@@ -18,17 +19,20 @@ Each clock adds its own cost to the call it wraps (0.3-0.6 us warm on the 2-core
 written on; more inside a step, where it too is out of cache), and each part includes the
 clocks of the parts inside it. The step times are of the wrapped models: `mhc bench --only
 decode` times the models as shipped. The steps run outside any frozen_connections block, so
-every call checks its parameters (as a caller's own decoding loop does). `--calls ctypes`
+every call checks its parameters (as a caller's own decoding loop does); `--frozen` runs them
+inside one, as `LM.generate` (and `mhc bench --only decode`) does. `--calls ctypes`
 makes the two native calls through ctypes, as where ops/cpu/decode_calls.c does not build.
 
     python benchmarks/bench_decode_in_situ.py --batch 8 --threads 1
     python benchmarks/bench_decode_in_situ.py --batch 1 --kinds mhc,hc,mhc-lite --json out.json
     python benchmarks/bench_decode_in_situ.py --batch 1 --kinds mhc --calls ctypes
+    python benchmarks/bench_decode_in_situ.py --batch 1 --kinds mhc --frozen
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -38,13 +42,13 @@ import time
 
 import torch
 
-from torch_mhc.connections import Connection
+from torch_mhc.connections import Connection, frozen_connections
 from torch_mhc.ops.cpu import decode as _decode
 from torch_mhc.ops.cpu import native as _native
 from torch_mhc.runtime.files import atomic_write
 from torch_mhc.tools.bench.workloads import build_model, random_tokens
 
-PARTS = ("connection", "branch", "mix_in", "native maps", "mix_out", "native merge")
+PARTS = ("connection", "branch", "lookup", "mix_in", "native maps", "mix_out", "native merge")
 
 
 def timed(fn, add):
@@ -91,7 +95,7 @@ def instrument(model: torch.nn.Module, clocks: Clocks) -> int:
 
 
 def run(kinds: list[str], batch: int, dim: int, layers: int, prompt: int, steps: int,
-        rounds: int, calls: str = "library") -> dict:
+        rounds: int, calls: str = "library", frozen: bool = False) -> dict:
     """Per kind: the median over rounds of each part's time per connection call (us) and of
     the step (ms). Rounds alternate between the models."""
     lib = _native.load()
@@ -102,6 +106,7 @@ def run(kinds: list[str], batch: int, dim: int, layers: int, prompt: int, steps:
     # of the model that runs at the time
     current = {"clocks": None}
     methods = {"mix_in": _decode.Decoder.mix_in, "mix_out": _decode.Decoder.mix_out}
+    lookup = Connection.__dict__["_prepared_decoder"]
     shipped = lib.decoding_calls()
     chosen = (lib._lib.decode_maps, lib._lib.decode_merge) if calls == "ctypes" else shipped
     natives = dict(zip(("native maps", "native merge"), chosen, strict=True))
@@ -110,6 +115,7 @@ def run(kinds: list[str], batch: int, dim: int, layers: int, prompt: int, steps:
         return timed(fn, lambda seconds: current["clocks"].add(part, seconds))
 
     try:
+        Connection._prepared_decoder = route("lookup", lookup)
         _decode.Decoder.mix_in = route("mix_in", methods["mix_in"])
         _decode.Decoder.mix_out = route("mix_out", methods["mix_out"])
         lib._decoding = (route("native maps", natives["native maps"]),
@@ -122,7 +128,8 @@ def run(kinds: list[str], batch: int, dim: int, layers: int, prompt: int, steps:
         per_round: dict[str, dict[str, list[float]]] = {
             k: {p: [] for p in (*PARTS, "step")} for k in kinds}
         token = idx[:, -1:]
-        with torch.no_grad():
+        block = frozen_connections() if frozen else contextlib.nullcontext()
+        with torch.no_grad(), block:
             for r in range(rounds + 1):  # round 0 warms up
                 for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
                     model, c = models[kind], clocks[kind]
@@ -142,6 +149,7 @@ def run(kinds: list[str], batch: int, dim: int, layers: int, prompt: int, steps:
                     per_round[kind]["step"].append(step * 1e3)
                     prepared[kind] = c.calls["native maps"] / steps
     finally:
+        Connection._prepared_decoder = lookup
         _decode.Decoder.mix_in, _decode.Decoder.mix_out = methods["mix_in"], methods["mix_out"]
         lib._decoding = shipped
     results = {}
@@ -162,13 +170,14 @@ def run(kinds: list[str], batch: int, dim: int, layers: int, prompt: int, steps:
 
 
 def markdown(results: dict) -> str:
-    lines = ["| kind | step ms | connection - branch us | mix_in us | native maps us | "
-             "mix_out us | native merge us |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| kind | step ms | connection - branch us | lookup us | mix_in us | "
+             "native maps us | mix_out us | native merge us |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for kind, e in results.items():
         u = e["us_per_call"]
         lines.append(f"| {kind} | {e['step_ms']:.2f} | {e['connection_minus_branch_us']:.1f} | "
-                     f"{u['mix_in']:.1f} | {u['native maps']:.1f} | {u['mix_out']:.1f} | "
-                     f"{u['native merge']:.1f} |")
+                     f"{u['lookup']:.1f} | {u['mix_in']:.1f} | {u['native maps']:.1f} | "
+                     f"{u['mix_out']:.1f} | {u['native merge']:.1f} |")
     return "\n".join(lines)
 
 
@@ -186,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", choices=("library", "ctypes"), default="library",
                    help="the native calls as the library makes them (through "
                         "ops/cpu/decode_calls.c where it builds) or through ctypes")
+    p.add_argument("--frozen", action="store_true",
+                   help="decode inside one frozen_connections block, as LM.generate does")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
     for name in ("batch", "dim", "layers", "prompt", "steps", "rounds", "threads"):
@@ -195,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     kinds = kinds if "residual" in kinds else ["residual", *kinds]
     torch.set_num_threads(args.threads)
     results = run(kinds, args.batch, args.dim, args.layers, args.prompt, args.steps,
-                  args.rounds, args.calls)
+                  args.rounds, args.calls, args.frozen)
     report = {"config": {**{k: v for k, v in vars(args).items() if k != "json"},
                          "kinds": kinds, "torch": torch.__version__,
                          "date": datetime.datetime.now(datetime.timezone.utc)

@@ -380,14 +380,16 @@ def test_ops_benchmark_times_the_successors_beside_mhc(capsys):
         ops_bench._kinds("mhc,mhc-heavy")
 
 
-@pytest.mark.parametrize("calls", ["library", "ctypes"])
-def test_decode_in_situ_script_parts_nest_and_the_patches_come_off(capsys, calls):
+@pytest.mark.parametrize("calls, frozen", [("library", False), ("ctypes", True)])
+def test_decode_in_situ_script_parts_nest_and_the_patches_come_off(capsys, calls, frozen):
     """benchmarks/bench_decode_in_situ.py: every mHC call takes the prepared native calls
-    (the library's, or ctypes' with --calls ctypes), each part lies within the one around it,
-    and the library and Decoder are restored."""
+    (the library's, or ctypes' with --calls ctypes; inside a frozen_connections block with
+    --frozen), each part lies within the one around it, and the library, the Decoder and
+    the Connection are restored."""
     import importlib.util
     from pathlib import Path
 
+    from torch_mhc.connections import Connection, base
     from torch_mhc.ops.cpu import decode, native
 
     lib = native.load()
@@ -397,15 +399,18 @@ def test_decode_in_situ_script_parts_nest_and_the_patches_come_off(capsys, calls
     spec = importlib.util.spec_from_file_location("bench_decode_in_situ", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    before = (decode.Decoder.mix_in, decode.Decoder.mix_out, lib.decoding_calls())
+    before = (decode.Decoder.mix_in, decode.Decoder.mix_out, lib.decoding_calls(),
+              Connection.__dict__["_prepared_decoder"])
     threads = torch.get_num_threads()
     try:  # two rounds: each median is then a mean, so the sums below compare as the parts do
         assert module.main(["--kinds", "mhc", "--batch", "2", "--dim", "16", "--layers", "1",
                             "--prompt", "4", "--steps", "3", "--rounds", "2",
-                            "--calls", calls]) == 0
+                            "--calls", calls, *(["--frozen"] if frozen else [])]) == 0
     finally:
         torch.set_num_threads(threads)
-    assert (decode.Decoder.mix_in, decode.Decoder.mix_out, lib.decoding_calls()) == before
+    assert (decode.Decoder.mix_in, decode.Decoder.mix_out, lib.decoding_calls(),
+            Connection.__dict__["_prepared_decoder"]) == before
+    assert not getattr(base._FROZEN, "open", None)  # the block, if any, closed
     out = capsys.readouterr().out
     results = json.loads(out[: out.index("\n| kind")])["results"]
     assert list(results) == ["residual", "mhc"]
@@ -413,9 +418,11 @@ def test_decode_in_situ_script_parts_nest_and_the_patches_come_off(capsys, calls
     assert res["connections"] == mhc["connections"] == 2
     assert res["prepared_calls_per_step"] == 0 and mhc["prepared_calls_per_step"] == 2
     assert res["us_per_call"]["mix_in"] == 0 and res["us_per_call"]["native merge"] == 0
+    assert res["us_per_call"]["lookup"] == 0  # the residual has no prepared path
     u = mhc["us_per_call"]
     assert 0 < u["native maps"] <= u["mix_in"] and 0 < u["native merge"] <= u["mix_out"]
-    assert u["mix_in"] + u["mix_out"] <= mhc["connection_minus_branch_us"]
+    assert 0 < u["lookup"]
+    assert u["lookup"] + u["mix_in"] + u["mix_out"] <= mhc["connection_minus_branch_us"]
     with pytest.raises(SystemExit):
         module.main(["--steps", "0"])
 
