@@ -165,3 +165,31 @@ def test_every_page_is_in_the_index():
     missing = [p.name for p in PAGES if p.parent.name == "docs" and p.name != "README.md"
                and f"]({p.name})" not in index]
     assert not missing, f"docs/README.md does not link {missing}"
+
+
+def test_the_wrapping_example_runs_every_kind_it_names():
+    """README's first example, with each kind its comment lists in place of "mhc": it runs,
+    and (as the text under it says) computes the Pre-Norm residual network of its blocks."""
+    import torch
+
+    from torch_mhc.connections import CONNECTION_KINDS
+
+    code = BLOCKS[ROOT / "README.md"][0].code
+    line = next(x for x in code.splitlines() if x.startswith("kind = "))
+    named = re.findall(r'"([\w-]+)"', line)
+    assert sorted(named) == sorted(CONNECTION_KINDS)  # the comment names every kind
+    for kind in named:
+        torch.manual_seed(0)
+        ns: dict = {}
+        exec(compile(code.replace(line, f"kind = {kind!r}"), f"README.md ({kind})", "exec"),
+             ns)
+        h0 = torch.randn(2, 16, ns["dim"])
+        x = ns["torch_mhc"].expand_streams(h0, ns["n"])
+        with torch.no_grad():
+            for layer in ns["layers"]:
+                x = layer(x)
+            residual = h0
+            for block in ns["blocks"]:
+                residual = residual + block(residual)
+            out = ns["torch_mhc"].reduce_streams(x)
+        torch.testing.assert_close(out, residual, rtol=1e-5, atol=1e-5, msg=kind)
