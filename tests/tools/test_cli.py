@@ -233,6 +233,15 @@ def test_generate_with_and_without_cache(tmp_path, tiny_flags, capsys):
     code, _, err = run(["generate", "--checkpoint", out, "--prompt", "x" * 20,
                         "--max-new-tokens", "20"], capsys)
     assert_one_line_error(code, err, "exceed the model's max_seq_len 32", "--no-cache")
+    # without --max-new-tokens, as many as the cache has positions for (not the usual 200)
+    code, text, err = run(["generate", "--checkpoint", out, "--prompt", "x" * 20], capsys)
+    assert code == 0, err
+    assert "[13 new tokens: the prompt and they fill the model's max_seq_len 32" in err
+    assert "[13 tokens in" in err and len(text.encode()) >= 20
+    code, text, err = run(["generate", "--checkpoint", out, "--prompt", "x" * 20,
+                           "--no-cache", "--temperature", "0"], capsys)
+    assert code == 0, err
+    assert "[200 tokens in" in err and "new tokens:" not in err
     code, _, err = run(["generate", "--checkpoint", out, "--prompt", ""], capsys)
     assert_one_line_error(code, err, "--prompt must not be empty")
 

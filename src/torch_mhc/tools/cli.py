@@ -217,6 +217,10 @@ def _add_sweep(subparsers) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+# without --max-new-tokens (fewer where the KV cache has no positions for them)
+_DEFAULT_NEW_TOKENS = 200
+
+
 def _add_generate(subparsers) -> None:
     p = subparsers.add_parser(
         "generate", help="sample text from a checkpoint",
@@ -226,8 +230,10 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--checkpoint", required=True, metavar="PATH",
                    help="a checkpoint folder, or a run folder holding one (ckpt/)")
     p.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
-    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
-                   help="tokens (bytes) to generate after the prompt (default: 200)")
+    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                   help=f"tokens (bytes) to generate after the prompt (default: "
+                   f"{_DEFAULT_NEW_TOKENS}, or as many as the model's max_seq_len leaves "
+                   f"after the prompt with the KV cache)")
     p.add_argument("--temperature", type=float, default=0.8, metavar="X",
                    help="a finite number >= 0; 0 is greedy decoding (default: 0.8)")
     p.add_argument("--top-k", type=int, default=None, metavar="K",
@@ -252,7 +258,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         device = resolve_device(args.device)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if args.max_new_tokens < 1:
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise UsageError(f"--temperature must be a finite number >= 0, got {args.temperature}")
@@ -268,21 +274,28 @@ def _run_generate(args: argparse.Namespace) -> int:
     if t0 > cfg.max_seq_len:
         raise UsageError(f"the prompt is {t0} bytes, longer than the model allows "
                          f"(max_seq_len {cfg.max_seq_len})")
-    needed = t0 + args.max_new_tokens - 1
-    if args.use_cache and needed > cfg.max_seq_len:
+    new_tokens = args.max_new_tokens
+    room = cfg.max_seq_len - t0 + 1  # new tokens the KV cache has positions for
+    if new_tokens is None:
+        new_tokens = min(_DEFAULT_NEW_TOKENS, room) if args.use_cache else _DEFAULT_NEW_TOKENS
+        if new_tokens < _DEFAULT_NEW_TOKENS:
+            print(f"[{new_tokens} new tokens: the prompt and they fill the model's max_seq_len "
+                  f"{cfg.max_seq_len}; --no-cache slides the context window for more]",
+                  file=sys.stderr, flush=True)
+    elif args.use_cache and new_tokens > room:
         raise UsageError(
-            f"prompt ({t0} bytes) + max_new_tokens ({args.max_new_tokens}) - 1 = {needed} "
+            f"prompt ({t0} bytes) + max_new_tokens ({new_tokens}) - 1 = {t0 + new_tokens - 1} "
             f"positions exceed the model's max_seq_len {cfg.max_seq_len}; ask for fewer "
             f"tokens, or pass --no-cache (which slides the context window)"
         )
     generator = torch.Generator(device=device).manual_seed(args.seed)
     start = time.perf_counter()
-    out = model.generate(prompt, args.max_new_tokens, temperature=args.temperature,
+    out = model.generate(prompt, new_tokens, temperature=args.temperature,
                          top_k=args.top_k, use_cache=args.use_cache, generator=generator)
     elapsed = time.perf_counter() - start
     print(decode(out[0]))
-    print(f"[{args.max_new_tokens} tokens in {elapsed:.2f} s, "
-          f"{args.max_new_tokens / elapsed:,.0f} tokens/s, "
+    print(f"[{new_tokens} tokens in {elapsed:.2f} s, "
+          f"{new_tokens / elapsed:,.0f} tokens/s, "
           f"KV cache {'on' if args.use_cache else 'off'}, {cfg.connection}]", file=sys.stderr)
     return 0
 
