@@ -104,6 +104,23 @@ def test_nothing_recorded_outside_the_context_and_errors():
         gains.report()
 
 
+@pytest.mark.parametrize("name", ["collect_gains", "collect_health"])
+def test_a_collector_refuses_a_max_tokens_that_is_not_a_count(name):
+    """The layers passed where max_tokens goes fail at the call, not at the first forward."""
+    collector = getattr(diagnostics, name)
+    with pytest.raises(TypeError, match=rf"{name}\(max_tokens\) expects .* got ModuleList"):
+        with collector(nn.ModuleList([nn.Identity()])):
+            pass
+    for bad, error in ((0, ValueError), (True, TypeError), (2.0, TypeError)):
+        with pytest.raises(error, match="an int >= 1"):
+            with collector(bad):
+                pass
+    assert diagnostics.ACTIVE is None
+    with collector(2) as c:  # a count keeps that many tokens a call
+        make_connection("mhc", 4, 2, 0, nn.Identity())(torch.randn(5, 2, 4))
+    assert c.maps[0].shape == (2, 2, 2)
+
+
 # ---------------------------------------------------------------------------------------------
 # Connection health: every figure on a hand-made case with a known answer
 # ---------------------------------------------------------------------------------------------

@@ -367,7 +367,14 @@ class HealthCollector(GainCollector):
 
 @contextlib.contextmanager
 def collect_gains(max_tokens: int | None = None):
-    """Context manager: connections called inside record their H_res into the collector."""
+    """Context manager: connections called inside record their H_res into the collector
+    (max_tokens: the tokens kept from each call, None for all):
+
+        with collect_gains() as gains:
+            model(x)
+        report = gains.report()
+    """
+    _check_max_tokens(max_tokens, "collect_gains")
     with _active(GainCollector(max_tokens), "collect_gains") as collector:
         yield collector
 
@@ -375,8 +382,21 @@ def collect_gains(max_tokens: int | None = None):
 @contextlib.contextmanager
 def collect_health(max_tokens: int | None = None):
     """Like collect_gains(), and the health figures of the module docstring as well."""
+    _check_max_tokens(max_tokens, "collect_health")
     with _active(HealthCollector(max_tokens), "collect_health") as collector:
         yield collector
+
+
+def _check_max_tokens(max_tokens, name: str) -> None:
+    if max_tokens is None:
+        return
+    expected = (f"{name}(max_tokens) expects the number of tokens to keep from each "
+                f"connection call (an int >= 1) or None for all of them")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+        raise TypeError(f"{expected}, got {type(max_tokens).__name__}; use it as "
+                        f"`with {name}() as collector: model(x)`")
+    if max_tokens < 1:
+        raise ValueError(f"{expected}, got {max_tokens}")
 
 
 @contextlib.contextmanager
