@@ -145,6 +145,7 @@ def test_single_seed_report_says_it_cannot_test(tiny_report):
     assert d["ci_low"] is None and d["significant"] is None
     md = (out / "report.md").read_text()
     assert "- mhc: " in md and "one seed gives no interval" in md
+    assert "One seed: " in md and "degrees of freedom" not in md
     # health: a row for each kind with an H_res, none for the residual
     assert "| mhc | 1.000 | 1.000 |" in md and variants["residual"]["health"] is None
     assert variants["mhc"]["health"]["max_abs_log_colsum"] >= 0.0
@@ -197,7 +198,7 @@ def test_seeds_report_md(seeds_report):
     md = (out / "report.md").read_text()
     assert md.startswith("# mhc compare: residual vs mhc-lite vs kromhc (preset tiny, modified, "
                          "2 seeds)")
-    assert "## Seeds and significance" in md and "Student's t with 1 degrees of freedom" in md
+    assert "## Seeds and significance" in md and "Student's t with 1 degree of freedom" in md
     v = {v["kind"]: v for v in report["variants"]}["kromhc"]
     row = next(line for line in md.splitlines() if line.startswith("| kromhc | 2 |"))
     assert f"{v['val_loss_mean']:.4f} ± {v['val_loss_sd']:.4f}" in row

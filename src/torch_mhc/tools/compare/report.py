@@ -167,12 +167,17 @@ def format_markdown(report: dict) -> str:
 def _seeds_and_health_md(report: dict) -> list[str]:
     """The seed statistics (with the verdicts in words) and the connection-health table."""
     variants, seeds = report["variants"], report.get("seeds", 1)
+    if seeds > 1:
+        method = (f"Mean ± sample standard deviation over {seeds} seeds; Δ is each kind's "
+                  "validation figure minus the residual's on the same seed (same initial "
+                  "blocks, same batches), averaged over seeds, with a 95% confidence interval "
+                  f"from Student's t with {seeds - 1} degree{'s' if seeds > 2 else ''} of "
+                  "freedom; significant when the interval excludes 0.")
+    else:
+        method = ("One seed: Δ is each kind's validation figure minus the residual's (same "
+                  "initial blocks, same batches), with no spread and no confidence interval.")
     lines = ["## Seeds and significance", "",
-             compare_stats.seeds_table(variants), "",
-             f"Mean ± sample standard deviation over {seeds} seed(s); Δ is each kind's "
-             "validation figure minus the residual's on the same seed (same initial blocks, same "
-             "batches), averaged over seeds, with a 95% confidence interval from Student's t "
-             f"with {seeds - 1} degrees of freedom; significant when the interval excludes 0.",
+             compare_stats.seeds_table(variants), "", method,
              "", *compare_stats.significance_lines(variants), ""]
     if any(v.get("health") for v in variants):
         lines += ["## Connection health (final measurement, first seed)", "",
