@@ -100,6 +100,12 @@ def test_residual_is_plain_residual():
     h = torch.randn(3, 5, c)
     out = conn(h.unsqueeze(-2)).squeeze(-2)
     torch.testing.assert_close(out, h + branch(h), rtol=0, atol=0)
+    # n streams where the residual takes one: the error says how to feed it
+    with pytest.raises(ValueError, match=r"got \(3, 5, 4, 8\): the residual connection "
+                                         r"carries one stream .* expand_streams\(h, 1\)"):
+        conn(expand_streams(h, 4))
+    with pytest.raises(ValueError, match=r"got \(3, 5, 1, 7\)$"):  # a wrong width: no hint
+        conn(torch.randn(3, 5, 1, 7))
 
 
 def test_expand_and_reduce():

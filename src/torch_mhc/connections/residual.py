@@ -20,6 +20,16 @@ class Residual(Connection):
         super().__init__(dim, 1, branch)
         self.layer_index = check_count(layer_index, "Residual", "layer_index", 0)
 
+    def check_input(self, x: torch.Tensor) -> None:
+        try:
+            super().check_input(x)
+        except ValueError as err:
+            if x.dim() >= 2 and x.shape[-1] == self.dim:  # n streams where one was expected
+                raise ValueError(f"{err}: the residual connection carries one stream (make_"
+                                 f"connection ignores streams for it); expand with "
+                                 f"expand_streams(h, 1)") from None
+            raise
+
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         self.check_input(x)
         f = self.branch(x.squeeze(-2), *args, **kwargs)
