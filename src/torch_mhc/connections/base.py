@@ -141,13 +141,12 @@ def frozen_connections():
         blocks.remove(block)  # this thread's list, whichever thread closes the block
 
 
-# A decoding step calls _prepared_decoder for every connection after the branches' weights
-# have pushed its code out of cache, where each Python call costs a microsecond or more: its
-# two checks of a trace and of a dispatch mode, made at every call, with one call fewer each.
-# torch.compiler.is_compiling() calls torch.jit.is_scripting() before it returns this flag;
-# torches that hold the flag True while torch.compile traces (those with a compile session)
-# let it be read directly. Older ones set it for torch.export only, and dynamo answers the
-# function call itself.
+# Two checks _prepared_decoder makes at every decoding call, in one Python call fewer each:
+# in a decoding step this code runs out of cache, where every call costs a microsecond or
+# more. torch.compiler.is_compiling() returns this flag after a call to
+# torch.jit.is_scripting(); torches with a compile session hold the flag True while
+# torch.compile traces, older ones only while torch.export does (there, only the function
+# answers True under torch.compile).
 if hasattr(torch.compiler, "_compile_session_context"):
     def _compiling() -> bool:
         return torch.compiler._is_compiling_flag
