@@ -150,6 +150,37 @@ def test_bench_tools_report_bad_options_with_their_usage(capsys):
     assert "error: --dtypes: expected some of" in capsys.readouterr().err
     assert main(["bench", "--ops", "--help"]) == 0
     assert capsys.readouterr().out.startswith("usage: mhc bench --ops")
+    for bad, message in ((["--tokens", "-5"], "argument --tokens: expected an integer >= 1, "
+                                              "got '-5'"),
+                         (["--streams", "0"], "argument --streams: expected an integer >= 1"),
+                         (["--profile", "--repeats", "0"], "argument --repeats: expected"),
+                         (["--impls", "cpu", "nope"], "--impls: expected some of ['reference', "
+                                                      "'cpu', 'triton', 'inductor'], got 'nope'")):
+        assert main(["bench", "--ops", *bad]) == 2, bad
+        err = capsys.readouterr().err
+        assert err.startswith("usage: mhc bench --ops") and message in err, err
+
+
+def test_the_triton_tools_name_the_missing_extra(monkeypatch, capsys):
+    """Without triton, `mhc bench --aot`, `--ops --impls triton` and the bytes model's table
+    say what to install instead of raising ModuleNotFoundError."""
+    import importlib.util
+    import runpy
+
+    from torch_mhc.tools.cli import main
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "triton" else find_spec(name, *a))
+    assert main(["bench", "--aot", "--n", "2"]) == 2
+    assert ("the ahead-of-time compile check needs triton (pip install 'torch-mhc[triton]'"
+            in capsys.readouterr().err)
+    assert main(["bench", "--ops", "--impls", "triton"]) == 2
+    assert "--impls triton needs triton" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module("torch_mhc.ops.triton.traffic", run_name="__main__")
+    assert exit_.value.code == 2
+    assert "the bytes model of the Triton kernels needs triton" in capsys.readouterr().err
 
 
 def test_plan_lists_the_cases_without_a_gpu(capsys):

@@ -17,7 +17,7 @@ import threading
 from torch_mhc.tools.errors import UsageError
 
 __all__ = ["EXIT_INTERNAL", "EXIT_STATUS", "RaisingParser", "Signals", "fail", "parse",
-           "parse_error", "rank0", "report"]
+           "parse_error", "positive_int", "rank0", "report"]
 
 EXIT_STATUS = """exit status:
   0    the run finished
@@ -46,6 +46,17 @@ def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespac
         return parser.parse_args(argv)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 0
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1, else a usage error that quotes what came."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
 
 
 def parse_error(parser: argparse.ArgumentParser, message: str) -> int:

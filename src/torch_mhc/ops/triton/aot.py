@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import importlib.util
 import io
 import json
 import math
@@ -359,7 +360,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-    """ValueError naming a dtype or target the check does not know."""
+    """ValueError naming a dtype or target the check does not know, or the missing triton."""
+    require_triton("the ahead-of-time compile check")
     for d in args.dtypes:
         if d not in DTYPES:
             raise ValueError(f"--dtypes: expected some of {sorted(DTYPES)}, got {d!r}")
@@ -369,6 +371,14 @@ def check_arguments(args: argparse.Namespace) -> None:
     for cc in args.cc:
         if cc not in _SM:
             raise ValueError(f"--cc: expected some of {sorted(_SM)}, got {cc!r}")
+
+
+def require_triton(what: str) -> None:
+    """ValueError saying what needs triton, unless it can be imported (the kernels' launch
+    plans, which this check and the bytes model compile or replay, are Triton's)."""
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError(f"{what} needs triton (pip install 'torch-mhc[triton]'; its compiler "
+                         "runs without a GPU)")
 
 
 def run_command(args: argparse.Namespace) -> int:

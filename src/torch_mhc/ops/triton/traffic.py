@@ -100,4 +100,13 @@ def traffic_table(sizes: dict = SIZES, dtype: torch.dtype = torch.bfloat16, cc: 
 
 
 if __name__ == "__main__":
+    import sys
+
+    from torch_mhc.ops.triton.aot import require_triton
+
+    try:
+        require_triton("the bytes model of the Triton kernels")
+    except ValueError as err:
+        print(f"python -m torch_mhc.ops.triton.traffic: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(traffic_table())

@@ -20,13 +20,16 @@ cores). Prints JSON, then a markdown table.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 
 import torch
 
+from torch_mhc import ops as _ops
 from torch_mhc.functional.successors import VARIANT_KINDS
 from torch_mhc.tools.bench.timing import CLOCKS, medians, time_interleaved
 from torch_mhc.tools.bench.workloads import connection_step, residual_step
+from torch_mhc.tools.boundary import positive_int
 
 
 def _kinds(text: str) -> tuple[str, ...]:
@@ -89,20 +92,32 @@ def markdown(result: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tokens", type=int, default=2048, help="ops: tokens (B*T)")
-    parser.add_argument("--streams", type=int, default=4)
-    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--tokens", type=positive_int, default=2048, help="ops: tokens (B*T)")
+    parser.add_argument("--streams", type=positive_int, default=4)
+    parser.add_argument("--dim", type=positive_int, default=512)
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--impls", nargs="+", default=["reference", "cpu"])
     parser.add_argument("--kinds", type=_kinds, default=("mhc",),
                         help="comma-separated: mhc and any of " + ", ".join(VARIANT_KINDS))
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--repeats", type=positive_int, default=15)
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="torch.set_num_threads")
     parser.add_argument("--clock", choices=CLOCKS, default="wall")
     parser.add_argument("--profile", action="store_true",
                         help="time each native pass of the cpu connection step alone "
                              "(tools/bench/op_profile.py); --impls is not used")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """ValueError naming an implementation that is unknown or cannot run here."""
+    if args.profile:
+        return  # the cpu ops' passes, whatever --impls says
+    for name in args.impls:
+        if name not in _ops.IMPLS:
+            raise ValueError(f"--impls: expected some of {list(_ops.IMPLS)}, got {name!r}")
+        if name == "triton" and importlib.util.find_spec("triton") is None:
+            raise ValueError("--impls triton needs triton (pip install 'torch-mhc[triton]')")
 
 
 def run_command(args: argparse.Namespace) -> int:

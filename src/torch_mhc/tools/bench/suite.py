@@ -60,6 +60,7 @@ from torch_mhc.tools.bench.sinkhorn import bench_sinkhorn
 from torch_mhc.tools.bench.step import bench_training_steps, select_variants
 from torch_mhc.tools.bench.timing import CLOCKS
 from torch_mhc.tools.bench.workloads import DTYPES, lm_config, log
+from torch_mhc.tools.boundary import positive_int
 from torch_mhc.tools.errors import UsageError
 
 # `mhc bench`'s command line and the run of its benchmarks; each benchmark lives in its own
@@ -106,16 +107,6 @@ def _names(text: str) -> list[str]:
     return names
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
-
-
 DESCRIPTION = "Time and memory of residual, HC and mHC: JSON and markdown tables."
 EPILOG = ("Benchmarks: step, hyper_connections, saved, sinkhorn, decode (see "
           "torch_mhc.tools.bench.suite's docstring). Sizes not given take the defaults "
@@ -129,17 +120,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated benchmarks to run (default: {','.join(BENCHMARKS)})")
     p.add_argument("--sizes", type=_int_list, default=None,
                    help="widths d for step and hyper_connections (default 256,512,1024)")
-    p.add_argument("--dim", type=_positive, default=None,
+    p.add_argument("--dim", type=positive_int, default=None,
                    help="width for saved and decode (default 512)")
-    p.add_argument("--layers", type=_positive, default=None, help="blocks (default 8)")
-    p.add_argument("--streams", type=_positive, default=4, help="n (default 4)")
-    p.add_argument("--batch", type=_positive, default=None, help="step batch (default 8)")
-    p.add_argument("--seq", type=_positive, default=None, help="step tokens per row (256)")
-    p.add_argument("--repeats", type=_positive, default=None,
+    p.add_argument("--layers", type=positive_int, default=None, help="blocks (default 8)")
+    p.add_argument("--streams", type=positive_int, default=4, help="n (default 4)")
+    p.add_argument("--batch", type=positive_int, default=None, help="step batch (default 8)")
+    p.add_argument("--seq", type=positive_int, default=None, help="step tokens per row (256)")
+    p.add_argument("--repeats", type=positive_int, default=None,
                    help="timed rounds for every timed benchmark (default: step 5, or 3 above "
                         "d = 512; sinkhorn 30; decode 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
-    p.add_argument("--threads", type=_positive, default=None, help="torch.set_num_threads")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads")
     p.add_argument("--clock", choices=CLOCKS, default="wall",
                    help="wall time, or this process's CPU time (steadier on a shared machine)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
@@ -148,13 +139,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="op implementation for HC and mHC: auto, reference, cpu, triton, inductor")
     p.add_argument("--optimizer", action="store_true",
                    help="step: include an AdamW step in the timed training step")
-    p.add_argument("--sinkhorn-tokens", type=_positive, default=None,
+    p.add_argument("--sinkhorn-tokens", type=positive_int, default=None,
                    help="matrices per Sinkhorn call (default 2048 = 8 x 256)")
     p.add_argument("--sinkhorn-n", type=_int_list, default=[4, 8], help="default 4,8")
     p.add_argument("--decode-batches", type=_int_list, default=None, help="default 1,8")
-    p.add_argument("--prompt", type=_positive, default=None, help="decode prompt (128)")
-    p.add_argument("--new-tokens", type=_positive, default=None, help="decode new tokens (128)")
-    p.add_argument("--decode-builds", type=_positive, default=None,
+    p.add_argument("--prompt", type=positive_int, default=None, help="decode prompt (128)")
+    p.add_argument("--new-tokens", type=positive_int, default=None, help="decode new tokens (128)")
+    p.add_argument("--decode-builds", type=positive_int, default=None,
                    help="decode: build the models this many times, in rotated order, and pool "
                         "the rounds (default 2; where weights land moves decoding speed)")
     p.add_argument("--json", metavar="PATH", default=None,
