@@ -159,6 +159,15 @@ def test_compare_folder_kind_and_seed(runs, tmp_path, capsys):
     code, out, err = run(["export-hf", compare, tmp_path / "a", "--kind", "mhc"], capsys)
     assert code == 0, err
     assert f"wrote {tmp_path / 'a'} (mhc" in out and "trust_remote_code=True" in out
+    # the lines it prints to load the folder run as printed, and pass the flag to both calls
+    # (without it transformers asks on a terminal whether to run the remote code)
+    hint = textwrap.dedent(out.split("load it with:\n", 1)[1])
+    loads = [line for line in hint.splitlines() if "from_pretrained(" in line]
+    assert len(loads) == 2 and all("trust_remote_code=True" in line for line in loads)
+    namespace: dict = {}
+    exec(hint, namespace)
+    ids = namespace["tokenizer"]("def ", return_tensors="pt").input_ids
+    assert namespace["model"](input_ids=ids).logits.shape == (1, 4, 256)
     code, _, err = run(["export-hf", compare, tmp_path / "b", "--kind", "hc", "--seed", "1"],
                        capsys)
     assert code == 0, err

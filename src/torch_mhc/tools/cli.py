@@ -313,8 +313,8 @@ def _add_export_hf(subparsers) -> None:
         description="Write the model of a `mhc train` run, or of one kind of a `mhc compare` "
         "folder, as a folder that transformers loads without torch_mhc: "
         "AutoModelForCausalLM.from_pretrained(OUT_DIR, trust_remote_code=True) and "
-        "AutoTokenizer.from_pretrained(OUT_DIR). Its logits are checked against the run's "
-        "model before the folder is renamed into place.",
+        "AutoTokenizer.from_pretrained(OUT_DIR, trust_remote_code=True). Its logits are "
+        "checked against the run's model before the folder is renamed into place.",
     )
     export_hf.add_arguments(p)
     p.set_defaults(run=export_hf.run_command)

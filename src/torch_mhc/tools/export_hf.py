@@ -5,7 +5,9 @@
     mhc export-hf runs/compare hf/mhc --kind mhc --seed 1    # one seed of a --seeds run
 
 The folder loads with `AutoModelForCausalLM.from_pretrained(OUT_DIR, trust_remote_code=True)`
-and `AutoTokenizer.from_pretrained(OUT_DIR)` where torch_mhc is not installed:
+and `AutoTokenizer.from_pretrained(OUT_DIR, trust_remote_code=True)` where torch_mhc is not
+installed (the tokenizer too reads config.json, whose auto_map names remote code: without the
+flag transformers asks on a terminal whether to run it):
 
 - config.json: model_type "torch_mhc_lm", `auto_map` naming the two remote-code classes, the
   sizes under transformers' names and the run's ModelConfig (`mhc_model_config`);
@@ -79,7 +81,7 @@ def run_command(args: argparse.Namespace) -> int:
     print("load it with:\n"
           "  from transformers import AutoModelForCausalLM, AutoTokenizer\n"
           f"  model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)\n"
-          f"  tokenizer = AutoTokenizer.from_pretrained({str(out)!r})")
+          f"  tokenizer = AutoTokenizer.from_pretrained({str(out)!r}, trust_remote_code=True)")
     return 0
 
 
