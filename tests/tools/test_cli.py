@@ -28,6 +28,13 @@ def test_train_writes_checkpoint_and_metrics(tmp_path, tiny_flags, capsys):
     assert state["model_config"]["dim"] == 32
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert any('"kind": "eval"' in line for line in lines)
+    # without a folder the run trains and says at its start that it keeps nothing
+    loud = [f for f in tiny_flags if f != "--quiet"]
+    code, text, err = run(["train", *loud, "--steps", "1"], capsys)
+    assert code == 0, err
+    first = text.splitlines()[0]
+    assert first.startswith("training mhc") and first.endswith(
+        "; no out_dir (--out-dir): nothing is saved")
 
 
 def test_toml_config_and_precedence(tmp_path, tiny_flags, capsys):
@@ -242,6 +249,12 @@ def test_generate_with_and_without_cache(tmp_path, tiny_flags, capsys):
                            "--no-cache", "--temperature", "0"], capsys)
     assert code == 0, err
     assert "[200 tokens in" in err and "new tokens:" not in err
+    # a folder of runs (as `mhc compare` writes): the error names the runs inside
+    shutil.copytree(out, tmp_path / "compare" / "mhc")
+    shutil.copytree(out, tmp_path / "compare" / "hc" / "seed0")
+    code, _, err = run(["generate", "--checkpoint", tmp_path / "compare"], capsys)
+    assert_one_line_error(code, err, "it holds the runs hc/seed0, mhc",
+                          f"e.g. {tmp_path / 'compare' / 'hc' / 'seed0'}")
     code, _, err = run(["generate", "--checkpoint", out, "--prompt", ""], capsys)
     assert_one_line_error(code, err, "--prompt must not be empty")
 

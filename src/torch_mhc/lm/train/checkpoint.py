@@ -112,8 +112,27 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
     for candidate in (path, *(path / name for name in CANDIDATES)):
         if _is_checkpoint(candidate):
             return candidate
+    runs = _runs_inside(path)
+    hint = (f"; it holds the runs {', '.join(runs)} (a `mhc compare` folder holds one a kind): "
+            f"pass one of them, e.g. {path / runs[0]}" if runs else "")
     raise CheckpointError(f"no checkpoint at {path} (neither a checkpoint folder nor a run "
-                          f"folder holding {LAST_CHECKPOINT}/)")
+                          f"folder holding {LAST_CHECKPOINT}/){hint}")
+
+
+def _runs_inside(path: Path, depth: int = 2) -> list[str]:
+    """The run folders (holding a checkpoint) up to `depth` levels below path, as relative
+    names (`mhc`, `hc/seed0`): what a user who passed a folder of runs meant."""
+    found: list[str] = []
+    try:
+        children = sorted(c for c in path.iterdir() if c.is_dir())
+    except OSError:
+        return found
+    for child in children:
+        if any(_is_checkpoint(child / name) for name in CANDIDATES):
+            found.append(child.name)
+        elif depth > 1:
+            found += [f"{child.name}/{name}" for name in _runs_inside(child, depth - 1)]
+    return found
 
 
 def _is_checkpoint(path: Path) -> bool:

@@ -252,8 +252,9 @@ class Trainer:
             for name in (*ckpt.CANDIDATES, *_OLD_CHECKPOINTS):
                 if (out / name).exists():
                     raise ConfigError(
-                        f"{out / name} exists: pass resume to continue that run, or overwrite "
-                        "to start a new one in its place, or choose another out_dir"
+                        f"{out / name} exists: pass resume (--resume) to continue that run, or "
+                        "overwrite (--overwrite) to start a new one in its place, or choose "
+                        "another out_dir"
                     )
         if par.is_rank0():
             stale = remove_stale_temp_files(out)
@@ -356,6 +357,7 @@ class Trainer:
             f"{cfg.batch_size}x{cfg.seq_len} tokens, {r.amp_dtype} on {self.device}{layout}; "
             f"data: {self.corpus.source_description}"
             + (f"; resuming {resume_path} at step {start}" if start else "")
+            + ("; no out_dir (--out-dir): nothing is saved" if cfg.out_dir is None else "")
         )
         if self.metrics.dropped:
             self.printer(f"metrics.jsonl: dropped {self.metrics.dropped} line(s) written after "
@@ -484,9 +486,10 @@ class Trainer:
         if self.cfg.out_dir is not None and r.steps > 0 and self.saved_step != r.steps:
             self._checkpoint(r.steps)
         if r.checkpoint:
-            saved = f"checkpoint {r.checkpoint} (resume to continue)"
+            saved = f"checkpoint {r.checkpoint} (resume, --resume, continues it)"
         else:
-            saved = "nothing saved (no out_dir)" if self.cfg.out_dir is None else "no checkpoint"
+            saved = ("nothing saved (no out_dir, --out-dir)" if self.cfg.out_dir is None
+                     else "no checkpoint")
         message = f"interrupted after step {r.steps}; {saved}"
         self.metrics.write({"kind": "stopped", "step": r.steps, "reason": "interrupted"})
         return RunInterrupted(message, r.steps, r.checkpoint, r,
