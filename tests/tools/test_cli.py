@@ -207,6 +207,24 @@ def test_resume_continues_to_more_steps(tmp_path, tiny_flags, capsys):
     assert load_checkpoint(out / "ckpt.prev")["step"] == 4
 
 
+def test_resume_takes_the_runs_own_settings(tmp_path, tiny_flags, capsys):
+    """--resume with no other flag continues the run as it was set up (its sizes, data,
+    schedule); flags given now override them (here the steps)."""
+    out = tmp_path / "run"
+    assert run(["train", *tiny_flags, "--out", out, "--lr", "0.002", "--connection", "hc"],
+               capsys)[0] == 0
+    code, _, err = run(["train", "--out-dir", out, "--resume", "--steps", "6"], capsys)
+    assert code == 0, err
+    state = load_checkpoint(out)
+    assert state["step"] == 6 and state["model_config"]["dim"] == 32
+    assert state["model_config"]["connection"] == "hc"
+    saved = state["train_config"]
+    assert saved["lr"] == 0.002 and saved["steps"] == 6 and saved["batch_size"] == 4
+    # without a checkpoint to read, --resume fails as before, naming what is missing
+    code, _, err = run(["train", "--out-dir", tmp_path / "none", "--resume"], capsys)
+    assert_one_line_error(code, err, "no checkpoint to resume from")
+
+
 def test_diverged_run_exits_1(tmp_path, tiny_flags, capsys):
     # lr 1e6 with no clipping: the loss explodes within a few steps
     code, _, err = run(["train", *tiny_flags, "--lr", "1e6", "--min-lr", "0",

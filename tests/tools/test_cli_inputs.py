@@ -305,7 +305,9 @@ def test_generate_help_states_defaults(capsys):
     code, out, _ = run(["generate", "--help"], capsys)
     assert code == 0
     text = " ".join(out.split())
-    assert "(default: 200)" in text
+    assert ("--max-new-tokens N tokens (bytes) to generate after the prompt (default: 200, or "
+            "as many as the model's max_seq_len leaves after the prompt with the KV cache)"
+            in text)
     assert "--top-k K sample from the K most likely tokens only (default: all of them)" in text
     assert "--seed SEED seed of the sampling (default: 0)" in text
 

@@ -485,7 +485,8 @@ HELP = {
     "log_every": "write a metrics line every N steps",
     "out_dir": "folder for metrics.jsonl, checkpoints and TensorBoard logs",
     "checkpoint_every": "checkpoint every N steps (0: only at the end)",
-    "resume": "resume out_dir/ckpt (ckpt.prev if ckpt is damaged), or the checkpoint given",
+    "resume": "resume out_dir/ckpt (ckpt.prev if ckpt is damaged), or the checkpoint given; "
+              "`mhc train` takes the run's own settings, under --config and the flags given",
     "overwrite": "start afresh in an out_dir that already holds a checkpoint",
     "progress": "show a progress bar (on a terminal)",
     "tensorboard": "also log to TensorBoard when it is installed",

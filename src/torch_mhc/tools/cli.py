@@ -100,10 +100,33 @@ def _run_train(args: argparse.Namespace) -> int:
     _require_extra("train")
     from torch_mhc.lm.train import TrainConfig, train
 
-    cfg = _config.build_config(TrainConfig(), args.config, _config.flag_overrides(args))
+    flags = _config.flag_overrides(args)
+    cfg = _config.build_config(TrainConfig(), args.config, flags)
+    if cfg.resume:
+        # the run's own settings, with the config file and the flags given now over them
+        saved = _saved_settings(cfg)
+        if saved is not None:
+            cfg = _config.build_config(saved, args.config, flags)
     _warn_warmup(cfg, "mhc train")
     train(cfg)
     return 0
+
+
+def _saved_settings(cfg):
+    """The TrainConfig the run to resume was started with, or None (no checkpoint that reads,
+    or settings this version does not take: the defaults stand, and the resume checks that the
+    model fits)."""
+    from torch_mhc.lm.train import ConfigError, TrainConfig
+    from torch_mhc.lm.train.checkpoint import saved_train_config
+
+    saved = saved_train_config(cfg)
+    if saved is None:
+        return None
+    try:
+        return TrainConfig.from_dict({k: v for k, v in saved.items()
+                                      if k not in ("resume", "overwrite")})
+    except (ConfigError, TypeError, ValueError):
+        return None
 
 
 def _warn_warmup(cfg, prog: str) -> None:

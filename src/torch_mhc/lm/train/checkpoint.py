@@ -177,6 +177,28 @@ def open_for_resume(cfg: TrainConfig, say=print, failed: tuple[tuple[Path, str],
     raise CheckpointError(f"no checkpoint to resume from: {candidates[0]} does not exist")
 
 
+def saved_train_config(cfg: TrainConfig) -> dict | None:
+    """The settings (TrainConfig.to_dict()) of the run cfg.resume would resume: read from its
+    newest checkpoint that reads, without a tensor and without checking that it fits cfg
+    (open_for_resume does that); None where there is none to read."""
+    try:
+        if isinstance(cfg.resume, str):
+            candidates = _fallbacks(find_checkpoint(cfg.resume))
+        else:
+            candidates = [Path(cfg.out_dir) / name for name in CANDIDATES]
+    except CheckpointError:
+        return None
+    for candidate in candidates:
+        if not is_complete(candidate):
+            continue
+        try:
+            saved = read_run_state(candidate)["train_config"]
+        except CheckpointError:
+            continue
+        return saved if isinstance(saved, dict) else None
+    return None
+
+
 def _fallbacks(path: Path) -> list[Path]:
     """`path`, then, for a run folder's ckpt, the older checkpoints beside it."""
     if path.name not in CANDIDATES:
