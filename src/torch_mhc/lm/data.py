@@ -460,7 +460,8 @@ def _write_documents(f, source: _Source, max_bytes: int | None, progress) -> _Bu
 
 
 def _describe(source: _Source, stats: _BuildStats) -> str:
-    parts = [f"{stats.n_documents:,} documents", f"{stats.n_bytes:,} bytes"]
+    parts = [f"{stats.n_documents:,} document{'' if stats.n_documents == 1 else 's'}",
+             f"{stats.n_bytes:,} bytes"]
     if stats.truncated:
         parts.append("truncated by max_bytes")
     if stats.skipped:

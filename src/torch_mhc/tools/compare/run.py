@@ -142,7 +142,10 @@ def compare(out_dir: str | os.PathLike, preset: str = "default", *,
     base = base.updated(overrides)
     kinds = tuple(kinds)
     unknown = [k for k in kinds if k not in KINDS]
-    if unknown or not kinds or len(set(kinds)) != len(kinds):
+    if unknown:
+        raise ConfigError(f"unknown kind{'s' if len(unknown) > 1 else ''} "
+                          f"{', '.join(unknown)}: kinds must be names from {', '.join(KINDS)}")
+    if not kinds or len(set(kinds)) != len(kinds):
         raise ConfigError(f"kinds must be distinct names from {', '.join(KINDS)}; got "
                           f"{', '.join(kinds) or 'none'}")
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
