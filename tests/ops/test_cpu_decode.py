@@ -343,6 +343,11 @@ def test_a_connection_compiles_without_autograd_after_decoding_eagerly():
         assert len(_decoders(conn)) == 1
         compiled = torch.compile(conn, fullgraph=True, backend="aot_eager")
         assert_close(compiled(x), eager, 1e-6)
+        # and the compiled code runs again without a recompile (a guard on the trace check
+        # would fail at every call outside the trace)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for _ in range(3):
+                assert_close(compiled(x), eager, 1e-6)
 
 
 def test_a_branch_calling_its_own_connection_gets_the_right_maps():

@@ -147,9 +147,15 @@ def frozen_connections():
 # torch.jit.is_scripting(); torches with a compile session hold the flag True while
 # torch.compile traces, older ones only while torch.export does (there, only the function
 # answers True under torch.compile).
+# Dynamo must not read the flag itself: it would guard on the flag's value while tracing
+# (True) and recompile at every call of the compiled code (where it is False). Marked as
+# torch._dynamo.assume_constant_result marks a function (without importing dynamo, seconds at
+# import), Dynamo calls it once while tracing and takes the answer, True, as a constant.
 if hasattr(torch.compiler, "_compile_session_context"):
     def _compiling() -> bool:
         return torch.compiler._is_compiling_flag
+
+    _compiling._dynamo_marked_constant = True
 else:
     _compiling = torch.compiler.is_compiling
 
