@@ -207,22 +207,48 @@ def test_resume_continues_to_more_steps(tmp_path, tiny_flags, capsys):
     assert load_checkpoint(out / "ckpt.prev")["step"] == 4
 
 
-def test_resume_takes_the_runs_own_settings(tmp_path, tiny_flags, capsys):
-    """--resume with no other flag continues the run as it was set up (its sizes, data,
-    schedule); flags given now override them (here the steps)."""
+def test_resume_takes_the_runs_own_settings(tmp_path, tiny_flags, capsys, monkeypatch):
+    """--resume (a flag, a path or a config file's key) continues the run as it was set up
+    (its sizes, data, schedule), under the flags and file given now; where and how it runs
+    (out_dir, threads, device, ...) come from the launch."""
+    from torch_mhc.lm.train import checkpoint
+
     out = tmp_path / "run"
-    assert run(["train", *tiny_flags, "--out", out, "--lr", "0.002", "--connection", "hc"],
-               capsys)[0] == 0
-    code, _, err = run(["train", "--out-dir", out, "--resume", "--steps", "6"], capsys)
+    assert run(["train", *tiny_flags, "--out", out, "--lr", "0.002", "--connection", "hc",
+                "--threads", "1"], capsys)[0] == 0
+    code, _, err = run(["train", "--out-dir", out, "--resume", "--steps", "6", "--quiet"],
+                       capsys)
     assert code == 0, err
     state = load_checkpoint(out)
     assert state["step"] == 6 and state["model_config"]["dim"] == 32
     assert state["model_config"]["connection"] == "hc"
     saved = state["train_config"]
     assert saved["lr"] == 0.002 and saved["steps"] == 6 and saved["batch_size"] == 4
+    assert saved["threads"] == TrainConfig().threads  # the launch's, not the run's 1
+    # resume as a config file's key, and a checkpoint path continued in another folder
+    toml = tmp_path / "more.toml"
+    toml.write_text(f'resume = true\nout_dir = "{out}"\nsteps = 7\nquiet = true\n')
+    code, _, err = run(["train", "--config", toml], capsys)
+    assert code == 0, err
+    assert load_checkpoint(out)["step"] == 7
+    code, _, err = run(["train", "--resume", out, "--out-dir", tmp_path / "next", "--steps", "8",
+                        "--quiet"], capsys)
+    assert code == 0, err
+    assert load_checkpoint(tmp_path / "next")["step"] == 8
+    assert load_checkpoint(out)["step"] == 7  # the run resumed from is left as it was
     # without a checkpoint to read, --resume fails as before, naming what is missing
     code, _, err = run(["train", "--out-dir", tmp_path / "none", "--resume"], capsys)
     assert_one_line_error(code, err, "no checkpoint to resume from")
+    # settings this version does not read: said, and the defaults stand (refused here: the
+    # default model is not the run's)
+    monkeypatch.setattr(checkpoint, "saved_train_config", lambda cfg: {"gone": 1})
+    code, _, err = run(["train", "--out-dir", out, "--resume", "--steps", "9", "--warmup", "1"],
+                       capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 2, err
+    assert lines[0].startswith("mhc train: warning: the run's saved settings do not read here "
+                               "(unknown config key 'gone'")
+    assert "was made for another model" in lines[1]
 
 
 def test_diverged_run_exits_1(tmp_path, tiny_flags, capsys):
@@ -261,7 +287,8 @@ def test_generate_with_and_without_cache(tmp_path, tiny_flags, capsys):
     # without --max-new-tokens, as many as the cache has positions for (not the usual 200)
     code, text, err = run(["generate", "--checkpoint", out, "--prompt", "x" * 20], capsys)
     assert code == 0, err
-    assert "[13 new tokens: the prompt and they fill the model's max_seq_len 32" in err
+    assert ("[13 new tokens: as many as the model's max_seq_len 32 leaves after the 20-byte "
+            "prompt; --no-cache" in err)  # positions 0-31 hold the prompt and 12 of them
     assert "[13 tokens in" in err and len(text.encode()) >= 20
     code, text, err = run(["generate", "--checkpoint", out, "--prompt", "x" * 20,
                            "--no-cache", "--temperature", "0"], capsys)

@@ -589,14 +589,16 @@ def flag_overrides(args: argparse.Namespace, exclude: set[str] = frozenset()) ->
     return {k: v for k, v in vars(args).items() if k in names}
 
 
-def build_config(base: TrainConfig, config_file: str | Path | None, flags: dict) -> TrainConfig:
-    """base < config_file < flags, validated once, merged."""
+def build_config(base: TrainConfig, config_file: str | Path | None, flags: dict,
+                 validate: bool = True) -> TrainConfig:
+    """base < config_file < flags, merged, then validated once (unless validate is False)."""
     values = {} if config_file is None else load_toml(config_file)
     merged = {k: v for k, v in values.items() if k != "model"}
     merged.update(values.get("model", {}))
     merged.update(flags)
     cfg = base.updated(merged)
-    cfg.validate()
+    if validate:
+        cfg.validate()
     return cfg
 
 

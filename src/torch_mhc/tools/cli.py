@@ -101,21 +101,28 @@ def _run_train(args: argparse.Namespace) -> int:
     from torch_mhc.lm.train import TrainConfig, train
 
     flags = _config.flag_overrides(args)
-    cfg = _config.build_config(TrainConfig(), args.config, flags)
-    if cfg.resume:
-        # the run's own settings, with the config file and the flags given now over them
-        saved = _saved_settings(cfg)
-        if saved is not None:
-            cfg = _config.build_config(saved, args.config, flags)
+    base = TrainConfig()
+    # resuming: the run's own settings, with the config file and the flags given now over
+    # them (validated once, merged: defaults may not suit this launch where the run's do)
+    wanted = _config.build_config(base, args.config, flags, validate=False)
+    if (wanted.resume is True and wanted.out_dir) or isinstance(wanted.resume, str):
+        base = _saved_settings(wanted) or base
+    cfg = _config.build_config(base, args.config, flags)
     _warn_warmup(cfg, "mhc train")
     train(cfg)
     return 0
 
 
+# What a resumed run takes from the launch, not from the run it resumes: where it writes, how
+# it resumes, and the machine and process layout it runs on.
+_LAUNCH_SETTINGS = ("out_dir", "resume", "overwrite", "device", "threads", "compile", "parallel",
+                    "pp_schedule", "micro_batches", "progress", "tensorboard", "quiet")
+
+
 def _saved_settings(cfg):
-    """The TrainConfig the run to resume was started with, or None (no checkpoint that reads,
-    or settings this version does not take: the defaults stand, and the resume checks that the
-    model fits)."""
+    """The TrainConfig the run to resume was started with, but _LAUNCH_SETTINGS; None where no
+    checkpoint reads (open_for_resume then says why) or its settings do not read in this
+    version (said on stderr: the defaults stand, and the resume checks the model fits)."""
     from torch_mhc.lm.train import ConfigError, TrainConfig
     from torch_mhc.lm.train.checkpoint import saved_train_config
 
@@ -124,8 +131,11 @@ def _saved_settings(cfg):
         return None
     try:
         return TrainConfig.from_dict({k: v for k, v in saved.items()
-                                      if k not in ("resume", "overwrite")})
-    except (ConfigError, TypeError, ValueError):
+                                      if k not in _LAUNCH_SETTINGS})
+    except (ConfigError, TypeError, ValueError) as e:
+        if rank0():
+            print(f"mhc train: warning: the run's saved settings do not read here ({e}): "
+                  "resuming with the defaults and the flags given", file=sys.stderr)
         return None
 
 
@@ -302,9 +312,9 @@ def _run_generate(args: argparse.Namespace) -> int:
     if new_tokens is None:
         new_tokens = min(_DEFAULT_NEW_TOKENS, room) if args.use_cache else _DEFAULT_NEW_TOKENS
         if new_tokens < _DEFAULT_NEW_TOKENS:
-            print(f"[{new_tokens} new tokens: the prompt and they fill the model's max_seq_len "
-                  f"{cfg.max_seq_len}; --no-cache slides the context window for more]",
-                  file=sys.stderr, flush=True)
+            print(f"[{new_tokens} new token{'s' if new_tokens > 1 else ''}: as many as the "
+                  f"model's max_seq_len {cfg.max_seq_len} leaves after the {t0}-byte prompt; "
+                  f"--no-cache slides the context window for more]", file=sys.stderr, flush=True)
     elif args.use_cache and new_tokens > room:
         raise UsageError(
             f"prompt ({t0} bytes) + max_new_tokens ({new_tokens}) - 1 = {t0 + new_tokens - 1} "

@@ -152,11 +152,7 @@ def open_for_resume(cfg: TrainConfig, say=print, failed: tuple[tuple[Path, str],
     checkpoint or run folder (a run folder's `ckpt` falls back alike). failed: (checkpoint,
     error) pairs already tried (e.g. whose tensors did not load): skipped, named in the message.
     """
-    if isinstance(cfg.resume, str):
-        path = find_checkpoint(cfg.resume)
-        candidates = _fallbacks(path)
-    else:
-        candidates = [Path(cfg.out_dir) / name for name in CANDIDATES]
+    candidates = _resume_candidates(cfg)
     tried = {Path(p) for p, _ in failed}
     errors = [message for _, message in failed]
     for candidate in candidates:
@@ -178,14 +174,11 @@ def open_for_resume(cfg: TrainConfig, say=print, failed: tuple[tuple[Path, str],
 
 
 def saved_train_config(cfg: TrainConfig) -> dict | None:
-    """The settings (TrainConfig.to_dict()) of the run cfg.resume would resume: read from its
-    newest checkpoint that reads, without a tensor and without checking that it fits cfg
-    (open_for_resume does that); None where there is none to read."""
+    """The settings (TrainConfig.to_dict()) of the run cfg.resume would resume: read from the
+    checkpoint open_for_resume would try first (of those that read), without a tensor and
+    without checking that it fits cfg; None where there is none to read."""
     try:
-        if isinstance(cfg.resume, str):
-            candidates = _fallbacks(find_checkpoint(cfg.resume))
-        else:
-            candidates = [Path(cfg.out_dir) / name for name in CANDIDATES]
+        candidates = _resume_candidates(cfg)
     except CheckpointError:
         return None
     for candidate in candidates:
@@ -197,6 +190,14 @@ def saved_train_config(cfg: TrainConfig) -> dict | None:
             continue
         return saved if isinstance(saved, dict) else None
     return None
+
+
+def _resume_candidates(cfg: TrainConfig) -> list[Path]:
+    """The checkpoints cfg.resume names, newest first: out_dir's (resume = True), or the one
+    given and, for a run folder's ckpt, the older ones beside it."""
+    if isinstance(cfg.resume, str):
+        return _fallbacks(find_checkpoint(cfg.resume))
+    return [Path(cfg.out_dir) / name for name in CANDIDATES]
 
 
 def _fallbacks(path: Path) -> list[Path]:
