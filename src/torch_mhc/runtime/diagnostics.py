@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -392,9 +393,13 @@ def _check_max_tokens(max_tokens, name: str) -> None:
         return
     expected = (f"{name}(max_tokens) expects the number of tokens to keep from each "
                 f"connection call (an int >= 1) or None for all of them")
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+    try:
+        if isinstance(max_tokens, bool):
+            raise TypeError
+        max_tokens = operator.index(max_tokens)  # ints, NumPy's integers
+    except TypeError:
         raise TypeError(f"{expected}, got {type(max_tokens).__name__}; use it as "
-                        f"`with {name}() as collector: model(x)`")
+                        f"`with {name}() as collector: model(x)`") from None
     if max_tokens < 1:
         raise ValueError(f"{expected}, got {max_tokens}")
 

@@ -20,13 +20,13 @@ cores). Prints JSON, then a markdown table.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 
 import torch
 
 from torch_mhc import ops as _ops
 from torch_mhc.functional.successors import VARIANT_KINDS
+from torch_mhc.ops.triton.aot import require_triton
 from torch_mhc.tools.bench.timing import CLOCKS, medians, time_interleaved
 from torch_mhc.tools.bench.workloads import connection_step, residual_step
 from torch_mhc.tools.boundary import positive_int
@@ -116,8 +116,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     for name in args.impls:
         if name not in _ops.IMPLS:
             raise ValueError(f"--impls: expected some of {list(_ops.IMPLS)}, got {name!r}")
-        if name == "triton" and importlib.util.find_spec("triton") is None:
-            raise ValueError("--impls triton needs triton (pip install 'torch-mhc[triton]')")
+        if name == "triton":
+            require_triton("--impls triton")
 
 
 def run_command(args: argparse.Namespace) -> int:
