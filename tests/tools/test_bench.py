@@ -56,6 +56,10 @@ def test_time_interleaved_runs_round_robin_after_warmup():
         time_interleaved(steps, 1, clock="cpu")
     with pytest.raises(ValueError, match="repeats must be an integer >= 1, got 0"):
         time_interleaved(steps, 0)
+    seen = []  # on_round: after each timed round, with the times so far
+    time_interleaved(steps, 2, warmup=1, clock="process",
+                     on_round=lambda done, t: seen.append((done, len(t["a"]), len(t["b"]))))
+    assert seen == [(1, 1, 1), (2, 2, 2)]
 
 
 def test_time_ms_warms_up_once_then_takes_the_median():
@@ -191,7 +195,7 @@ def test_quick_step_and_hyper_connections(quick_report):
         assert res["entries"]["mhc"] == res_step["entries"]["mhc"]
 
 
-def test_step_times_the_successors_beside_mhc(tmp_path):
+def test_step_times_the_successors_beside_mhc(tmp_path, capsys):
     path = tmp_path / "out.json"
     assert bench_main(["--only", "step", "--sizes", "32", "--layers", "1", "--batch", "1",
                        "--seq", "16", "--repeats", "1", "--warmup", "0", "--successors",
@@ -199,6 +203,12 @@ def test_step_times_the_successors_beside_mhc(tmp_path):
     (res,) = json.loads(path.read_text())["benchmarks"]["step"]["results"]
     assert list(res["entries"]) == ["residual", "hc", "mhc", *bench.SUCCESSORS]
     _positive_ratios(res["entries"], "residual")
+    # a progress line per round, with that round's ratios (the report's are medians)
+    line = next(x for x in capsys.readouterr().err.splitlines() if "round 1/1" in x)
+    r = {k: v["runs_ms"][0] / res["entries"]["residual"]["runs_ms"][0]
+         for k, v in res["entries"].items()}
+    assert line == ("[bench] training step d=32: round 1/1, "
+                    + ", ".join(f"{k} {r[k]:.3f}x" for k in list(r)[1:]))
 
 
 def test_quick_saved_bytes_match_what_recomputation_keeps(quick_report):

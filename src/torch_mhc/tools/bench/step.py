@@ -17,6 +17,13 @@ def default_step_repeats(dim: int) -> int:
     return 5 if dim <= 512 else 3
 
 
+def _round_ratios(times: dict[str, list[float]]) -> str:
+    """The last round's steps as ratios to the residual's (a progress line)."""
+    base = times["residual"][-1]
+    return ", ".join(f"{name} {ms[-1] / base:.3f}x" for name, ms in times.items()
+                     if name != "residual") or f"residual {base:.0f} ms"
+
+
 def bench_training_steps(
     sizes: list[int],
     variants: list[str],
@@ -55,7 +62,10 @@ def bench_training_steps(
             steps[v] = train_step(model, idx, impl=None if v == "residual" else ops_impl,
                                   optimizer=optimizer)
         log(f"training step d={dim}: {', '.join(variants)}; {warmup} + {r} rounds")
-        times = time_interleaved(steps, r, warmup, clock, device)
+        times = time_interleaved(steps, r, warmup, clock, device,
+                                 on_round=lambda done, t, dim=dim, r=r: log(
+                                     f"training step d={dim}: round {done}/{r}, "
+                                     + _round_ratios(t)))
         results.append({"dim": dim, "repeats": r, "entries": summarize(times, "residual")})
         del steps
     return {

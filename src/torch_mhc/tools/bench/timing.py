@@ -43,11 +43,13 @@ def time_interleaved(
     warmup: int = 1,
     clock: str = "wall",
     device: torch.device | str = "cpu",
+    on_round: Callable[[int, dict[str, list[float]]], object] | None = None,
 ) -> dict[str, list[float]]:
     """Milliseconds per run of each step, over `repeats` rounds that run every step once.
 
     `warmup` untimed rounds come first (allocator, caches, lazy initialisation). Returns
     {name: [ms of round 0, round 1, ...]}, so entry r of two lists was measured side by side.
+    on_round(rounds done, the times so far) after each timed round (progress of long runs).
     """
     if clock not in CLOCKS:
         raise ValueError(f"clock must be one of {CLOCKS}, got {clock!r}")
@@ -59,9 +61,11 @@ def time_interleaved(
         for step in steps.values():
             step()
     times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(repeats):
+    for done in range(1, repeats + 1):
         for name, step in steps.items():
             times[name].append(time_once(step, clock, device))
+        if on_round is not None:
+            on_round(done, times)
     return times
 
 
