@@ -178,6 +178,12 @@ def test_compare_folder_kind_and_seed(runs, tmp_path, capsys):
     assert_one_line_error(code, err, "one run per seed (seed0, seed1): pass --seed")
     code, _, err = run(["export-hf", compare, tmp_path / "c", "--kind", "kromhc"], capsys)
     assert_one_line_error(code, err, "holds no 'kromhc' run (found: hc, mhc)")
+    code, _, err = run(["export-hf", compare, tmp_path / "c", "--kind", "mhc", "--seed", "0"],
+                       capsys)
+    assert_one_line_error(code, err, "holds the run of one seed", "leave --seed out")
+    code, _, err = run(["export-hf", compare, tmp_path / "c", "--kind", "hc", "--seed", "2"],
+                       capsys)
+    assert_one_line_error(code, err, "holds no seed2 (found: seed0, seed1)")
     code, _, err = run(["export-hf", compare, tmp_path / "c", "--kind", "mHC"], capsys)
     assert_one_line_error(code, err, "--kind must be one of")
     assert not (tmp_path / "c").exists()

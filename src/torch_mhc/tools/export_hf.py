@@ -145,7 +145,10 @@ def find_run(run_dir, kind: str | None = None, seed: int | None = None) -> Path:
             raise UsageError(f"{folder} holds one run per seed ({', '.join(seeds)}): pass --seed")
         return folder
     if not (folder / f"seed{seed}").is_dir():
-        raise UsageError(f"{folder} holds no seed{seed} (found: {', '.join(seeds) or 'none'})")
+        if not seeds:  # a one-seed comparison keeps its run in the kind's folder
+            raise UsageError(f"{folder} holds the run of one seed, not one run per seed: "
+                             "leave --seed out")
+        raise UsageError(f"{folder} holds no seed{seed} (found: {', '.join(seeds)})")
     return folder / f"seed{seed}"
 
 
