@@ -386,6 +386,9 @@ def test_ops_benchmark_times_the_successors_beside_mhc(capsys):
     table = ops_bench.markdown(result)
     row = next(line for line in table.splitlines() if line.startswith("| cpu kromhc |"))
     assert row.split("|")[-2].strip() == f"{med['cpu kromhc'] / med['cpu']:.3f}"
+    rows = [line.split("|")[1].strip() for line in table.splitlines()[2:]]
+    assert rows == ["reference mhc", "cpu mhc", "reference kromhc", "cpu kromhc",
+                    "reference mhc-static-res", "cpu mhc-static-res", "residual x + f"]
     with pytest.raises(argparse.ArgumentTypeError, match="mhc-lite"):
         ops_bench._kinds("mhc,mhc-heavy")
 

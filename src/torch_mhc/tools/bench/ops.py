@@ -86,7 +86,7 @@ def markdown(result: dict) -> str:
         ratio = f"{base / ms:.2f}x" if base and impl not in ("reference", "residual") else ""
         own = med.get(impl) if kind else None
         over = f"{ms / own:.3f}" if own else ""
-        label = "residual x + f" if name == "residual" else name
+        label = "residual x + f" if name == "residual" else f"{impl} {kind or 'mhc'}"
         lines.append(f"| {label} | {ms:.2f} | {mins[name]:.2f} | {ratio} | {over} |")
     return "\n".join(lines)
 
