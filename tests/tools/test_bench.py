@@ -474,3 +474,37 @@ def test_decode_paths_script_runs_a_second_build_of_the_kernels(tmp_path, capsys
     (tmp_path / "old").mkdir()  # another file name: dlopen hands back a loaded one by name
     with pytest.raises(SystemExit, match="decode_call block is not this library's"):
         module._library_from(str(bad), str(tmp_path / "old"))
+
+
+def test_profile_step_ops_script_counts_each_connections_ops_per_step(tmp_path, capsys):
+    """benchmarks/profile_step_ops.py: per kind and step, one native maps and merge call
+    (forward and backward) per connection, none for the residual; the table shows them."""
+    import importlib.util
+    from pathlib import Path
+
+    from torch_mhc.ops.cpu import native
+
+    if native.load() is None:
+        pytest.skip("native CPU library unavailable")
+    path = Path(__file__).parents[2] / "benchmarks" / "profile_step_ops.py"
+    spec = importlib.util.spec_from_file_location("profile_step_ops", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    try:
+        assert module.main(["--dim", "16", "--layers", "2", "--batch", "2", "--seq", "8",
+                            "--steps", "2", "--warmup", "1", "--top", "3",
+                            "--json", str(tmp_path / "p.json")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    report = json.loads(out[: out.index("\n| op |")])
+    assert report == json.loads((tmp_path / "p.json").read_text())
+    res, mhc = (report["self_ms_and_calls_per_step"][k] for k in ("residual", "mhc"))
+    for op in ("maps_fwd", "maps_bwd", "post_merge_fwd", "post_merge_bwd"):
+        name = f"torch_mhc::cpu_{'mhc_' if op.startswith('maps') else ''}{op}"
+        assert mhc[name][1] == 4 and name not in res  # 2 blocks x 2 connections, each step
+        row = next(line for line in out.splitlines() if line.startswith(f"| {name} |"))
+        assert row.endswith(f"| {mhc[name][0]:.1f} (4) |")
+    with pytest.raises(SystemExit):
+        module.main(["--steps", "0"])

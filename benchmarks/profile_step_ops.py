@@ -1,0 +1,105 @@
+"""Where a training step's time goes, op by op, for the residual and the connection kinds.
+
+torch.profiler over a few training steps of the benchmark LM (`mhc bench`'s model: pre-norm
+attention + MLP blocks, batch x seq tokens) per kind, after warm-up steps; each op's self
+CPU time per step, the kinds side by side. The native connection ops appear as
+`torch_mhc::cpu_*`; an op's count per step says how often it runs (one per connection for
+the maps and the merge). Self time is wall time on the op's thread: at two threads an op
+that runs on both counts once.
+
+    python benchmarks/profile_step_ops.py --dim 512 --threads 1
+    python benchmarks/profile_step_ops.py --kinds residual,mhc,kromhc --threads 2 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+
+import torch
+
+from torch_mhc.runtime.files import atomic_write
+from torch_mhc.tools.bench.workloads import build_model, random_tokens, train_step
+
+
+def profile(kinds: list[str], dim: int, layers: int, batch: int, seq: int, steps: int,
+            warmup: int) -> dict:
+    """{kind: {op: [self ms per step, calls per step]}} over `steps` profiled steps."""
+    idx = random_tokens(batch, seq + 1)
+    result = {}
+    for kind in kinds:
+        step = train_step(build_model(kind, dim, layers, seq=seq), idx)
+        for _ in range(warmup):
+            step()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                step()
+        result[kind] = {e.key: [e.self_cpu_time_total / steps / 1e3, e.count / steps]
+                        for e in prof.key_averages()}
+    return result
+
+
+def markdown(result: dict, top: int) -> str:
+    """The `top` ops by their largest self time in any kind, and every torch_mhc op."""
+    kinds = list(result)
+    names = set().union(*(r.keys() for r in result.values()))
+
+    def largest(name):
+        return max(r.get(name, [0.0, 0])[0] for r in result.values())
+
+    ranked = sorted(names, key=largest, reverse=True)
+    shown = ranked[:top] + [n for n in ranked[top:] if n.startswith("torch_mhc::")]
+    lines = ["| op | " + " | ".join(f"{k} ms (calls)" for k in kinds) + " |",
+             "|---|" + "---:|" * len(kinds)]
+    for name in shown:
+        cells = []
+        for k in kinds:
+            ms, calls = result[k].get(name, [0.0, 0])
+            cells.append(f"{ms:.1f} ({calls:g})" if calls else "")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    totals = [sum(ms for ms, _ in result[k].values()) for k in kinds]
+    lines.append("| all ops | " + " | ".join(f"{t:.1f}" for t in totals) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kinds", default="residual,mhc", help="comma-separated model kinds")
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--steps", type=int, default=3, help="profiled steps per kind")
+    p.add_argument("--warmup", type=int, default=2, help="unprofiled steps first")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--top", type=int, default=20, help="ops in the table (and every torch_mhc op)")
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args(argv)
+    for name in ("dim", "layers", "batch", "seq", "steps", "threads", "top"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
+    kinds = [k for k in args.kinds.split(",") if k]
+    torch.set_num_threads(args.threads)
+    result = profile(kinds, args.dim, args.layers, args.batch, args.seq, args.steps, args.warmup)
+    report = {"config": {**{k: v for k, v in vars(args).items() if k != "json"},
+                         "kinds": kinds, "torch": torch.__version__,
+                         "date": datetime.datetime.now(datetime.timezone.utc)
+                         .isoformat(timespec="seconds"),
+                         "machine": f"{platform.machine()} {platform.processor()}".strip(),
+                         "cpu_count": os.cpu_count(), "load_average_end": os.getloadavg()},
+              "self_ms_and_calls_per_step": result}
+    text = json.dumps(report, indent=2)
+    if args.json:
+        atomic_write(os.path.abspath(args.json), (text + "\n").encode())
+    print(text)
+    print(markdown(result, args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
