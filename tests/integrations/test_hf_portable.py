@@ -76,7 +76,12 @@ for folder, case in cases["good"].items():
         logits = model(ref["ids"], attention_mask=ref["mask"]).logits
     tokens = model.generate(ref["prompt"], attention_mask=ref["prompt_mask"], **cases["gen"])
     rel = ((logits - ref["logits"]).abs().max() / ref["logits"].abs().max()).item()
-    out[folder] = {"refused": refused, "rel": rel, "same_tokens": torch.equal(tokens,
+    # from_pretrained's own loading options reach it, not the base config
+    auto = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype="auto",
+                                                attn_implementation="eager")
+    options = [str(auto.dtype), auto.config._attn_implementation]
+    out[folder] = {"refused": refused, "rel": rel, "options": options,
+                   "same_tokens": torch.equal(tokens,
                    ref["tokens"]), "class": type(model).__name__,
                    "layer": type(model.get_submodule(case["layer"])).__name__}
 for folder in cases["bad"]:
@@ -185,6 +190,7 @@ def test_portable_checkpoints_load_with_transformers_alone(tmp_path):
         assert got["rel"] <= REL, (folder.name, got["rel"])
         assert got["same_tokens"], folder.name
         assert got["layer"].startswith("MHC"), got
+        assert got["options"] == ["torch.float32", "eager"], (folder.name, got["options"])
     for name, folder in bad.items():
         message = results[str(folder)]
         assert message is not None, f"{name}: loaded"
@@ -215,6 +221,18 @@ def test_auto_classes_load_the_library_model_once_torch_mhc_hf_is_imported(tmp_p
             assert len(hidden(ref["ids"]).hidden_states) == 3
         loaded = mhc_hf.from_pretrained(folder)
         assert torch.equal(_logits(loaded, ref["ids"], ref["mask"]), ref["logits"])
+        # from_pretrained's own loading options reach it, not the base config: dtype="auto"
+        # (the saved dtype; pipelines pass it) and the attention implementation
+        for load in (transformers.AutoModelForCausalLM.from_pretrained, mhc_hf.from_pretrained):
+            auto = load(folder, dtype="auto", attn_implementation="eager")
+            assert auto.dtype == torch.float32
+            assert auto.config._attn_implementation == "eager"
+            real = ref["mask"].bool()  # (eager and SDPA differ where a row sees only padding)
+            torch.testing.assert_close(_logits(auto, ref["ids"], ref["mask"])[real],
+                                       ref["logits"][real], rtol=1e-5, atol=1e-5)
+            half = load(folder, dtype=torch.bfloat16)
+            assert half.dtype == torch.bfloat16 and half.model.layers[0].mhc_attn.phi.dtype \
+                == torch.bfloat16
         assert _digest(folder) == before
 
 

@@ -44,6 +44,9 @@ class TorchMHCForCausalLM(PreTrainedModel):
         for key, default in PASSED_ON.items():  # what AutoModel put on the config it read
             if config is not None and getattr(config, key, default) != default:
                 kwargs.setdefault(key, getattr(config, key))
+        attn = getattr(config, "_attn_implementation_internal", None)  # AutoModel's too
+        if attn is not None:
+            kwargs.setdefault("attn_implementation", attn)
         return from_pretrained(pretrained_model_name_or_path, **kwargs)
 
     @classmethod

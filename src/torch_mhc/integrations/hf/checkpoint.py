@@ -48,6 +48,7 @@ from torch_mhc.integrations.hf.convert import (
 from torch_mhc.integrations.hf.hub import is_repo_id, resolve_folder
 from torch_mhc.integrations.hf.layers import is_converted
 from torch_mhc.integrations.hf.portable import TorchMHCConfig, is_portable, write_portable
+from torch_mhc.integrations.hf.remote.configuration_torch_mhc import LOADING_OPTIONS
 from torch_mhc.runtime.files import fsync_dir
 
 __all__ = ["save_pretrained", "from_pretrained", "push_to_hub"]
@@ -322,7 +323,7 @@ def _portable_config(path: Path, kwargs: dict) -> tuple:
     from transformers import PreTrainedModel
 
     config = TorchMHCConfig.from_pretrained(path)
-    named = inspect.signature(PreTrainedModel.from_pretrained).parameters
+    named = {*inspect.signature(PreTrainedModel.from_pretrained).parameters, *LOADING_OPTIONS}
     try:
         base, unused = config.base(**{k: v for k, v in kwargs.items() if k not in named})
     except ValueError as e:

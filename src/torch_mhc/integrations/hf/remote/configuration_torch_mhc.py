@@ -18,6 +18,9 @@ OWN_KEYS = ("base_model_type", "base_config", "mhc_conversion", "mhc_layers")
 # settings a load may pass (AutoModel puts them on this config), with their defaults: a value
 # other than the default reaches the base config
 PASSED_ON = {"output_hidden_states": False, "return_dict": True, "output_attentions": False}
+# Loading options the base class's from_pretrained takes in its **kwargs: passed to it, not set
+# on the base config (dtype="auto" there breaks the load; attn_implementation is lost there)
+LOADING_OPTIONS = ("dtype", "torch_dtype", "attn_implementation")
 
 
 class TorchMHCConfig(PretrainedConfig):
@@ -48,6 +51,10 @@ class TorchMHCConfig(PretrainedConfig):
             if getattr(self, key, default) != default:
                 base[key] = getattr(self, key)
         config_class = CONFIG_MAPPING[self.base_model_type]
+        # the Auto classes put attn_implementation on this config before it reaches here
+        attn = getattr(self, "_attn_implementation_internal", None)
+        if attn is not None and "attn_implementation" not in kwargs:
+            kwargs = {**kwargs, "attn_implementation": attn}
         config, unused = config_class.from_dict(base, return_unused_kwargs=True, **kwargs)
         config.mhc_conversion = self.mhc_conversion
         return config, unused

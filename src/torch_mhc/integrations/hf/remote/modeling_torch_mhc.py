@@ -29,7 +29,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import PreTrainedModel
 
-from .configuration_torch_mhc import TorchMHCConfig
+from .configuration_torch_mhc import LOADING_OPTIONS, TorchMHCConfig
 from .connections import MAX_LITE_STREAMS, make_connection
 
 CONNECTIONS_FILE = "mhc_connections.safetensors"
@@ -237,7 +237,7 @@ def load(path, config: TorchMHCConfig | None, model_args: tuple, kwargs: dict) -
     check_layers(config.mhc_layers, None)
     cls = _base_class(config)
     kwargs = {k: v for k, v in kwargs.items() if k not in ("trust_remote_code", "code_revision")}
-    params = inspect.signature(cls.from_pretrained).parameters
+    params = {*inspect.signature(cls.from_pretrained).parameters, *LOADING_OPTIONS}
     named = {k: v for k, v in kwargs.items() if k in params}
     base_config, unused = config.base(**{k: v for k, v in kwargs.items() if k not in params})
     file = cached_file(path, CONNECTIONS_FILE, **hub)
