@@ -33,10 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import json
-import os
-import platform
 import statistics
 import time
 
@@ -45,7 +41,7 @@ import torch
 from torch_mhc.connections import Connection, frozen_connections
 from torch_mhc.ops.cpu import decode as _decode
 from torch_mhc.ops.cpu import native as _native
-from torch_mhc.runtime.files import atomic_write
+from torch_mhc.tools.bench.report import script_report
 from torch_mhc.tools.bench.workloads import build_model, random_tokens
 
 PARTS = ("connection", "branch", "lookup", "mix_in", "native maps", "mix_out", "native merge")
@@ -207,17 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     results = run(kinds, args.batch, args.dim, args.layers, args.prompt, args.steps,
                   args.rounds, args.calls, args.frozen)
-    report = {"config": {**{k: v for k, v in vars(args).items() if k != "json"},
-                         "kinds": kinds, "torch": torch.__version__,
-                         "date": datetime.datetime.now(datetime.timezone.utc)
-                         .isoformat(timespec="seconds"),
-                         "machine": f"{platform.machine()} {platform.processor()}".strip(),
-                         "cpu_count": os.cpu_count(), "load_average_end": os.getloadavg()},
-              "results": results}
-    text = json.dumps(report, indent=2)
-    if args.json:
-        atomic_write(os.path.abspath(args.json), (text + "\n").encode())
-    print(text)
+    config = {**{k: v for k, v in vars(args).items() if k != "json"}, "kinds": kinds}
+    print(script_report(config, results, args.json))
     print(markdown(results))
     return 0
 

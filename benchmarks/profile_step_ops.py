@@ -14,14 +14,10 @@ that runs on both counts once.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
 
 import torch
 
-from torch_mhc.runtime.files import atomic_write
+from torch_mhc.tools.bench.report import script_report
 from torch_mhc.tools.bench.workloads import build_model, random_tokens, train_step
 
 
@@ -86,17 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     kinds = [k for k in args.kinds.split(",") if k]
     torch.set_num_threads(args.threads)
     result = profile(kinds, args.dim, args.layers, args.batch, args.seq, args.steps, args.warmup)
-    report = {"config": {**{k: v for k, v in vars(args).items() if k != "json"},
-                         "kinds": kinds, "torch": torch.__version__,
-                         "date": datetime.datetime.now(datetime.timezone.utc)
-                         .isoformat(timespec="seconds"),
-                         "machine": f"{platform.machine()} {platform.processor()}".strip(),
-                         "cpu_count": os.cpu_count(), "load_average_end": os.getloadavg()},
-              "self_ms_and_calls_per_step": result}
-    text = json.dumps(report, indent=2)
-    if args.json:
-        atomic_write(os.path.abspath(args.json), (text + "\n").encode())
-    print(text)
+    config = {**{k: v for k, v in vars(args).items() if k != "json"}, "kinds": kinds}
+    print(script_report(config, result, args.json, key="self_ms_and_calls_per_step"))
     print(markdown(result, args.top))
     return 0
 

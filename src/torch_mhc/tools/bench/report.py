@@ -3,7 +3,33 @@ its JSON)."""
 
 from __future__ import annotations
 
-__all__ = ["markdown"]
+import datetime
+import json
+import os
+import platform
+
+__all__ = ["markdown", "script_report"]
+
+
+def script_report(config: dict, results: dict, json_path: str | None = None,
+                  key: str = "results") -> str:
+    """A benchmark script's JSON: its config with the torch version, date, machine, core
+    count and load average at the end added, and its results under `key`; written to
+    json_path too (atomically) when given."""
+    import torch
+
+    from torch_mhc.runtime.files import atomic_write
+
+    report = {"config": {**config, "torch": torch.__version__,
+                         "date": datetime.datetime.now(datetime.timezone.utc)
+                         .isoformat(timespec="seconds"),
+                         "machine": f"{platform.machine()} {platform.processor()}".strip(),
+                         "cpu_count": os.cpu_count(), "load_average_end": os.getloadavg()},
+              key: results}
+    text = json.dumps(report, indent=2)
+    if json_path:
+        atomic_write(os.path.abspath(json_path), (text + "\n").encode())
+    return text
 
 
 def _md_steps(result: dict, title: str) -> list[str]:
