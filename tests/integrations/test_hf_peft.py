@@ -79,8 +79,16 @@ def test_lora_with_trainable_connections_trains_saves_and_reloads(tmp_path):
     assert sum(".mhc_attn." in k or ".mhc_mlp." in k for k in saved) == len(conns)
     reloaded = peft.PeftModel.from_pretrained(_converted(), tmp_path).eval()
     assert torch.equal(_logits(reloaded, ids, mask), tuned)
+    # the library's save refuses the PEFT wrapper, naming the two ways that work
+    with pytest.raises(ValueError, match="got a PEFT PeftModel: save the adapter "
+                       "with its own save_pretrained .* merge it"):
+        mhc_hf.save_pretrained(reloaded, tmp_path / "full")
+    assert not (tmp_path / "full").exists()
     merged = reloaded.merge_and_unload()  # the trained connections now call merged layers
     assert _rel(_logits(merged, ids, mask), tuned) <= 1e-5
+    mhc_hf.save_pretrained(merged, tmp_path / "full")
+    assert torch.equal(_logits(mhc_hf.from_pretrained(tmp_path / "full").eval(), ids, mask),
+                       _logits(merged, ids, mask))
 
 
 def test_lora_alone_leaves_the_connections_frozen():

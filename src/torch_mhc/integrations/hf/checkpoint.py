@@ -137,6 +137,13 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, **kwargs) -> Path
 
 
 def _check_saveable(model: nn.Module, kwargs: dict) -> None:
+    if hasattr(model, "peft_config") and hasattr(model, "merge_and_unload"):  # a PeftModel
+        raise ValueError(
+            f"torch_mhc.hf.save_pretrained expects a converted transformers model, got a PEFT "
+            f"{type(model).__name__}: save the adapter with its own save_pretrained (trainable "
+            "connections in modules_to_save go with it; load it onto the converted base), or "
+            "merge it (model.merge_and_unload()) and save the merged model here"
+        )
     if conversion_of(model) is None:
         raise ValueError(
             f"{type(model).__name__} is not converted (its config has no {CONFIG_KEY!r}); "
