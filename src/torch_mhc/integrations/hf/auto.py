@@ -16,7 +16,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from torch_mhc.integrations.hf.checkpoint import from_pretrained
 from torch_mhc.integrations.hf.portable import MODEL_TYPE, TorchMHCConfig
-from torch_mhc.integrations.hf.remote.configuration_torch_mhc import PASSED_ON
 
 __all__ = ["TorchMHCForCausalLM", "register"]
 
@@ -41,12 +40,8 @@ class TorchMHCForCausalLM(PreTrainedModel):
             raise TypeError(f"{cls.__name__}.from_pretrained takes no positional model "
                             f"arguments, got {len(model_args)}")
         kwargs = {k: v for k, v in kwargs.items() if k not in _AUTO_ONLY}
-        for key, default in PASSED_ON.items():  # what AutoModel put on the config it read
-            if config is not None and getattr(config, key, default) != default:
-                kwargs.setdefault(key, getattr(config, key))
-        attn = getattr(config, "_attn_implementation_internal", None)  # AutoModel's too
-        if attn is not None:
-            kwargs.setdefault("attn_implementation", attn)
+        if isinstance(config, TorchMHCConfig):  # what AutoModel put on the config it read
+            kwargs = {**config.passed_on(), **kwargs}
         return from_pretrained(pretrained_model_name_or_path, **kwargs)
 
     @classmethod

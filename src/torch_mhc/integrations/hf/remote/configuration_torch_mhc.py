@@ -34,6 +34,15 @@ class TorchMHCConfig(PretrainedConfig):
         self.mhc_layers = mhc_layers
         super().__init__(**kwargs)
 
+    def passed_on(self) -> dict:
+        """What a load put on this config for the base model (AutoModel does, from the
+        kwargs of its from_pretrained), as those kwargs: the PASSED_ON settings that differ
+        from their defaults, and the attention implementation."""
+        given = {key: getattr(self, key) for key, default in PASSED_ON.items()
+                 if getattr(self, key, default) != default}
+        attn = getattr(self, "_attn_implementation_internal", None)
+        return given if attn is None else {**given, "attn_implementation": attn}
+
     def base(self, **kwargs):
         """(the base model's config with the conversion recorded, kwargs it did not take).
 
@@ -46,15 +55,8 @@ class TorchMHCConfig(PretrainedConfig):
                 f"transformers knows) and base_config (a dict of that model type), got "
                 f"{self.base_model_type!r} and {type(self.base_config).__name__}"
             )
-        base = dict(self.base_config)
-        for key, default in PASSED_ON.items():
-            if getattr(self, key, default) != default:
-                base[key] = getattr(self, key)
         config_class = CONFIG_MAPPING[self.base_model_type]
-        # the Auto classes put attn_implementation on this config before it reaches here
-        attn = getattr(self, "_attn_implementation_internal", None)
-        if attn is not None and "attn_implementation" not in kwargs:
-            kwargs = {**kwargs, "attn_implementation": attn}
-        config, unused = config_class.from_dict(base, return_unused_kwargs=True, **kwargs)
+        config, unused = config_class.from_dict(dict(self.base_config), return_unused_kwargs=True,
+                                                **{**self.passed_on(), **kwargs})
         config.mhc_conversion = self.mhc_conversion
         return config, unused
