@@ -310,7 +310,7 @@ class Connection(nn.Module):
         path returns neither), and under a trace or a dispatch mode (they need the ops'
         custom ops). _prepared_decoder spells the same checks out."""
         return (_diag.ACTIVE is None and not self.check_finite
-                and not torch.compiler.is_compiling() and not _ops.cpu.dispatch_mode_active())
+                and not _compiling() and not _dispatch_modes())
 
     def _decoder(self, x: torch.Tensor):
         """The implementation's prepared no-autograd path for x (Ops.decoder), kept per
