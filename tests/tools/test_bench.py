@@ -41,6 +41,18 @@ def quick_report(tmp_path_factory):
     return json.loads(path.read_text())
 
 
+def _bench_script(name: str):
+    """benchmarks/<name>.py, loaded as a module (the scripts are not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 # ---------------------------------------------------------------------------------------------
 # Timing and counting helpers
 
@@ -319,17 +331,12 @@ def test_hyper_connections_skipped_when_missing(monkeypatch, capsys):
 def test_native_kernels_script_subtracts_the_eviction_time(capsys):
     """benchmarks/bench_native_kernels.py --evict: each kernel's figure minus the timed
     eviction alone, and every kernel of the table present."""
-    import importlib.util
-    from pathlib import Path
 
     from torch_mhc.ops.cpu import native
 
     if native.load() is None:
         pytest.skip("native CPU library unavailable")
-    path = Path(__file__).parents[2] / "benchmarks" / "bench_native_kernels.py"
-    spec = importlib.util.spec_from_file_location("bench_native_kernels", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _bench_script("bench_native_kernels")
     assert module.main(["--tokens", "32", "--dim", "16", "--repeats", "1", "--evict", "1"]) == 0
     out = capsys.readouterr().out
     result = json.loads(out[: out.index("\n| kernel")])
@@ -402,8 +409,6 @@ def test_decode_in_situ_script_parts_nest_and_the_patches_come_off(capsys, calls
     (the library's, or ctypes' with --calls ctypes; inside a frozen_connections block with
     --frozen), each part lies within the one around it, and the library, the Decoder and
     the Connection are restored."""
-    import importlib.util
-    from pathlib import Path
 
     from torch_mhc.connections import Connection, base
     from torch_mhc.ops.cpu import decode, native
@@ -411,10 +416,7 @@ def test_decode_in_situ_script_parts_nest_and_the_patches_come_off(capsys, calls
     lib = native.load()
     if lib is None:
         pytest.skip("native CPU library unavailable")
-    path = Path(__file__).parents[2] / "benchmarks" / "bench_decode_in_situ.py"
-    spec = importlib.util.spec_from_file_location("bench_decode_in_situ", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _bench_script("bench_decode_in_situ")
     before = (decode.Decoder.mix_in, decode.Decoder.mix_out, lib.decoding_calls(),
               Connection.__dict__["_prepared_decoder"])
     threads = torch.get_num_threads()
@@ -448,18 +450,13 @@ def test_decode_paths_script_runs_a_second_build_of_the_kernels(tmp_path, capsys
     run the library built from SOURCE (same values), and a source whose call block differs
     is refused with the reason."""
     import ctypes
-    import importlib.util
-    from pathlib import Path
 
     from torch_mhc.connections import ManifoldHyperConnection, base
     from torch_mhc.ops.cpu import build, native
 
     if native.load() is None or build._compiler() is None:
         pytest.skip("native CPU library unavailable")
-    path = Path(__file__).parents[2] / "benchmarks" / "bench_decode_paths.py"
-    spec = importlib.util.spec_from_file_location("bench_decode_paths", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _bench_script("bench_decode_paths")
     other = module._library_from(str(build.SOURCE), str(tmp_path))
     torch.manual_seed(0)
     conn = ManifoldHyperConnection(16, 4, 0, torch.nn.Linear(16, 16), impl="cpu")
@@ -482,17 +479,12 @@ def test_decode_paths_script_runs_a_second_build_of_the_kernels(tmp_path, capsys
 def test_profile_step_ops_script_counts_each_connections_ops_per_step(tmp_path, capsys):
     """benchmarks/profile_step_ops.py: per kind and step, one native maps and merge call
     (forward and backward) per connection, none for the residual; the table shows them."""
-    import importlib.util
-    from pathlib import Path
 
     from torch_mhc.ops.cpu import native
 
     if native.load() is None:
         pytest.skip("native CPU library unavailable")
-    path = Path(__file__).parents[2] / "benchmarks" / "profile_step_ops.py"
-    spec = importlib.util.spec_from_file_location("profile_step_ops", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _bench_script("profile_step_ops")
     threads = torch.get_num_threads()
     try:
         assert module.main(["--dim", "16", "--layers", "2", "--batch", "2", "--seq", "8",
