@@ -29,7 +29,6 @@ training moves the maps:
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import math
 import numbers
@@ -163,9 +162,10 @@ else:
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
-@functools.cache
-def _item_getter(names: tuple[str, ...]) -> Callable:
-    return operator.itemgetter(*names)  # as fast as indexing the dict once per name
+# names -> operator.itemgetter(*names), as fast as indexing a dict once per name. A plain dict,
+# not functools.cache: torch.compile traces through a dict lookup, and warns at a cached
+# function (it cannot see whether the cache may be skipped).
+_ITEM_GETTERS: dict[tuple[str, ...], Callable] = {}
 
 
 class Connection(nn.Module):
@@ -346,8 +346,11 @@ class Connection(nn.Module):
         """The parameters (or buffers) called names (two or more), read from _parameters
         where they all are: Module.__getattr__ costs a decoding step time. Otherwise (a
         parametrization or a subclass moved one, or one is a buffer) the attributes."""
+        getter = _ITEM_GETTERS.get(names)
+        if getter is None:
+            getter = _ITEM_GETTERS[names] = operator.itemgetter(*names)
         try:
-            return _item_getter(names)(self._parameters)
+            return getter(self._parameters)
         except KeyError:
             return tuple(getattr(self, name) for name in names)
 
