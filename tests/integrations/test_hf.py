@@ -242,6 +242,32 @@ def test_trains_with_transformers_trainer(tmp_path):
     assert len(moved) == len(before)  # every connection parameter was trained
 
 
+def test_trainer_resumes_the_connections(tmp_path):
+    """trainer.train(resume_from_checkpoint=...) on a freshly converted model: the Trainer
+    loads the checkpoint's model.safetensors into the model, which holds the connections too,
+    so they come back as trained (not as the new conversion's initial values), as do the
+    base model's weights."""
+    pytest.importorskip("accelerate")
+
+    def trainer(model):
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=3,
+            save_steps=3, learning_rate=3e-3, report_to=[], use_cpu=True, disable_tqdm=True,
+            seed=0,
+        )
+        return transformers.Trainer(model=model, args=args, train_dataset=_TextSet())
+
+    model = mhc_hf.convert(_model("llama"), "mhc", streams=4)
+    initial = dict(mhc_hf.connection_parameters(mhc_hf.convert(_model("llama"), "mhc", 4)))
+    trainer(model).train()
+    trained = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert all(not torch.equal(p, trained[n]) for n, p in initial.items())  # it trained them
+    fresh = mhc_hf.convert(_model("llama"), "mhc", streams=4)
+    trainer(fresh).train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    for name, p in fresh.named_parameters():
+        assert torch.equal(p, trained[name]), name
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_trainer_default_optimizer_decays_what_param_groups_decays(tmp_path, family):
     """exclude_from_weight_decay: Trainer's own optimizer, built by create_optimizer(), has the

@@ -176,9 +176,34 @@ def test_save_checks_the_keys_written(tmp_path, monkeypatch):
 # The connections' own file
 
 
+def test_weight_files_hold_the_connections(tmp_path):
+    """Tools that load transformers' weight files back into a converted model restore the
+    connections with the rest: transformers.Trainer resuming a checkpoint reads
+    model.safetensors, or every file its index names (one file, and sharded)."""
+    from safetensors.torch import load_file
+    from transformers.trainer_utils import load_sharded_checkpoint
+
+    model = _converted()
+    want = {k: v for k, v in model.state_dict().items() if ".mhc_" in k}
+    for name, kwargs in (("single", {}), ("sharded", {"max_shard_size": "20KB"})):
+        folder = mhc_hf.save_pretrained(model, tmp_path / name, **kwargs)
+        fresh = _converted(seed=1)
+        if name == "single":
+            result = fresh.load_state_dict(load_file(folder / "model.safetensors"), strict=False)
+        else:
+            assert (folder / "model.safetensors.index.json").is_file()
+            result = load_sharded_checkpoint(fresh, folder, strict=False)
+        assert not result.unexpected_keys and not set(want) & set(result.missing_keys)
+        got = fresh.state_dict()
+        assert all(torch.equal(got[k], v) for k, v in want.items()), name
+        assert _keys(folder / CONNECTIONS_FILE) == set(want)
+
+
 def test_mixtral_round_trip(tmp_path):
     """transformers renames Mixtral's keys on save with `.mlp.` -> `.block_sparse_moe.`, a
-    pattern that also matches `_mlp.` in the connections' keys."""
+    pattern that also matches `_mlp.` in the connections' keys: its weight files are written
+    without the connections (half of them renamed would restore half), which load from their
+    own file."""
     config = transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2)
     model = _converted(transformers.MixtralForCausalLM, config)
     ids, mask = _batch()

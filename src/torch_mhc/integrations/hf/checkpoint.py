@@ -8,12 +8,15 @@ A converted checkpoint is a transformers checkpoint of the original architecture
 "torch_mhc", the base model's config inside it, `mhc_conversion` = {"kind", "streams",
 "options"}; see portable.py), the code that loads it with transformers alone, and
 `mhc_connections.safetensors`: the connections' tensors under the converted model's own
-state-dict keys (`model.layers.<i>.mhc_attn.phi` etc.). They are kept out of transformers'
-weight files because transformers renames keys on save with per-model regexes, and some of
-them rewrite ours (Mixtral turns `.mhc_mlp.` into `.mhc.block_sparse_moe.`, its pattern
-`.mlp.` having unescaped dots). Checkpoints of the earlier formats still load: a config.json
-of the base architecture carrying `mhc_conversion`, with the connections in their own file or
-in the transformers weight files.
+state-dict keys (`model.layers.<i>.mhc_attn.phi` etc.). Loading reads them from that file:
+transformers renames keys on save with per-model regexes, and some of them rewrite ours
+(Mixtral turns `.mhc_mlp.` into `.mhc.block_sparse_moe.`, its pattern `.mlp.` having
+unescaped dots). The weight files hold them too where their keys come through transformers'
+save unchanged (every family but Mixtral among those tested), so that tools which load the
+weight files back into the model, transformers.Trainer resuming a checkpoint, restore them.
+Checkpoints of the earlier formats still load: a config.json of the base architecture
+carrying `mhc_conversion`, with the connections in their own file or in the transformers
+weight files.
 
 convert() makes a converted model's own save_pretrained (hence transformers.Trainer's
 checkpoints and push_to_hub) write this same checkpoint.
@@ -26,7 +29,6 @@ checking that each is present, floating point, finite and of the shape the conve
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import json
 import os
@@ -48,13 +50,15 @@ from torch_mhc.integrations.hf.convert import (
 from torch_mhc.integrations.hf.hub import is_repo_id, resolve_folder
 from torch_mhc.integrations.hf.layers import is_converted
 from torch_mhc.integrations.hf.portable import TorchMHCConfig, is_portable, write_portable
-from torch_mhc.integrations.hf.remote.configuration_torch_mhc import LOADING_OPTIONS
+from torch_mhc.integrations.hf.remote.configuration_torch_mhc import (
+    LOADING_OPTIONS,
+    ignoring_connection_keys,
+)
 from torch_mhc.runtime.files import fsync_dir
 
 __all__ = ["save_pretrained", "from_pretrained", "push_to_hub"]
 
 CONNECTIONS_FILE = "mhc_connections.safetensors"
-CONNECTION_KEY = r"\.mhc_(attn|mlp)\."  # regex on state dict keys of converted layers
 _MARK = (".mhc_attn.", ".mhc_mlp.")
 # Weight files of an earlier save that the new one does not overwrite: left in place, transformers
 # could load them instead of (or mixed with) the new weights.
@@ -163,7 +167,8 @@ def _check_saveable(model: nn.Module, kwargs: dict) -> None:
 
 
 def _write_checkpoint(model: nn.Module, folder: Path, kwargs: dict) -> None:
-    """transformers' checkpoint without the connections, and the connections' own file."""
+    """transformers' checkpoint (the connections in it where their keys survive its save),
+    and the connections' own file."""
     from safetensors.torch import save_file
 
     kwargs = dict(kwargs)
@@ -178,8 +183,18 @@ def _write_checkpoint(model: nn.Module, folder: Path, kwargs: dict) -> None:
         )
     _INNER.model = model
     try:
-        model.save_pretrained(folder, state_dict={k: v for k, v in state.items()
-                                                  if k not in connections}, **kwargs)
+        # The connections go into transformers' weight files too, under the model's own keys:
+        # tools that load those files back into the model (Trainer's resume_from_checkpoint
+        # and load_best_model_at_end) then restore them with the rest. Where transformers
+        # renamed any of them on the way, they are left out (a model restored with some of
+        # its connections would be silently inconsistent): their own file holds them all.
+        model.save_pretrained(folder, state_dict=state, **kwargs)
+        if not set(connections) <= _written_keys(folder):  # a renamed key is missing
+            for f in folder.iterdir():
+                if any(fnmatch.fnmatchcase(f.name, pattern) for pattern in _STALE):
+                    f.unlink()
+            model.save_pretrained(folder, state_dict={k: v for k, v in state.items()
+                                                      if k not in connections}, **kwargs)
     finally:
         _INNER.model = None
     write_portable(model, folder)
@@ -188,6 +203,21 @@ def _write_checkpoint(model: nn.Module, folder: Path, kwargs: dict) -> None:
     # saved twice must be the same bytes (the version is in config.json's mhc_conversion)
     save_file(tensors, str(folder / CONNECTIONS_FILE), metadata={"format": "pt"})
     _check_written(folder, set(connections))
+
+
+def _written_keys(folder: Path) -> set[str]:
+    """The keys of the safetensors weight files transformers wrote into folder (from their
+    indexes where sharded; empty where it wrote none, e.g. pytorch_model.bin)."""
+    from safetensors import safe_open
+
+    indexes = sorted(folder.glob("model*.safetensors.index*.json"))
+    if indexes:
+        return {k for i in indexes for k in json.loads(i.read_text())["weight_map"]}
+    keys = set()
+    for f in sorted(folder.glob("model*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            keys.update(st.keys())
+    return keys
 
 
 def _check_written(folder: Path, expected: set[str]) -> None:
@@ -286,7 +316,7 @@ def from_pretrained(path: str | os.PathLike, **kwargs) -> nn.Module:
     conversion = _conversion_record(config, tensors, path)
     cls = _model_class(config, path)
     _check_device_map(kwargs.get("device_map"))
-    with _ignoring_connection_keys(cls):
+    with ignoring_connection_keys(cls):
         model = cls.from_pretrained(path, **kwargs)
     _check_not_dispatched(model, kwargs.get("device_map"))
     delattr(model.config, CONFIG_KEY)  # the plain model is converted now; convert() records it
@@ -418,24 +448,6 @@ def _weight_files(path: Path) -> list[Path]:
         f"{path}: expected model.safetensors or model.safetensors.index.json (save with "
         f"torch_mhc.hf.save_pretrained), found {sorted(p.name for p in path.iterdir())}"
     )
-
-
-@contextlib.contextmanager
-def _ignoring_connection_keys(cls: type):
-    """Earlier-format checkpoints hold the connection tensors in the weight files; they are
-    loaded after conversion, so transformers must not report them as unexpected. The class
-    attribute is read once, while the model is built."""
-    had = "_keys_to_ignore_on_load_unexpected" in cls.__dict__
-    previous = cls.__dict__.get("_keys_to_ignore_on_load_unexpected")
-    inherited = getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or []
-    cls._keys_to_ignore_on_load_unexpected = [*inherited, CONNECTION_KEY]
-    try:
-        yield
-    finally:
-        if had:
-            cls._keys_to_ignore_on_load_unexpected = previous
-        else:
-            del cls._keys_to_ignore_on_load_unexpected
 
 
 def _dispatch_error(device_map, placed) -> ValueError:

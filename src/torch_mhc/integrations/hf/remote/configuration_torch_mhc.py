@@ -9,6 +9,8 @@ branches). modeling_torch_mhc builds the base model from base_config and convert
 
 from __future__ import annotations
 
+import contextlib
+
 from transformers import PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -21,6 +23,27 @@ PASSED_ON = {"output_hidden_states": False, "return_dict": True, "output_attenti
 # Loading options the base class's from_pretrained takes in its **kwargs: passed to it, not set
 # on the base config (dtype="auto" there breaks the load; attn_implementation is lost there)
 LOADING_OPTIONS = ("dtype", "torch_dtype", "attn_implementation")
+# the connections' state-dict keys (model.layers.<i>.mhc_attn.phi, ...), as a regex
+CONNECTION_KEY = r"\.mhc_(attn|mlp)\."
+
+
+@contextlib.contextmanager
+def ignoring_connection_keys(cls: type):
+    """The weight files may hold the connections' tensors too (under the converted model's
+    keys, for tools that load them back into a converted model); the base class, built before
+    the conversion, must not report them as unexpected: they are loaded after it. The class
+    attribute is read once, while the model is built."""
+    had = "_keys_to_ignore_on_load_unexpected" in cls.__dict__
+    previous = cls.__dict__.get("_keys_to_ignore_on_load_unexpected")
+    inherited = getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or []
+    cls._keys_to_ignore_on_load_unexpected = [*inherited, CONNECTION_KEY]
+    try:
+        yield
+    finally:
+        if had:
+            cls._keys_to_ignore_on_load_unexpected = previous
+        else:
+            del cls._keys_to_ignore_on_load_unexpected
 
 
 class TorchMHCConfig(PretrainedConfig):

@@ -29,7 +29,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import PreTrainedModel
 
-from .configuration_torch_mhc import LOADING_OPTIONS, TorchMHCConfig
+from .configuration_torch_mhc import LOADING_OPTIONS, TorchMHCConfig, ignoring_connection_keys
 from .connections import MAX_LITE_STREAMS, make_connection
 
 CONNECTIONS_FILE = "mhc_connections.safetensors"
@@ -241,7 +241,8 @@ def load(path, config: TorchMHCConfig | None, model_args: tuple, kwargs: dict) -
     named = {k: v for k, v in kwargs.items() if k in params}
     base_config, unused = config.base(**{k: v for k, v in kwargs.items() if k not in params})
     file = cached_file(path, CONNECTIONS_FILE, **hub)
-    model = cls.from_pretrained(path, *model_args, config=base_config, **named, **unused)
+    with ignoring_connection_keys(cls):
+        model = cls.from_pretrained(path, *model_args, config=base_config, **named, **unused)
     convert(model, config.mhc_conversion, config.mhc_layers)
     load_connections(model, file)
     return model
