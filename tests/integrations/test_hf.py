@@ -360,11 +360,11 @@ def test_failed_save_leaves_the_old_checkpoint(tmp_path, monkeypatch):
     out_dir = mhc_hf.save_pretrained(model, tmp_path / "ckpt")
     before = {p.name: p.read_bytes() for p in out_dir.iterdir()}
 
-    def broken(path, **kwargs):
+    def broken(self, path, **kwargs):  # transformers' save, failing half-way
         (Path(path) / "config.json").write_text("{half")
         raise OSError("disk full")
 
-    monkeypatch.setattr(model, "save_pretrained", broken)
+    monkeypatch.setattr(type(model), "save_pretrained", broken)
     with pytest.raises(OSError, match="disk full"):
         mhc_hf.save_pretrained(model, out_dir)
     assert {p.name: p.read_bytes() for p in out_dir.iterdir()} == before

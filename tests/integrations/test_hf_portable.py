@@ -5,7 +5,8 @@ connections perturbed so that they matter, and saved twice: by torch_mhc.hf.save
 and by the model's own save_pretrained (transformers.Trainer's path). One subprocess, in
 which `import torch_mhc` fails, loads every folder with AutoModelForCausalLM: refused without
 trust_remote_code, and with it the same logits (within hf_cases.REL) and the same greedy
-generation; it also loads damaged folders, each refused with one line. Here, with torch-mhc
+generation; the model so loaded saves itself in the same form (which both loads again and
+torch-mhc loads); it also loads damaged folders, each refused with one line. Here, with torch-mhc
 imported, plain AutoModelForCausalLM.from_pretrained loads the library's model. No load
 changes a byte of a folder.
 """
@@ -31,6 +32,7 @@ from tests.helpers.hf_cases import COMMON, REL, V  # noqa: E402
 from tests.helpers.hf_cases import batch as _batch  # noqa: E402
 from tests.helpers.hf_cases import logits as _logits  # noqa: E402
 from tests.helpers.hf_cases import perturb_connections as _perturb  # noqa: E402
+from tests.helpers.hf_cases import rel as _rel  # noqa: E402
 from torch_mhc.integrations.hf.checkpoint import CONNECTIONS_FILE  # noqa: E402
 
 # family: (model, connection kind, streams, options)
@@ -80,10 +82,24 @@ for folder, case in cases["good"].items():
     auto = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype="auto",
                                                 attn_implementation="eager")
     options = [str(auto.dtype), auto.config._attn_implementation]
+    # saved again by the model's own save_pretrained (a Trainer's checkpoint of it): the same
+    # portable form, refused without remote code, the same logits with it
+    resaved = folder + "-resaved"
+    model.save_pretrained(resaved)
+    try:
+        AutoModelForCausalLM.from_pretrained(resaved)
+        resaved_refused = None
+    except ValueError as e:
+        resaved_refused = str(e)
+    again = AutoModelForCausalLM.from_pretrained(resaved, trust_remote_code=True).eval()
+    with torch.no_grad():
+        same = torch.equal(again(ref["ids"], attention_mask=ref["mask"]).logits, logits)
     out[folder] = {"refused": refused, "rel": rel, "options": options,
                    "same_tokens": torch.equal(tokens,
                    ref["tokens"]), "class": type(model).__name__,
-                   "layer": type(model.get_submodule(case["layer"])).__name__}
+                   "layer": type(model.get_submodule(case["layer"])).__name__,
+                   "resaved": {"refused": resaved_refused, "same_logits": same,
+                               "layer": type(again.get_submodule(case["layer"])).__name__}}
 for folder in cases["bad"]:
     try:
         AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
@@ -194,6 +210,13 @@ def test_portable_checkpoints_load_with_transformers_alone(tmp_path):
         assert got["same_tokens"], folder.name
         assert got["layer"].startswith("MHC"), got
         assert got["options"] == ["torch.float32", "eager"], (folder.name, got["options"])
+        resaved = got["resaved"]
+        assert resaved["refused"] is not None and "trust_remote_code=True" in resaved["refused"]
+        assert resaved["same_logits"] and resaved["layer"].startswith("MHC"), resaved
+        # and torch-mhc loads what the folder's own code saved, as its own model
+        ref = torch.load(cases[str(folder)]["ref"])
+        library = mhc_hf.from_pretrained(f"{folder}-resaved")
+        assert _rel(_logits(library, ref["ids"], ref["mask"]), ref["logits"]) <= REL
     for name, folder in bad.items():
         message = results[str(folder)]
         assert message is not None, f"{name}: loaded"

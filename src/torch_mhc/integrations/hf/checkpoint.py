@@ -29,12 +29,9 @@ checking that each is present, floating point, finite and of the shape the conve
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import os
-import shutil
 import tempfile
-import threading
 from pathlib import Path
 
 import torch
@@ -49,30 +46,23 @@ from torch_mhc.integrations.hf.convert import (
 )
 from torch_mhc.integrations.hf.hub import is_repo_id, resolve_folder
 from torch_mhc.integrations.hf.layers import is_converted
-from torch_mhc.integrations.hf.portable import TorchMHCConfig, is_portable, write_portable
+from torch_mhc.integrations.hf.portable import (
+    CODE_FILES,
+    TorchMHCConfig,
+    is_portable,
+    portable_config_of,
+)
+from torch_mhc.integrations.hf.remote.checkpoint_torch_mhc import (
+    CONNECTIONS_FILE,
+    is_connection,
+    write_folder,
+)
 from torch_mhc.integrations.hf.remote.configuration_torch_mhc import (
     LOADING_OPTIONS,
     ignoring_connection_keys,
 )
-from torch_mhc.runtime.files import fsync_dir
 
 __all__ = ["save_pretrained", "from_pretrained", "push_to_hub"]
-
-CONNECTIONS_FILE = "mhc_connections.safetensors"
-_MARK = (".mhc_attn.", ".mhc_mlp.")
-# Weight files of an earlier save that the new one does not overwrite: left in place, transformers
-# could load them instead of (or mixed with) the new weights.
-_STALE = ("model*.safetensors", "model*.safetensors.index*.json", "pytorch_model*.bin",
-          "pytorch_model*.bin.index*.json")
-
-
-def _is_connection(key: str) -> bool:
-    return any(m in key for m in _MARK)
-
-
-# The model whose transformers save_pretrained _write_checkpoint is running in this thread: its
-# own save_pretrained (ModelSave) then writes transformers' files only.
-_INNER = threading.local()
 
 
 class ModelSave:
@@ -83,8 +73,6 @@ class ModelSave:
         self.model = model
 
     def __call__(self, save_directory, **kwargs):
-        if getattr(_INNER, "model", None) is self.model:
-            return type(self.model).save_pretrained(self.model, save_directory, **kwargs)
         return save_pretrained(self.model, save_directory, **kwargs)
 
 
@@ -117,30 +105,11 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, **kwargs) -> Path
     process also leaves its hidden `.mhc-save-*` folder in `path`, which loading ignores and
     which can be deleted.
     """
-    _check_saveable(model, kwargs)
-    target = Path(path)
-    if kwargs.pop("is_main_process", True) is False:  # another process writes the folder
-        return target
-    if target.exists() and not target.is_dir():
-        raise FileExistsError(f"save_pretrained expects a folder path, {target} is a file")
-    created = not target.exists()
-    target.mkdir(parents=True, exist_ok=True)  # permissions from the umask, as os.makedirs
-    # Inside the target, not beside it: the renames stay on one file system even when the
-    # target is a mount point, and only the target needs to be writable (e.g. ".").
-    tmp = Path(tempfile.mkdtemp(prefix=".mhc-save-", dir=target))
-    try:
-        _write_checkpoint(model, tmp, kwargs)
-        _publish(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if created and not any(target.iterdir()):
-            target.rmdir()
-        raise
-    shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    _check_saveable(model)
+    return write_folder(model, path, kwargs, portable_config_of(model), CODE_FILES)
 
 
-def _check_saveable(model: nn.Module, kwargs: dict) -> None:
+def _check_saveable(model: nn.Module) -> None:
     if hasattr(model, "peft_config") and hasattr(model, "merge_and_unload"):  # a PeftModel
         raise ValueError(
             f"torch_mhc.hf.save_pretrained expects a converted transformers model, got a PEFT "
@@ -159,109 +128,6 @@ def _check_saveable(model: nn.Module, kwargs: dict) -> None:
             "its layers are plain (a config object shared with a model that was converted?); "
             "expected a model converted with torch_mhc.hf.convert"
         )
-    if kwargs.get("push_to_hub"):
-        raise ValueError(
-            "torch_mhc.hf.save_pretrained does not push (transformers would push the temporary "
-            "folder): use torch_mhc.hf.push_to_hub(model, repo_id)"
-        )
-
-
-def _write_checkpoint(model: nn.Module, folder: Path, kwargs: dict) -> None:
-    """transformers' checkpoint (the connections in it where their keys survive its save),
-    and the connections' own file."""
-    from safetensors.torch import save_file
-
-    kwargs = dict(kwargs)
-    state = kwargs.pop("state_dict", None)
-    state = model.state_dict() if state is None else state
-    connections = {k: v for k, v in state.items() if _is_connection(k)}
-    offloaded = [k for k, v in connections.items() if v.device.type == "meta"]
-    if offloaded:
-        raise ValueError(
-            f"the connection tensors {offloaded[:4]} are on the meta device (offloaded?); "
-            "expected a model whose connections are in memory"
-        )
-    _INNER.model = model
-    try:
-        # The connections go into transformers' weight files too, under the model's own keys:
-        # tools that load those files back into the model (Trainer's resume_from_checkpoint
-        # and load_best_model_at_end) then restore them with the rest. Where transformers
-        # renamed any of them on the way, they are left out (a model restored with some of
-        # its connections would be silently inconsistent): their own file holds them all.
-        model.save_pretrained(folder, state_dict=state, **kwargs)
-        if not set(connections) <= _written_keys(folder):  # a renamed key is missing
-            for f in folder.iterdir():
-                if any(fnmatch.fnmatchcase(f.name, pattern) for pattern in _STALE):
-                    f.unlink()
-            model.save_pretrained(folder, state_dict={k: v for k, v in state.items()
-                                                      if k not in connections}, **kwargs)
-    finally:
-        _INNER.model = None
-    write_portable(model, folder)
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in connections.items()}
-    # one metadata key: safetensors writes the metadata map in no fixed order, and a folder
-    # saved twice must be the same bytes (the version is in config.json's mhc_conversion)
-    save_file(tensors, str(folder / CONNECTIONS_FILE), metadata={"format": "pt"})
-    _check_written(folder, set(connections))
-
-
-def _written_keys(folder: Path) -> set[str]:
-    """The keys of the safetensors weight files transformers wrote into folder (from their
-    indexes where sharded; empty where it wrote none, e.g. pytorch_model.bin)."""
-    from safetensors import safe_open
-
-    indexes = sorted(folder.glob("model*.safetensors.index*.json"))
-    if indexes:
-        return {k for i in indexes for k in json.loads(i.read_text())["weight_map"]}
-    keys = set()
-    for f in sorted(folder.glob("model*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            keys.update(st.keys())
-    return keys
-
-
-def _check_written(folder: Path, expected: set[str]) -> None:
-    """Read back the connection keys that reached the disk: every one must be there."""
-    from safetensors import safe_open
-
-    with safe_open(str(folder / CONNECTIONS_FILE), framework="pt") as st:
-        written = set(st.keys())
-    missing = sorted(expected - written)
-    if missing:
-        raise ValueError(
-            f"{CONNECTIONS_FILE} was written without the connection tensors {missing[:4]}"
-            f"{' ...' if len(missing) > 4 else ''} ({len(written)} of {len(expected)} keys); "
-            "nothing was saved"
-        )
-
-
-def _publish(tmp: Path, target: Path) -> None:
-    """Rename every file of the complete checkpoint in tmp into target, then drop stale
-    weight files; each file's bytes are on disk before its name is."""
-    new = sorted(p for p in tmp.iterdir() if p.is_file())
-    umask = os.umask(0)
-    os.umask(umask)
-    for p in new:
-        # safetensors writes its files readable by their owner only; a checkpoint gets a plain
-        # file's permissions (0o666 minus the umask), as files.atomic_write gives.
-        p.chmod(0o666 & ~umask)
-        _fsync(p)
-    for p in new:
-        os.replace(p, target / p.name)
-    names = {p.name for p in new}
-    for p in target.iterdir():
-        if (p.name not in names and p.is_file()
-                and any(fnmatch.fnmatchcase(p.name, pattern) for pattern in _STALE)):
-            p.unlink()
-    fsync_dir(target)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ------------------------------------------------------------------------------------------
@@ -431,7 +297,7 @@ def _connection_tensors(path: Path) -> dict[str, torch.Tensor]:
     for f in _weight_files(path):
         with safe_open(str(f), framework="pt") as st:
             for key in st.keys():
-                if _is_connection(key):
+                if is_connection(key):
                     out[key] = st.get_tensor(key)
     return out
 
@@ -479,7 +345,7 @@ def _check_not_dispatched(model: nn.Module, device_map) -> None:
 
 
 def _load_connections(model: nn.Module, tensors: dict[str, torch.Tensor], path: Path) -> None:
-    wanted = {k: v for k, v in model.state_dict().items() if _is_connection(k)}
+    wanted = {k: v for k, v in model.state_dict().items() if is_connection(k)}
     missing = sorted(set(wanted) - set(tensors))
     unexpected = sorted(set(tensors) - set(wanted))
     if missing or unexpected:

@@ -1,7 +1,7 @@
 """The portable form of a converted checkpoint: an architecture of its own to transformers.
 
 A converted model's config.json is written with model_type "torch_mhc" and an auto_map that
-points transformers at the code saved beside the weights (three files of remote/ and three of
+points transformers at the code saved beside the weights (four files of remote/ and three of
 torch_mhc.functional), so that
 
     AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
@@ -20,28 +20,25 @@ the base model without its connections. config.json holds:
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 from torch import nn
 
-from torch_mhc.integrations.hf.convert import CONFIG_KEY
 from torch_mhc.integrations.hf.layers import is_converted
 from torch_mhc.integrations.hf.remote import CONVERTED_FILES, FUNCTIONAL_FILES, REMOTE_DIR
-from torch_mhc.integrations.hf.remote.configuration_torch_mhc import MODEL_TYPE, TorchMHCConfig
+from torch_mhc.integrations.hf.remote.configuration_torch_mhc import (
+    MODEL_TYPE,
+    TorchMHCConfig,
+    portable_config,
+)
 
-__all__ = ["CODE_FILES", "MODEL_TYPE", "TorchMHCConfig", "is_portable", "write_portable"]
+__all__ = ["CODE_FILES", "MODEL_TYPE", "TorchMHCConfig", "is_portable", "portable_config_of"]
 
 _FUNCTIONAL = Path(__file__).resolve().parents[2] / "functional"
 # the remote code, by its name in the folder
 CODE_FILES = {
     **{name: REMOTE_DIR / name for name in CONVERTED_FILES},
     **{name: _FUNCTIONAL / name for name in FUNCTIONAL_FILES},
-}
-AUTO_MAP = {
-    "AutoConfig": "configuration_torch_mhc.TorchMHCConfig",
-    "AutoModelForCausalLM": "modeling_torch_mhc.TorchMHCForCausalLM",
 }
 
 
@@ -61,24 +58,8 @@ def layers_record(model: nn.Module) -> dict:
     raise ValueError(f"{type(model).__name__} has no nn.ModuleList of converted decoder layers")
 
 
-def write_portable(model: nn.Module, folder: Path) -> None:
-    """Rewrite the base model's config.json in folder into the portable one and copy the code
-    files beside it."""
-    path = folder / "config.json"
-    base = json.loads(path.read_text())
-    conversion = base.pop(CONFIG_KEY)
-    config = {
-        "model_type": MODEL_TYPE,
-        "architectures": ["TorchMHCForCausalLM"],
-        "auto_map": dict(AUTO_MAP),
-        "base_model_type": base["model_type"],
-        "base_config": base,
-        CONFIG_KEY: conversion,
-        "mhc_layers": layers_record(model),
-    }
-    for key in ("dtype", "transformers_version"):
-        if key in base:
-            config[key] = base[key]
-    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    for name, source in CODE_FILES.items():
-        shutil.copyfile(source, folder / name)
+def portable_config_of(model: nn.Module):
+    """config.json's content for the converted model, from its base config.json as
+    transformers writes it (remote/checkpoint_torch_mhc.write_folder's portable_config)."""
+    layers = layers_record(model)
+    return lambda base: portable_config(base, layers)

@@ -23,6 +23,34 @@ PASSED_ON = {"output_hidden_states": False, "return_dict": True, "output_attenti
 # Loading options the base class's from_pretrained takes in its **kwargs: passed to it, not set
 # on the base config (dtype="auto" there breaks the load; attn_implementation is lost there)
 LOADING_OPTIONS = ("dtype", "torch_dtype", "attn_implementation")
+# where transformers finds this folder's code (config.json's auto_map)
+AUTO_MAP = {
+    "AutoConfig": "configuration_torch_mhc.TorchMHCConfig",
+    "AutoModelForCausalLM": "modeling_torch_mhc.TorchMHCForCausalLM",
+}
+
+
+def portable_config(base: dict, layers: dict) -> dict:
+    """config.json of a converted model from its base model's config.json as transformers
+    writes it (with the conversion recorded, under "mhc_conversion") and the layers' record
+    (mhc_layers)."""
+    base = dict(base)
+    conversion = base.pop("mhc_conversion")
+    config = {
+        "model_type": MODEL_TYPE,
+        "architectures": ["TorchMHCForCausalLM"],
+        "auto_map": dict(AUTO_MAP),
+        "base_model_type": base["model_type"],
+        "base_config": base,
+        "mhc_conversion": conversion,
+        "mhc_layers": layers,
+    }
+    for key in ("dtype", "transformers_version"):
+        if key in base:
+            config[key] = base[key]
+    return config
+
+
 # the connections' state-dict keys (model.layers.<i>.mhc_attn.phi, ...), as a regex
 CONNECTION_KEY = r"\.mhc_(attn|mlp)\."
 

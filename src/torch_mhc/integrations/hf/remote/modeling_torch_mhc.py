@@ -13,6 +13,10 @@ from torch_mhc.functional), under the same parameter names as the library's modu
 logits equal the library's up to float rounding. The option `impl` is ignored (there is only
 the reference here) and `check_finite` checks the maps and the branch outputs.
 
+The model's own save_pretrained (Trainer's checkpoints, push_to_hub) writes the folder in
+the same form, this code beside it (checkpoint_torch_mhc.py): it loads again as the converted
+model, not as the base model that transformers' own save would describe.
+
 Loading refuses, with one line, a conversion record or option out of range and connection
 tensors that are missing, extra, of another shape, not floating point or not finite.
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+from pathlib import Path
 
 import torch
 import transformers
@@ -29,11 +34,15 @@ from safetensors import safe_open
 from torch import nn
 from transformers import PreTrainedModel
 
-from .configuration_torch_mhc import LOADING_OPTIONS, TorchMHCConfig, ignoring_connection_keys
+from .checkpoint_torch_mhc import CODE_FILES, CONNECTIONS_FILE, is_connection, write_folder
+from .configuration_torch_mhc import (
+    LOADING_OPTIONS,
+    TorchMHCConfig,
+    ignoring_connection_keys,
+    portable_config,
+)
 from .connections import MAX_LITE_STREAMS, make_connection
 
-CONNECTIONS_FILE = "mhc_connections.safetensors"
-_MARK = (".mhc_attn.", ".mhc_mlp.")
 _IMPLS = ("auto", "reference", "cpu", "triton", "inductor")
 
 # ------------------------------------------------------------------------------------------
@@ -192,7 +201,7 @@ def load_connections(model: nn.Module, file: str) -> None:
     """Copy the connections' tensors from file into model, each checked first."""
     with safe_open(file, framework="pt") as st:
         tensors = {k: st.get_tensor(k) for k in st.keys()}
-    wanted = {k: v for k, v in model.state_dict().items() if any(m in k for m in _MARK)}
+    wanted = {k: v for k, v in model.state_dict().items() if is_connection(k)}
     missing, extra = sorted(set(wanted) - set(tensors)), sorted(set(tensors) - set(wanted))
     if missing or extra:
         raise ValueError(f"{file}: the connection tensors do not match the recorded conversion "
@@ -245,7 +254,25 @@ def load(path, config: TorchMHCConfig | None, model_args: tuple, kwargs: dict) -
         model = cls.from_pretrained(path, *model_args, config=base_config, **named, **unused)
     convert(model, config.mhc_conversion, config.mhc_layers)
     load_connections(model, file)
+    model.save_pretrained = PortableSave(model, config.mhc_layers)
     return model
+
+
+class PortableSave:
+    """The loaded model's own save_pretrained (an attribute of the instance, so that
+    transformers' callers, Trainer's checkpoints and push_to_hub, reach it): the folder in the
+    form it was loaded from, with this code beside it, so that it loads again as the converted
+    model (transformers' own save would write the base model's config, which loads as the base
+    model without its connections)."""
+
+    def __init__(self, model: nn.Module, layers: dict):
+        self.model, self.layers = model, layers
+
+    def __call__(self, save_directory, **kwargs):
+        here = Path(__file__).resolve().parent
+        return write_folder(self.model, save_directory, kwargs,
+                            lambda base: portable_config(base, self.layers),
+                            {name: here / name for name in CODE_FILES})
 
 
 class TorchMHCForCausalLM(PreTrainedModel):
