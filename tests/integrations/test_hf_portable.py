@@ -64,14 +64,19 @@ except ImportError:
 import torch
 from transformers import AutoModelForCausalLM
 
+
+def refusal(folder):  # transformers' refusal without trust_remote_code (None: it loaded)
+    try:
+        AutoModelForCausalLM.from_pretrained(folder)
+        return None
+    except ValueError as e:
+        return str(e)
+
+
 cases = json.load(open("cases.json"))
 out = {}
 for folder, case in cases["good"].items():
-    try:
-        AutoModelForCausalLM.from_pretrained(folder)
-        refused = None
-    except ValueError as e:
-        refused = str(e)
+    refused = refusal(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
     ref = torch.load(case["ref"])
     with torch.no_grad():
@@ -86,11 +91,7 @@ for folder, case in cases["good"].items():
     # portable form, refused without remote code, the same logits with it
     resaved = folder + "-resaved"
     model.save_pretrained(resaved)
-    try:
-        AutoModelForCausalLM.from_pretrained(resaved)
-        resaved_refused = None
-    except ValueError as e:
-        resaved_refused = str(e)
+    resaved_refused = refusal(resaved)
     again = AutoModelForCausalLM.from_pretrained(resaved, trust_remote_code=True).eval()
     with torch.no_grad():
         same = torch.equal(again(ref["ids"], attention_mask=ref["mask"]).logits, logits)
