@@ -5,7 +5,7 @@ connections perturbed so that they matter, and saved twice: by torch_mhc.hf.save
 and by the model's own save_pretrained (transformers.Trainer's path). One subprocess, in
 which `import torch_mhc` fails, loads every folder with AutoModelForCausalLM: refused without
 trust_remote_code, and with it the same logits (within hf_cases.REL) and the same greedy
-generation; the model so loaded saves itself in the same form (which both loads again and
+generation, and it pickles; the model so loaded saves itself in the same form (which both loads again and
 torch-mhc loads); it also loads damaged folders, each refused with one line. Here, with torch-mhc
 imported, plain AutoModelForCausalLM.from_pretrained loads the library's model. No load
 changes a byte of a folder.
@@ -54,7 +54,7 @@ GEN = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
 
 # Runs with torch_mhc unimportable: loads every folder of cases.json, writes results.json.
 WORKER = r"""
-import json, sys
+import io, json, sys
 sys.modules["torch_mhc"] = None
 try:
     import torch_mhc  # noqa: F401
@@ -83,6 +83,12 @@ for folder, case in cases["good"].items():
         logits = model(ref["ids"], attention_mask=ref["mask"]).logits
     tokens = model.generate(ref["prompt"], attention_mask=ref["prompt_mask"], **cases["gen"])
     rel = ((logits - ref["logits"]).abs().max() / ref["logits"].abs().max()).item()
+    buffer = io.BytesIO()  # pickled and back, as the model torch-mhc loads
+    torch.save(model, buffer)
+    buffer.seek(0)
+    with torch.no_grad():
+        copy = torch.load(buffer, weights_only=False)
+        pickled = torch.equal(copy(ref["ids"], attention_mask=ref["mask"]).logits, logits)
     # from_pretrained's own loading options reach it, not the base config
     auto = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype="auto",
                                                 attn_implementation="eager")
@@ -95,7 +101,7 @@ for folder, case in cases["good"].items():
     again = AutoModelForCausalLM.from_pretrained(resaved, trust_remote_code=True).eval()
     with torch.no_grad():
         same = torch.equal(again(ref["ids"], attention_mask=ref["mask"]).logits, logits)
-    out[folder] = {"refused": refused, "rel": rel, "options": options,
+    out[folder] = {"refused": refused, "rel": rel, "options": options, "pickled": pickled,
                    "same_tokens": torch.equal(tokens,
                    ref["tokens"]), "class": type(model).__name__,
                    "layer": type(model.get_submodule(case["layer"])).__name__,
@@ -211,6 +217,7 @@ def test_portable_checkpoints_load_with_transformers_alone(tmp_path):
         assert got["same_tokens"], folder.name
         assert got["layer"].startswith("MHC"), got
         assert got["options"] == ["torch.float32", "eager"], (folder.name, got["options"])
+        assert got["pickled"], folder.name
         resaved = got["resaved"]
         assert resaved["refused"] is not None and "trust_remote_code=True" in resaved["refused"]
         assert resaved["same_logits"] and resaved["layer"].startswith("MHC"), resaved

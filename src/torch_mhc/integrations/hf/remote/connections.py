@@ -157,10 +157,22 @@ class MhcResVariant(Connection):
         return res(z, self._constants[z.device])
 
 
+# one class per kind, defined at module level so that pickle finds each by its name
+class MhcLite(MhcResVariant):
+    kind = "mhc-lite"
+
+
+class Kromhc(MhcResVariant):
+    kind = "kromhc"
+
+
+class MhcStaticRes(MhcResVariant):
+    kind = "mhc-static-res"
+
+
 CONNECTIONS = {
     "residual": Residual, "hc": HyperConnection, "mhc": ManifoldHyperConnection,
-    **{kind: type(kind.title().replace("-", ""), (MhcResVariant,), {"kind": kind})
-       for kind in ("mhc-lite", "kromhc", "mhc-static-res")},
+    "mhc-lite": MhcLite, "kromhc": Kromhc, "mhc-static-res": MhcStaticRes,
 }
 
 

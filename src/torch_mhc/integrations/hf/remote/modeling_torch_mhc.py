@@ -149,6 +149,19 @@ def _converted_forward(self, hidden_states, *args, **kwargs):
     return x.mean(dim=-2) if self._mhc_last else x
 
 
+def _reduce_ex(self, protocol: int):
+    # pickle finds a class by its module and name, and the generated class is in no module
+    # until a load in this process builds it: pickle the (importable) base class and rebuild
+    # the subclass from it. The state comes third so that the connections' branches can
+    # refer back to this layer.
+    return _unpickle_converted, (type(self)._mhc_base,), self.__getstate__()
+
+
+def _unpickle_converted(base: type) -> nn.Module:
+    cls = converted_class(base)
+    return cls.__new__(cls)
+
+
 _CLASSES: dict = {}
 
 
@@ -156,7 +169,8 @@ def converted_class(cls: type) -> type:
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"MHC{cls.__name__}", (cls,), {
             "forward": _converted_forward, "_mhc_attn_branch": _mhc_attn_branch,
-            "_mhc_mlp_branch": _mhc_mlp_branch, "__module__": __name__})
+            "_mhc_mlp_branch": _mhc_mlp_branch, "_mhc_base": cls,
+            "__reduce_ex__": _reduce_ex, "__module__": __name__})
     return _CLASSES[cls]
 
 
