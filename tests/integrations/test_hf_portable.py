@@ -5,10 +5,10 @@ connections perturbed so that they matter, and saved twice: by torch_mhc.hf.save
 and by the model's own save_pretrained (transformers.Trainer's path). One subprocess, in
 which `import torch_mhc` fails, loads every folder with AutoModelForCausalLM: refused without
 trust_remote_code, and with it the same logits (within hf_cases.REL) and the same greedy
-generation, and it pickles; the model so loaded saves itself in the same form (which both loads again and
-torch-mhc loads); it also loads damaged folders, each refused with one line. Here, with torch-mhc
-imported, plain AutoModelForCausalLM.from_pretrained loads the library's model. No load
-changes a byte of a folder.
+generation, and it pickles; the model so loaded saves itself in the same form (which both
+loads again and torch-mhc loads); it also loads damaged folders, each refused with one line.
+Here, with torch-mhc imported, plain AutoModelForCausalLM.from_pretrained loads the library's
+model. No load changes a byte of a folder.
 """
 
 from __future__ import annotations
