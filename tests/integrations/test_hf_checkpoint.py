@@ -176,18 +176,30 @@ def test_save_checks_the_keys_written(tmp_path, monkeypatch):
 # The connections' own file
 
 
-def test_weight_files_hold_the_connections(tmp_path):
+FAMILIES = {  # the converter's families whose keys transformers saves as they are
+    "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig(**COMMON)),
+    "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig(**COMMON)),
+    "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**COMMON)),
+    "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**COMMON, head_dim=8)),
+    "gpt2": (transformers.GPT2LMHeadModel, transformers.GPT2Config(
+        vocab_size=COMMON["vocab_size"], n_embd=32, n_layer=2, n_head=4, n_positions=64)),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_weight_files_hold_the_connections(tmp_path, family):
     """Tools that load transformers' weight files back into a converted model restore the
     connections with the rest: transformers.Trainer resuming a checkpoint reads
     model.safetensors, or every file its index names (one file, and sharded)."""
     from safetensors.torch import load_file
     from transformers.trainer_utils import load_sharded_checkpoint
 
-    model = _converted()
+    cls, config = FAMILIES[family]
+    model = _converted(cls, config)
     want = {k: v for k, v in model.state_dict().items() if ".mhc_" in k}
     for name, kwargs in (("single", {}), ("sharded", {"max_shard_size": "20KB"})):
         folder = mhc_hf.save_pretrained(model, tmp_path / name, **kwargs)
-        fresh = _converted(seed=1)
+        fresh = _converted(cls, config, seed=1)
         if name == "single":
             result = fresh.load_state_dict(load_file(folder / "model.safetensors"), strict=False)
         else:
@@ -217,6 +229,27 @@ def test_mixtral_round_trip(tmp_path):
     loaded = mhc_hf.from_pretrained(folder)
     assert type(loaded) is type(model)
     assert torch.equal(_logits(loaded, ids, mask), ref)
+
+
+def test_each_save_gets_a_state_dict_of_its_own(tmp_path, monkeypatch):
+    """transformers' save pops the entries of the state_dict it is given (for an offloaded
+    model, from that very dict): Mixtral's second save, without the connections, still gets
+    every weight."""
+    config = transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2)
+    model = _converted(transformers.MixtralForCausalLM, config)
+    ids, mask = _batch()
+    ref = _logits(model, ids, mask)
+    save = type(model).save_pretrained
+
+    def emptying(self, path, state_dict=None, **kwargs):
+        given = dict(state_dict)
+        state_dict.clear()
+        return save(self, path, state_dict=given, **kwargs)
+
+    monkeypatch.setattr(type(model), "save_pretrained", emptying)
+    folder = mhc_hf.save_pretrained(model, tmp_path / "mixtral")
+    monkeypatch.undo()
+    assert torch.equal(_logits(mhc_hf.from_pretrained(folder), ids, mask), ref)
 
 
 def test_earlier_format_still_loads(tmp_path):

@@ -25,7 +25,8 @@ from pathlib import Path
 from torch import nn
 
 from torch_mhc.integrations.hf.layers import is_converted
-from torch_mhc.integrations.hf.remote import CONVERTED_FILES, FUNCTIONAL_FILES, REMOTE_DIR
+from torch_mhc.integrations.hf.remote import FUNCTIONAL_FILES, REMOTE_DIR
+from torch_mhc.integrations.hf.remote.checkpoint_torch_mhc import CODE_FILES as _CODE_NAMES
 from torch_mhc.integrations.hf.remote.configuration_torch_mhc import (
     MODEL_TYPE,
     TorchMHCConfig,
@@ -35,11 +36,9 @@ from torch_mhc.integrations.hf.remote.configuration_torch_mhc import (
 __all__ = ["CODE_FILES", "MODEL_TYPE", "TorchMHCConfig", "is_portable", "portable_config_of"]
 
 _FUNCTIONAL = Path(__file__).resolve().parents[2] / "functional"
-# the remote code, by its name in the folder
-CODE_FILES = {
-    **{name: REMOTE_DIR / name for name in CONVERTED_FILES},
-    **{name: _FUNCTIONAL / name for name in FUNCTIONAL_FILES},
-}
+# the remote code, by its name in the folder: the file to copy there
+CODE_FILES = {name: (_FUNCTIONAL if name in FUNCTIONAL_FILES else REMOTE_DIR) / name
+              for name in _CODE_NAMES}
 
 
 def is_portable(config_dict: dict) -> bool:

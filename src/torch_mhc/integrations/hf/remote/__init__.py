@@ -14,12 +14,11 @@ the functional copies as their siblings.
 
 from pathlib import Path
 
-__all__ = ["CONVERTED_FILES", "FUNCTIONAL_FILES", "LM_FILES", "REMOTE_DIR"]
+__all__ = ["FUNCTIONAL_FILES", "LM_FILES", "REMOTE_DIR"]
 
 REMOTE_DIR = Path(__file__).resolve().parent
 # copied from torch_mhc/functional into every folder
 FUNCTIONAL_FILES = ("sinkhorn.py", "maps.py", "successors.py")
-# copied from this folder, per kind of folder
-CONVERTED_FILES = ("configuration_torch_mhc.py", "modeling_torch_mhc.py", "connections.py",
-                   "checkpoint_torch_mhc.py")
+# copied from this folder into an exported run's folder (a converted model's folder: the
+# names checkpoint_torch_mhc.CODE_FILES lists)
 LM_FILES = ("configuration_torch_mhc_lm.py", "modeling_torch_mhc_lm.py", "connections.py")

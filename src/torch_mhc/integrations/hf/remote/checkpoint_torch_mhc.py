@@ -29,8 +29,10 @@ import safetensors.torch
 from safetensors import safe_open
 from torch import nn
 
+from .configuration_torch_mhc import CONNECTION_MODULES
+
 CONNECTIONS_FILE = "mhc_connections.safetensors"
-MARK = (".mhc_attn.", ".mhc_mlp.")  # in the state-dict keys of the connections
+MARK = tuple(f".{name}." for name in CONNECTION_MODULES)  # in the connections' state-dict keys
 # The code a folder carries: this folder's modules and the maths they import
 CODE_FILES = ("configuration_torch_mhc.py", "modeling_torch_mhc.py", "connections.py",
               "checkpoint_torch_mhc.py", "sinkhorn.py", "maps.py", "successors.py")
@@ -98,9 +100,11 @@ def _write(model: nn.Module, folder: Path, kwargs: dict, portable_config,
     # load_best_model_at_end) then restore them with the rest. Where transformers renamed any
     # of them on the way, they are left out (a model restored with some of its connections
     # would be silently inconsistent): their own file holds them all.
+    # (Each save gets a dict of its own: transformers pops the entries of the one it is given.)
     save = type(model).save_pretrained
-    save(model, folder, state_dict=state, **kwargs)
-    if not set(connections) <= _written_keys(folder):  # a renamed key is missing
+    save(model, folder, state_dict=dict(state), **kwargs)
+    written = _written_keys(folder)
+    if written and not set(connections) <= written:  # a renamed key is missing
         for f in folder.iterdir():
             if any(fnmatch.fnmatchcase(f.name, pattern) for pattern in STALE):
                 f.unlink()
@@ -121,7 +125,7 @@ def _write(model: nn.Module, folder: Path, kwargs: dict, portable_config,
 
 def _written_keys(folder: Path) -> set[str]:
     """The keys of the safetensors weight files transformers wrote into folder (from their
-    indexes where sharded; empty where it wrote none, e.g. pytorch_model.bin)."""
+    indexes where sharded; empty where it wrote none, e.g. a distributed checkpoint)."""
     indexes = sorted(folder.glob("model*.safetensors.index*.json"))
     if indexes:
         return {k for i in indexes for k in json.loads(i.read_text())["weight_map"]}

@@ -51,8 +51,10 @@ def portable_config(base: dict, layers: dict) -> dict:
     return config
 
 
-# the connections' state-dict keys (model.layers.<i>.mhc_attn.phi, ...), as a regex
-CONNECTION_KEY = r"\.mhc_(attn|mlp)\."
+# the connections' names in a converted decoder layer, and their state-dict keys
+# (model.layers.<i>.mhc_attn.phi, ...) as a regex
+CONNECTION_MODULES = ("mhc_attn", "mhc_mlp")
+CONNECTION_KEY = r"\.(" + "|".join(CONNECTION_MODULES) + r")\."
 
 
 @contextlib.contextmanager

@@ -152,8 +152,7 @@ def _converted_forward(self, hidden_states, *args, **kwargs):
 def _reduce_ex(self, protocol: int):
     # pickle finds a class by its module and name, and the generated class is in no module
     # until a load in this process builds it: pickle the (importable) base class and rebuild
-    # the subclass from it. The state comes third so that the connections' branches can
-    # refer back to this layer.
+    # the subclass from it.
     return _unpickle_converted, (type(self)._mhc_base,), self.__getstate__()
 
 
