@@ -163,8 +163,7 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
 # names -> operator.itemgetter(*names), as fast as indexing a dict once per name. A plain dict,
-# not functools.cache: torch.compile traces through a dict lookup, and warns at a cached
-# function (it cannot see whether the cache may be skipped).
+# not functools.cache, at which torch.compile warns (own_tensors does not use it there).
 _ITEM_GETTERS: dict[tuple[str, ...], Callable] = {}
 
 
@@ -345,7 +344,10 @@ class Connection(nn.Module):
     def own_tensors(self, names: tuple[str, ...]) -> tuple:
         """The parameters (or buffers) called names (two or more), read from _parameters
         where they all are: Module.__getattr__ costs a decoding step time. Otherwise (a
-        parametrization or a subclass moved one, or one is a buffer) the attributes."""
+        parametrization or a subclass moved one, or one is a buffer) the attributes; so too
+        under torch.compile, which traces attributes but cannot call a stored itemgetter."""
+        if _compiling():
+            return tuple(getattr(self, name) for name in names)
         getter = _ITEM_GETTERS.get(names)
         if getter is None:
             getter = _ITEM_GETTERS[names] = operator.itemgetter(*names)
