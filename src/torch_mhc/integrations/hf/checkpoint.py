@@ -50,7 +50,7 @@ from torch_mhc.integrations.hf.portable import (
     CODE_FILES,
     TorchMHCConfig,
     is_portable,
-    portable_config_of,
+    layers_record,
 )
 from torch_mhc.integrations.hf.remote.checkpoint_torch_mhc import (
     CONNECTIONS_FILE,
@@ -106,7 +106,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, **kwargs) -> Path
     which can be deleted.
     """
     _check_saveable(model)
-    return write_folder(model, path, kwargs, portable_config_of(model), CODE_FILES)
+    return write_folder(model, path, kwargs, layers_record(model), CODE_FILES)
 
 
 def _check_saveable(model: nn.Module) -> None:

@@ -34,10 +34,11 @@ from torch_mhc.integrations.hf.layers import (
     find_decoder_layers,
     is_converted,
 )
+from torch_mhc.integrations.hf.remote.configuration_torch_mhc import CONVERSION_KEY
 
 __all__ = ["convert", "connection_parameters", "train_only_connections", "CONFIG_KEY"]
 
-CONFIG_KEY = "mhc_conversion"  # the attribute of model.config that records the conversion
+CONFIG_KEY = CONVERSION_KEY  # the attribute of model.config that records the conversion
 # Called with every converted model: checkpoint.py adds the hook that makes the model's own
 # save_pretrained write the portable checkpoint (it imports this module, so not the reverse).
 ON_CONVERT: list = []

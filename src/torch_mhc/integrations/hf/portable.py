@@ -27,13 +27,9 @@ from torch import nn
 from torch_mhc.integrations.hf.layers import is_converted
 from torch_mhc.integrations.hf.remote import FUNCTIONAL_FILES, REMOTE_DIR
 from torch_mhc.integrations.hf.remote.checkpoint_torch_mhc import CODE_FILES as _CODE_NAMES
-from torch_mhc.integrations.hf.remote.configuration_torch_mhc import (
-    MODEL_TYPE,
-    TorchMHCConfig,
-    portable_config,
-)
+from torch_mhc.integrations.hf.remote.configuration_torch_mhc import MODEL_TYPE, TorchMHCConfig
 
-__all__ = ["CODE_FILES", "MODEL_TYPE", "TorchMHCConfig", "is_portable", "portable_config_of"]
+__all__ = ["CODE_FILES", "MODEL_TYPE", "TorchMHCConfig", "is_portable", "layers_record"]
 
 _FUNCTIONAL = Path(__file__).resolve().parents[2] / "functional"
 # the remote code, by its name in the folder: the file to copy there
@@ -55,10 +51,3 @@ def layers_record(model: nn.Module) -> dict:
                 {"norm1": s.norm1, "attn": s.attn, "norm2": s.norm2, "mlp": s.mlp,
                  "arg_names": list(s.arg_names)} for s in specs]}
     raise ValueError(f"{type(model).__name__} has no nn.ModuleList of converted decoder layers")
-
-
-def portable_config_of(model: nn.Module):
-    """config.json's content for the converted model, from its base config.json as
-    transformers writes it (remote/checkpoint_torch_mhc.write_folder's portable_config)."""
-    layers = layers_record(model)
-    return lambda base: portable_config(base, layers)

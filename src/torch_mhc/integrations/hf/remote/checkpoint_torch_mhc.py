@@ -29,7 +29,7 @@ import safetensors.torch
 from safetensors import safe_open
 from torch import nn
 
-from .configuration_torch_mhc import CONNECTION_MODULES
+from .configuration_torch_mhc import CONNECTION_MODULES, portable_config
 
 CONNECTIONS_FILE = "mhc_connections.safetensors"
 MARK = tuple(f".{name}." for name in CONNECTION_MODULES)  # in the connections' state-dict keys
@@ -46,14 +46,12 @@ def is_connection(key: str) -> bool:
     return any(m in key for m in MARK)
 
 
-def write_folder(model: nn.Module, path, kwargs: dict, portable_config,
-                 code_files: dict) -> Path:
+def write_folder(model: nn.Module, path, kwargs: dict, layers: dict, code_files: dict) -> Path:
     """Save the converted model into the folder path (created if missing); returns it.
 
     kwargs: transformers' save_pretrained's (state_dict, max_shard_size, ...);
-    is_main_process=False writes nothing. portable_config(base): config.json's content from
-    the base model's config.json as transformers wrote it. code_files: {name in the folder:
-    the file to copy there}."""
+    is_main_process=False writes nothing. layers: config.json's mhc_layers (portable_config).
+    code_files: {name in the folder: the file to copy there}."""
     kwargs = dict(kwargs)
     target = Path(path)
     if kwargs.pop("is_main_process", True) is False:  # another process writes the folder
@@ -72,7 +70,7 @@ def write_folder(model: nn.Module, path, kwargs: dict, portable_config,
     # target is a mount point, and only the target needs to be writable (e.g. ".").
     tmp = Path(tempfile.mkdtemp(prefix=".mhc-save-", dir=target))
     try:
-        _write(model, tmp, kwargs, portable_config, code_files)
+        _write(model, tmp, kwargs, layers, code_files)
         _publish(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -83,7 +81,7 @@ def write_folder(model: nn.Module, path, kwargs: dict, portable_config,
     return target
 
 
-def _write(model: nn.Module, folder: Path, kwargs: dict, portable_config,
+def _write(model: nn.Module, folder: Path, kwargs: dict, layers: dict,
            code_files: dict) -> None:
     state = kwargs.pop("state_dict", None)
     state = model.state_dict() if state is None else state
@@ -111,8 +109,8 @@ def _write(model: nn.Module, folder: Path, kwargs: dict, portable_config,
         save(model, folder, state_dict={k: v for k, v in state.items()
                                         if k not in connections}, **kwargs)
     config = folder / "config.json"
-    config.write_text(json.dumps(portable_config(json.loads(config.read_text())), indent=2,
-                                 sort_keys=True) + "\n")
+    config.write_text(json.dumps(portable_config(json.loads(config.read_text()), layers),
+                                 indent=2, sort_keys=True) + "\n")
     for name, source in code_files.items():
         shutil.copyfile(source, folder / name)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in connections.items()}

@@ -16,7 +16,8 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 MODEL_TYPE = "torch_mhc"
 # the keys this config adds to a transformers config
-OWN_KEYS = ("base_model_type", "base_config", "mhc_conversion", "mhc_layers")
+CONVERSION_KEY = "mhc_conversion"  # the base config's attribute that records the conversion
+OWN_KEYS = ("base_model_type", "base_config", CONVERSION_KEY, "mhc_layers")
 # settings a load may pass (AutoModel puts them on this config), with their defaults: a value
 # other than the default reaches the base config
 PASSED_ON = {"output_hidden_states": False, "return_dict": True, "output_attentions": False}
@@ -32,17 +33,17 @@ AUTO_MAP = {
 
 def portable_config(base: dict, layers: dict) -> dict:
     """config.json of a converted model from its base model's config.json as transformers
-    writes it (with the conversion recorded, under "mhc_conversion") and the layers' record
+    writes it (with the conversion recorded, under CONVERSION_KEY) and the layers' record
     (mhc_layers)."""
     base = dict(base)
-    conversion = base.pop("mhc_conversion")
+    conversion = base.pop(CONVERSION_KEY)
     config = {
         "model_type": MODEL_TYPE,
         "architectures": ["TorchMHCForCausalLM"],
         "auto_map": dict(AUTO_MAP),
         "base_model_type": base["model_type"],
         "base_config": base,
-        "mhc_conversion": conversion,
+        CONVERSION_KEY: conversion,
         "mhc_layers": layers,
     }
     for key in ("dtype", "transformers_version"):

@@ -35,12 +35,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .checkpoint_torch_mhc import CODE_FILES, CONNECTIONS_FILE, is_connection, write_folder
-from .configuration_torch_mhc import (
-    LOADING_OPTIONS,
-    TorchMHCConfig,
-    ignoring_connection_keys,
-    portable_config,
-)
+from .configuration_torch_mhc import LOADING_OPTIONS, TorchMHCConfig, ignoring_connection_keys
 from .connections import MAX_LITE_STREAMS, make_connection
 
 _IMPLS = ("auto", "reference", "cpu", "triton", "inductor")
@@ -283,8 +278,7 @@ class PortableSave:
 
     def __call__(self, save_directory, **kwargs):
         here = Path(__file__).resolve().parent
-        return write_folder(self.model, save_directory, kwargs,
-                            lambda base: portable_config(base, self.layers),
+        return write_folder(self.model, save_directory, kwargs, self.layers,
                             {name: here / name for name in CODE_FILES})
 
 
