@@ -633,6 +633,13 @@ typedef struct {
     int64_t g, size;  /* rows; bytes per element */
 } next_rows_t;
 
+/* A line the next group will read: into L2, not L1 (prefetcht1). The group's 288 KB
+   (T = 2048 tokens' x and gmerge rows of n = 4 streams of C = 512 floats, 16 tokens a group)
+   do not fit a 32 KB L1 anyway, and fetched into it they took the line-fill slots that this
+   group's loads wait on: the maps backward ran in 0.97-0.98 the time of prefetcht0's (T =
+   2048, n = 4, C = 512, one and two threads, Zen 4, 2026-12-03, 30-40 interleaved rounds). */
+INLINE void prefetch_l2(const char* p) { __builtin_prefetch(p, 0, 2); }
+
 /* dphit[q, k] += sum_u dz[u, q] x[t + u, k] over the g tokens from t, for the rows q0 ..
    q0 + QB of dphit [Mp, K] (phi's gradient transposed; dz [g, Mp] zero past column M): 16-wide
    chunks of k outermost, the chunk's QB sums in registers over all the group's tokens. The
@@ -656,9 +663,9 @@ INLINE void dphit_block(const void* x, const float* dz, float* dphit, int64_t t,
             _Pragma("GCC unroll 24")
             for (int q = 0; q < QB; ++q) acc[q] += z[q] * xv;
             if (next && u < next->g) {
-                __builtin_prefetch(next->x + (u * K + k) * next->size);
-                if (next->gmerge) __builtin_prefetch(next->gmerge + (u * K + k) * next->size);
-                if (next->ga && k < C) __builtin_prefetch(next->ga + (u * C + k) * next->size);
+                prefetch_l2(next->x + (u * K + k) * next->size);
+                if (next->gmerge) prefetch_l2(next->gmerge + (u * K + k) * next->size);
+                if (next->ga && k < C) prefetch_l2(next->ga + (u * C + k) * next->size);
             }
         }
         _Pragma("GCC unroll 24")
@@ -946,13 +953,66 @@ INLINE void maps_fwd_body(const void* x, const float* phip, const float* ab, flo
    phit [M, K] is phi transposed; sk_y is scratch for Sinkhorn's iterates (see native.py).
    --------------------------------------------------------------------------------------- */
 
+#if !defined(__AVX512F__)
+/* Without AVX-512 a 16-float vector is two of the 16 vector registers, and GCC kept the dx
+   passes' sums of 16-float vectors on the stack: the maps backward took 33.3 ms there
+   against 9.8 with AVX-512 on the same Zen 4 core (whose FMA units are 256 bits wide either
+   way). Their full chunks run as two 8-float halves instead (the same sums, element by
+   element): 11.3 ms (T = 2048, n = 4, C = 512, one thread, built with -mno-avx512f,
+   2026-12-03, 15 interleaved rounds). */
+
+/* 8 floats of storage p (fp32 or bf16) at element i, and their store. */
+INLINE v8 ld8(const void* p, int64_t i, int bf) {
+    if (!bf) return v8load((const float*)p + i);
+    const v16 v = ldw(p, i, WG, 1);
+    v8 r;
+    memcpy(&r, &v, sizeof r);
+    return r;
+}
+
+INLINE void st8(void* p, int64_t i, v8 v, int bf) {
+    if (!bf) {
+        v8store((float*)p + i, v);
+        return;
+    }
+    v16 w = vzero();
+    memcpy(&w, &v, sizeof v);
+    stw(p, i, w, WG, 1);
+}
+
+/* maps_dx_base for the 8 floats at column c. */
+INLINE void maps_dx_base_half(const void* x, const void* ga, const void* gmerge,
+                              const float* coef, const int per_row, const float* hp,
+                              const float* hr, float* base, int64_t t, const int64_t n,
+                              int64_t C, int64_t c, int bf) {
+    const v8 av = ga ? ld8(ga, t * C + c, bf) : (v8){0};
+    v8 gv[MAXN];
+    for (int64_t i = 0; i < n; ++i)
+        gv[i] = gmerge ? ld8(gmerge, (t * n + i) * C + c, bf) : (v8){0};
+    for (int64_t j = 0; j < n; ++j) {
+        v8 acc = coef[per_row ? j : 0] * ld8(x, (t * n + j) * C + c, bf);
+        if (ga) acc += hp[j] * av;
+        if (gmerge)
+            for (int64_t i = 0; i < n; ++i) acc += hr[i * n + j] * gv[i];
+        v8store(base + j * C + c, acc);
+    }
+}
+#endif
+
 /* base[j] = coef x[j] + H_pre[j] ga + sum_i H_res[i, j] gmerge[i] for token t, in float
    (the part of dx that is per token): each chunk of x, ga and gmerge is loaded once. coef is
    one number for the token (mHC), or one per stream row with per_row (HC). */
 INLINE void maps_dx_base(const void* x, const void* ga, const void* gmerge, const float* coef,
                          const int per_row, const float* hp, const float* hr, float* base,
                          int64_t t, const int64_t n, int64_t C, int bf) {
+    int64_t c0 = 0;  /* chunks before c0 done in halves */
+#if !defined(__AVX512F__)
+    for (; c0 + W <= C; c0 += W)
+        for (int h = 0; h < W; h += WG)
+            maps_dx_base_half(x, ga, gmerge, coef, per_row, hp, hr, base, t, n, C, c0 + h, bf);
+#endif
     FOR_CHUNKS(c, w, C,
+        if (c < c0) continue;
         const v16 av = ga ? ldw(ga, t * C + c, w, bf) : vzero();
         v16 gv[MAXN];
         for (int64_t i = 0; i < n; ++i)
@@ -970,9 +1030,39 @@ INLINE void maps_dx_base(const void* x, const void* ga, const void* gmerge, cons
 /* dx[t + u] = s[u] a[a0 + u] + dz[u] phi^T for TT rows from t, one 16-wide chunk (width w)
    at k: a [*, K] in storage a_bf, s NULL for s[u] = 1, dz [TT, Mp], phit [M, K] = phi^T. The
    maps backward passes its float scratch rows (a = base), the rows backward x and coef. */
+#if !defined(__AVX512F__)
+
+/* dx_chunk for a full chunk, in two 8-float halves. */
+INLINE void dx_chunk_halves(const void* a, int64_t a0, const float* s, int a_bf,
+                            const float* phit, const float* dz, void* dx, int64_t t,
+                            const int TT, int64_t K, int64_t M, int64_t Mp, int64_t k, int bf) {
+    for (int h = 0; h < W; h += WG) {
+        v8 acc[MAX_TILE];
+#pragma GCC unroll 8
+        for (int u = 0; u < TT; ++u) {
+            acc[u] = ld8(a, (a0 + u) * K + k + h, a_bf);
+            if (s) acc[u] *= s[u];
+        }
+        for (int64_t q = 0; q < M; ++q) {
+            const v8 p = v8load(phit + q * K + k + h);
+#pragma GCC unroll 8
+            for (int u = 0; u < TT; ++u) acc[u] += dz[u * Mp + q] * p;
+        }
+#pragma GCC unroll 8
+        for (int u = 0; u < TT; ++u) st8(dx, (t + u) * K + k + h, acc[u], bf);
+    }
+}
+#endif
+
 INLINE void dx_chunk(const void* a, int64_t a0, const float* s, int a_bf, const float* phit,
                      const float* dz, void* dx, int64_t t, const int TT, int64_t K, int64_t M,
                      int64_t Mp, int64_t k, const int w, int bf) {
+#if !defined(__AVX512F__)
+    if (w == W) {
+        dx_chunk_halves(a, a0, s, a_bf, phit, dz, dx, t, TT, K, M, Mp, k, bf);
+        return;
+    }
+#endif
     v16 acc[MAX_TILE];
 #pragma GCC unroll 8
     for (int u = 0; u < TT; ++u) {
