@@ -72,10 +72,12 @@ def main(argv: list[str] | None = None) -> None:
                 f"{args.tokens}, {args.dim}, {args.threads}, {args.repeats}")
     torch.set_num_threads(args.threads)
     cflags = shlex.split(args.cflags)
+    # every source first, so that a wrong revision is refused before a minute of building
+    sources = {"this checkout": build.SOURCE.read_text(),
+               **{rev: _source_at(rev) for rev in args.against}}
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {"this checkout": _build(build.SOURCE.read_text(), cflags, Path(tmp), "head")}
-        for i, rev in enumerate(args.against):
-            libs[rev] = _build(_source_at(rev), cflags, Path(tmp), f"rev{i}")
+        libs = {name: _build(text, cflags, Path(tmp), f"build{i}")
+                for i, (name, text) in enumerate(sources.items())}
         inputs = op_profile._inputs(args.tokens, 4, args.dim, torch.float32, 20)
         steps = {name: op_profile._passes(lib, inputs)[args.name] for name, lib in libs.items()}
         times = time_interleaved(steps, args.repeats, warmup=2, clock="process")

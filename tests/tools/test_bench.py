@@ -503,3 +503,27 @@ def test_profile_step_ops_script_counts_each_connections_ops_per_step(tmp_path, 
         assert row.endswith(f"| {mhc[name][0]:.1f} (4) |")
     with pytest.raises(SystemExit):
         module.main(["--steps", "0"])
+
+
+def test_native_builds_script_reads_a_commits_source_and_refuses_a_wrong_one(capsys):
+    """benchmarks/bench_native_builds.py: --against REV builds native.c as git has it at REV;
+    a revision git does not know is refused, naming it, before anything is built."""
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).parents[2]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True,
+                          text=True)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    module = _bench_script("bench_native_builds")
+    committed = subprocess.run(["git", "show", "HEAD:src/torch_mhc/ops/cpu/native.c"],
+                               cwd=repo, capture_output=True, text=True, check=True).stdout
+    assert module._source_at(head.stdout.strip()) == committed
+    assert "maps_bwd" in committed
+    with pytest.raises(SystemExit, match="no-such-rev"):
+        module.main(["--against", "no-such-rev"])
+    assert "building" not in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        module.main(["--against", "HEAD", "--repeats", "1"])
+    assert "--repeats >= 2, got 2048, 512, 1, 1" in capsys.readouterr().err
