@@ -635,9 +635,10 @@ typedef struct {
 
 /* A line the next group will read: into L2, not L1 (prefetcht1). The group's 288 KB
    (T = 2048 tokens' x and gmerge rows of n = 4 streams of C = 512 floats, 16 tokens a group)
-   do not fit a 32 KB L1 anyway, and fetched into it they took the line-fill slots that this
-   group's loads wait on: the maps backward ran in 0.97-0.98 the time of prefetcht0's (T =
-   2048, n = 4, C = 512, one and two threads, Zen 4, 2026-12-03, 30-40 interleaved rounds). */
+   do not fit a 32 KB L1 anyway (fetched into it, they presumably compete with this group's
+   own loads for its line-fill slots): the maps backward ran in 0.96-0.98 the time of
+   prefetcht0's (T = 2048, n = 4, C = 512, one and two threads, Zen 4, 2026-12-03, 30-40
+   interleaved rounds). */
 INLINE void prefetch_l2(const char* p) { __builtin_prefetch(p, 0, 2); }
 
 /* dphit[q, k] += sum_u dz[u, q] x[t + u, k] over the g tokens from t, for the rows q0 ..
@@ -961,8 +962,8 @@ INLINE void maps_fwd_body(const void* x, const float* phip, const float* ab, flo
 
 #if !defined(__AVX512F__)
 /* Without AVX-512 a 16-float vector is two of the 16 vector registers, and GCC kept the dx
-   passes' sums of 16-float vectors on the stack: the maps backward took 33.3 ms there
-   against 9.8 with AVX-512 on the same Zen 4 core (whose FMA units are 256 bits wide either
+   passes' sums of 16-float vectors on the stack: the maps backward took 33 ms there
+   against 10 with AVX-512 on the same Zen 4 core (whose FMA units are 256 bits wide either
    way). Their full chunks run as two 8-float halves instead (the same sums, element by
    element): 11.3 ms (T = 2048, n = 4, C = 512, one thread, built with -mno-avx512f,
    2026-12-03, 15 interleaved rounds). */
@@ -1033,11 +1034,7 @@ INLINE void maps_dx_base(const void* x, const void* ga, const void* gmerge, cons
     )
 }
 
-/* dx[t + u] = s[u] a[a0 + u] + dz[u] phi^T for TT rows from t, one 16-wide chunk (width w)
-   at k: a [*, K] in storage a_bf, s NULL for s[u] = 1, dz [TT, Mp], phit [M, K] = phi^T. The
-   maps backward passes its float scratch rows (a = base), the rows backward x and coef. */
 #if !defined(__AVX512F__)
-
 /* dx_chunk for a full chunk, in two 8-float halves. */
 INLINE void dx_chunk_halves(const void* a, int64_t a0, const float* s, int a_bf,
                             const float* phit, const float* dz, void* dx, int64_t t,
@@ -1060,6 +1057,9 @@ INLINE void dx_chunk_halves(const void* a, int64_t a0, const float* s, int a_bf,
 }
 #endif
 
+/* dx[t + u] = s[u] a[a0 + u] + dz[u] phi^T for TT rows from t, one 16-wide chunk (width w)
+   at k: a [*, K] in storage a_bf, s NULL for s[u] = 1, dz [TT, Mp], phit [M, K] = phi^T. The
+   maps backward passes its float scratch rows (a = base), the rows backward x and coef. */
 INLINE void dx_chunk(const void* a, int64_t a0, const float* s, int a_bf, const float* phit,
                      const float* dz, void* dx, int64_t t, const int TT, int64_t K, int64_t M,
                      int64_t Mp, int64_t k, const int w, int bf) {
