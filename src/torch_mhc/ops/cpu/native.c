@@ -611,14 +611,17 @@ INLINE void dphi_tile(const void* x, const float* dz, float* dphi, int64_t t, in
     }
 }
 
-/* Where the maps backward keeps phi's gradient: transposed, [Mp, K] (dphit_rows below), on
-   AVX-512, whose 32 vector registers hold its 24 sums of 16 floats; else [K, Mp] (dphi_rows,
-   as HC's rows backward): with 16 registers those sums spill, and the same kernels built
-   without AVX-512 on the Xeon took 14.97 against 12.87 ms. native.py reads the layout. */
+/* Where the maps backward keeps phi's gradient: transposed and in 16-float column blocks,
+   [ceil(K / 16), Mp, 16] (dphit_rows below), on AVX-512, whose 32 vector registers hold its
+   24 sums of 16 floats; else [K, Mp] (dphi_rows, as HC's rows backward): with 16 registers
+   those sums spill, and the same kernels built without AVX-512 on the Xeon took 14.97
+   against 12.87 ms. native.py reads the layout (DPHI_FLOATS: a thread's share). */
 #if defined(__AVX512F__)
 #define DPHI_TRANSPOSED 1
+#define DPHI_FLOATS(K, Mp) (((K) + W - 1) / W * W * (Mp))
 #else
 #define DPHI_TRANSPOSED 0
+#define DPHI_FLOATS(K, Mp) ((K) * (Mp))
 #endif
 int native_dphi_transposed(void) { return DPHI_TRANSPOSED; }
 
@@ -642,22 +645,26 @@ typedef struct {
 INLINE void prefetch_l2(const char* p) { __builtin_prefetch(p, 0, 2); }
 
 /* dphit[q, k] += sum_u dz[u, q] x[t + u, k] over the g tokens from t, for the rows q0 ..
-   q0 + QB of dphit [Mp, K] (phi's gradient transposed; dz [g, Mp] zero past column M): 16-wide
-   chunks of k outermost, the chunk's QB sums in registers over all the group's tokens. The
-   sums run over the tokens in order, as dphi_tile's do, so the bits are the same; but each
-   element of dphit is loaded and stored once per group of 16 tokens instead of once per 8,
-   and the vectors run along K, 16 floats each, whatever M: the maps backward took 6.02
-   against 6.57 ms with dphi_tile (T = 2048, C = 512, one thread, Xeon with AVX-512,
-   2026-12-02, 21 interleaved rounds). The q loops are unrolled by pragma: left to itself GCC
-   split the 24 sums into two loops over the tokens. With `next`, fetches chunk k of the next
-   group's row u at each step (x and gmerge; ga for k < C). */
+   q0 + QB of dphit (phi's gradient transposed, in blocks [ceil(K / 16), Mp, 16]: block kb
+   holds columns 16 kb .. 16 kb + 15 of every row, the tail block's past K zero; dz [g, Mp]
+   zero past column M): 16-wide chunks of k outermost, the chunk's QB sums in registers over
+   all the group's tokens. The sums run over the tokens in order, as dphi_tile's do, so the
+   bits are the same; but each element of dphit is loaded and stored once per group of 16
+   tokens instead of once per 8, and the vectors run along K, 16 floats each, whatever M: the
+   maps backward took 6.02 against 6.57 ms with dphi_tile (T = 2048, C = 512, one thread,
+   Xeon with AVX-512, 2026-12-02, 21 interleaved rounds). The blocks put a chunk's QB sums at
+   fixed offsets from one address; rows of [Mp, K] were QB addresses K floats apart, which
+   GCC kept on the stack and reloaded for every load and store. The q loops are unrolled by
+   pragma: left to itself GCC split the 24 sums into two loops over the tokens. With `next`,
+   fetches chunk k of the next group's row u at each step (x and gmerge; ga for k < C). */
 INLINE void dphit_block(const void* x, const float* dz, float* dphit, int64_t t, int64_t g,
                         int64_t K, int64_t C, int64_t Mp, int64_t q0, const int QB,
                         const next_rows_t* next, int bf) {
     FOR_CHUNKS(k, w, K,
+        float* blk = dphit + (k / W * Mp + q0) * W;  /* [QB, 16] */
         v16 acc[24];
         _Pragma("GCC unroll 24")
-        for (int q = 0; q < QB; ++q) acc[q] = ldw(dphit, (q0 + q) * K + k, w, 0);
+        for (int q = 0; q < QB; ++q) acc[q] = vload(blk + q * W);
         for (int64_t u = 0; u < g; ++u) {
             const v16 xv = ldw(x, (t + u) * K + k, w, bf);
             const float* z = dz + u * Mp + q0;
@@ -670,7 +677,7 @@ INLINE void dphit_block(const void* x, const float* dz, float* dphit, int64_t t,
             }
         }
         _Pragma("GCC unroll 24")
-        for (int q = 0; q < QB; ++q) stw(dphit, (q0 + q) * K + k, acc[q], w, 0);
+        for (int q = 0; q < QB; ++q) vstore(blk + q * W, acc[q]);
     )
 }
 
@@ -954,8 +961,8 @@ INLINE void maps_fwd_body(const void* x, const float* phip, const float* ab, flo
      dH_res += <gmerge[i], x[j]>                        (the merge's share, fused_dx path)
      dh~ = the gates' and Sinkhorn's backward           -> dht [T, M] (for db, dalpha)
      dl = alpha_row dh~, coef = -<dl, l> / (r^2 K), dz = dl / r
-     dphi += x^T dz                                     (this thread's partial: [Mp, K] or
-                                                         [K, Mp], DPHI_TRANSPOSED)
+     dphi += x^T dz                                     (this thread's partial: dphit's
+                                                         blocks or [K, Mp], DPHI_TRANSPOSED)
      dx = coef x + dz phi^T + H_pre[j] ga + sum_i H_res[i, j] gmerge[i]
    phit [M, K] is phi transposed; sk_y is scratch for Sinkhorn's iterates (see native.py).
    --------------------------------------------------------------------------------------- */
@@ -1468,7 +1475,8 @@ EXPORT_BOTH(maps_fwd,
             (x, phip, ab, lt, r, hpre, hpost, hres, a, a_, b_, N_, C, M, MV, (int)iters,
              (int)res, (float)norm_eps, (float)sk_eps, (float)pre_eps, bf))
 
-/* Per-thread slices: dphi [Mp, K] or [K, Mp], sk_y [(2 iters - 1)(n n + n) 16], base [8 K]. */
+/* Per-thread slices: dphi DPHI_FLOATS(n C, Mp), sk_y [(2 iters - 1)(n n + n) 16],
+   base [8 K]. */
 EXPORT_BOTH(maps_bwd,
             (const void* x, const float* phit, const float* ab, const float* lt,
              const float* r, const float* gpre, const float* gpost, const float* gres,
@@ -1477,7 +1485,7 @@ EXPORT_BOTH(maps_bwd,
              int64_t M, int64_t MV, int64_t iters, int64_t res, double sk_eps,
              double pre_eps),
             (x, phit, ab, lt, r, gpre, gpost, gres, ga, gmerge, dx, dht,
-             dphi + k_ * n * C * MV * WG,
+             dphi + k_ * DPHI_FLOATS(n * C, MV * WG),
              (v16*)(sk_y + k_ * (2 * iters - 1) * (n * n + n) * 16),
              base + k_ * 8 * n * C, a_, b_, N_, C, M, MV, (int)iters, (int)res,
              (float)sk_eps, (float)pre_eps, bf))

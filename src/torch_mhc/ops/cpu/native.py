@@ -355,8 +355,10 @@ class NativeOps:
         dx = self.blocks.empty(x.shape, x.dtype)
         dht = torch.empty((t, m), dtype=torch.float32, device=x.device)
         threads = self.threads_for(t)
-        # phi's gradient per thread, [Mp, n C] or [n C, Mp] (native.c's DPHI_TRANSPOSED)
-        shape = (mp, n * c) if self.dphi_transposed else (n * c, mp)
+        # phi's gradient per thread: [n C, Mp], or where native.c's DPHI_TRANSPOSED is set,
+        # transposed in 16-float column blocks [ceil(n C / 16), Mp, 16] (zero past n C)
+        blocks = -(-n * c // 16)
+        shape = (blocks, mp, 16) if self.dphi_transposed else (n * c, mp)
         dphi = torch.zeros((threads, *shape), dtype=torch.float32, device=x.device)
         # Sinkhorn's recomputed iterates and denominators for 16 tokens, per thread (torch's
         # CPU allocations are 64-byte aligned, and so is each row: a multiple of 16 floats).
@@ -369,7 +371,9 @@ class NativeOps:
                    PerThread(dphi), PerThread(sk_y), PerThread(base)], t, n, c, m, mp // 8,
                   iters, res, sk_eps, pre_eps)
         dphi = dphi[0] if threads == 1 else dphi.sum(dim=0)
-        return dx, dht, (dphi[:m].t() if self.dphi_transposed else dphi[:, :m]).contiguous()
+        if self.dphi_transposed:  # [blocks, Mp, 16] -> [n C, M]
+            dphi = dphi[:, :m].permute(0, 2, 1).reshape(blocks * 16, m)[:n * c]
+        return dx, dht, dphi[:, :m].contiguous()
 
     def hc_bwd(self, x, wt, d, u, r, h_pre, h_res, g_pre, g_post, g_res, g_a, g_merge, sc):
         """The backward of HC's maps and pre-aggregation (and of the merge's H_res x when
