@@ -964,7 +964,10 @@ INLINE void maps_fwd_body(const void* x, const float* phip, const float* ab, flo
      dphi += x^T dz                                     (this thread's partial: dphit's
                                                          blocks or [K, Mp], DPHI_TRANSPOSED)
      dx = coef x + dz phi^T + H_pre[j] ga + sum_i H_res[i, j] gmerge[i]
-   phit [M, K] is phi transposed; sk_y is scratch for Sinkhorn's iterates (see native.py).
+   phitb is phi transposed in 16-float column blocks, [ceil(K / 16), M, 16] (block kb: columns
+   16 kb .. 16 kb + 15 of phi^T [M, K], zero past K), so that dx's loads of a chunk's M rows
+   are one run of memory (rows of phi^T [M, K] are 8 KB apart at K = 2048, and all fall in
+   one set of the L1 cache); sk_y is scratch for Sinkhorn's iterates (see native.py).
    --------------------------------------------------------------------------------------- */
 
 #if !defined(__AVX512F__)
@@ -1044,7 +1047,7 @@ INLINE void maps_dx_base(const void* x, const void* ga, const void* gmerge, cons
 #if !defined(__AVX512F__)
 /* dx_chunk for a full chunk, in two 8-float halves. */
 INLINE void dx_chunk_halves(const void* a, int64_t a0, const float* s, int a_bf,
-                            const float* phit, const float* dz, void* dx, int64_t t,
+                            const float* pk, int64_t qs, const float* dz, void* dx, int64_t t,
                             const int TT, int64_t K, int64_t M, int64_t Mp, int64_t k, int bf) {
     for (int h = 0; h < W; h += WG) {
         v8 acc[MAX_TILE];
@@ -1054,7 +1057,7 @@ INLINE void dx_chunk_halves(const void* a, int64_t a0, const float* s, int a_bf,
             if (s) acc[u] *= s[u];
         }
         for (int64_t q = 0; q < M; ++q) {
-            const v8 p = v8load(phit + q * K + k + h);
+            const v8 p = v8load(pk + q * qs + h);
 #pragma GCC unroll 8
             for (int u = 0; u < TT; ++u) acc[u] += dz[u * Mp + q] * p;
         }
@@ -1065,14 +1068,16 @@ INLINE void dx_chunk_halves(const void* a, int64_t a0, const float* s, int a_bf,
 #endif
 
 /* dx[t + u] = s[u] a[a0 + u] + dz[u] phi^T for TT rows from t, one 16-wide chunk (width w)
-   at k: a [*, K] in storage a_bf, s NULL for s[u] = 1, dz [TT, Mp], phit [M, K] = phi^T. The
+   at k: a [*, K] in storage a_bf, s NULL for s[u] = 1, dz [TT, Mp], and phi^T's columns k ..
+   k + w at pk, its M rows qs floats apart (qs = K for phi^T [M, K], 16 for its blocks). The
    maps backward passes its float scratch rows (a = base), the rows backward x and coef. */
-INLINE void dx_chunk(const void* a, int64_t a0, const float* s, int a_bf, const float* phit,
+INLINE void dx_chunk(const void* a, int64_t a0, const float* s, int a_bf, const float* pk,
+                     int64_t qs,
                      const float* dz, void* dx, int64_t t, const int TT, int64_t K, int64_t M,
                      int64_t Mp, int64_t k, const int w, int bf) {
 #if !defined(__AVX512F__)
     if (w == W) {
-        dx_chunk_halves(a, a0, s, a_bf, phit, dz, dx, t, TT, K, M, Mp, k, bf);
+        dx_chunk_halves(a, a0, s, a_bf, pk, qs, dz, dx, t, TT, K, M, Mp, k, bf);
         return;
     }
 #endif
@@ -1083,7 +1088,7 @@ INLINE void dx_chunk(const void* a, int64_t a0, const float* s, int a_bf, const 
         if (s) acc[u] *= s[u];
     }
     for (int64_t q = 0; q < M; ++q) {
-        const v16 p = ldw(phit, q * K + k, w, 0);
+        const v16 p = ldw(pk, q * qs, w, 0);
 #pragma GCC unroll 8
         for (int u = 0; u < TT; ++u) acc[u] += dz[u * Mp + q] * p;
     }
@@ -1092,7 +1097,7 @@ INLINE void dx_chunk(const void* a, int64_t a0, const float* s, int a_bf, const 
 }
 
 /* dx for TT tokens from t; base: scratch of TT n C floats. */
-INLINE void maps_dx_tile(const void* x, const float* phit, const void* ga, const void* gmerge,
+INLINE void maps_dx_tile(const void* x, const float* phitb, const void* ga, const void* gmerge,
                          const float* coef, const float* hp, const float* hr, const float* dz,
                          void* dx, float* base, int64_t t, const int TT, const int64_t n,
                          int64_t C, int64_t M, int64_t Mp, int bf) {
@@ -1102,11 +1107,13 @@ INLINE void maps_dx_tile(const void* x, const float* phit, const void* ga, const
                      t + u, n, C, bf);
     int64_t k = 0;
     for (; k + W <= K; k += W)
-        dx_chunk(base, 0, NULL, 0, phit, dz, dx, t, TT, K, M, Mp, k, W, bf);
-    if (k < K) dx_chunk(base, 0, NULL, 0, phit, dz, dx, t, TT, K, M, Mp, k, (int)(K - k), bf);
+        dx_chunk(base, 0, NULL, 0, phitb + k * M, W, dz, dx, t, TT, K, M, Mp, k, W, bf);
+    if (k < K)
+        dx_chunk(base, 0, NULL, 0, phitb + k * M, W, dz, dx, t, TT, K, M, Mp, k, (int)(K - k),
+                 bf);
 }
 
-INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, const float* lt,
+INLINE void maps_bwd_body(const void* x, const float* phitb, const float* ab, const float* lt,
                           const float* r, const float* gpre, const float* gpost,
                           const float* gres, const void* ga, const void* gmerge, void* dx,
                           float* dht, float* dphi, v16* sk_y, float* base, int64_t t0,
@@ -1216,10 +1223,10 @@ INLINE void maps_bwd_body(const void* x, const float* phit, const float* ab, con
 #endif
         int64_t s = 0;
         for (; s + 8 <= g; s += 8)
-            maps_dx_tile(x, phit, ga, gmerge, coef + s, hp + s * n, hr + s * nn, dz + s * Mp, dx,
+            maps_dx_tile(x, phitb, ga, gmerge, coef + s, hp + s * n, hr + s * nn, dz + s * Mp, dx,
                          base, t + s, 8, n, C, M, Mp, bf);
         for (; s < g; ++s)
-            maps_dx_tile(x, phit, ga, gmerge, coef + s, hp + s * n, hr + s * nn, dz + s * Mp, dx,
+            maps_dx_tile(x, phitb, ga, gmerge, coef + s, hp + s * n, hr + s * nn, dz + s * Mp, dx,
                          base, t + s, 1, n, C, M, Mp, bf);
     }
 }
@@ -1245,8 +1252,9 @@ INLINE void rows_dx_tile(const void* x, const float* wt, const float* dz, const 
                          void* dx, int64_t t, const int TT, int64_t K, int64_t M, int64_t Mp,
                          int bf) {
     int64_t k = 0;
-    for (; k + W <= K; k += W) dx_chunk(x, t, coef, bf, wt, dz, dx, t, TT, K, M, Mp, k, W, bf);
-    if (k < K) dx_chunk(x, t, coef, bf, wt, dz, dx, t, TT, K, M, Mp, k, (int)(K - k), bf);
+    for (; k + W <= K; k += W)
+        dx_chunk(x, t, coef, bf, wt + k, K, dz, dx, t, TT, K, M, Mp, k, W, bf);
+    if (k < K) dx_chunk(x, t, coef, bf, wt + k, K, dz, dx, t, TT, K, M, Mp, k, (int)(K - k), bf);
 }
 
 INLINE void rows_bwd_body(const void* x, const float* wt, const float* dz, const float* coef,
@@ -1378,13 +1386,13 @@ INLINE void hc_bwd_body(const void* x, const float* wt, const float* d, const fl
             const float* dzs = dz + s * n * Mp;
             if (rows == MAX_TILE) {
                 FOR_CHUNKS(k, w, C,
-                    dx_chunk(base, 0, NULL, 0, wt, dzs, dx, row0, MAX_TILE, C, M, Mp, k, w,
-                             bf););
+                    dx_chunk(base, 0, NULL, 0, wt + k, C, dzs, dx, row0, MAX_TILE, C, M, Mp,
+                             k, w, bf););
             } else {  /* n = 3, 5, 6, 7 or the group's last tokens: row by row */
                 for (int64_t q = 0; q < rows; ++q)
                     FOR_CHUNKS(k, w, C,
-                        dx_chunk(base, q, NULL, 0, wt, dzs + q * Mp, dx, row0 + q, 1, C, M,
-                                 Mp, k, w, bf););
+                        dx_chunk(base, q, NULL, 0, wt + k, C, dzs + q * Mp, dx, row0 + q, 1,
+                                 C, M, Mp, k, w, bf););
             }
         }
     }
@@ -1475,16 +1483,16 @@ EXPORT_BOTH(maps_fwd,
             (x, phip, ab, lt, r, hpre, hpost, hres, a, a_, b_, N_, C, M, MV, (int)iters,
              (int)res, (float)norm_eps, (float)sk_eps, (float)pre_eps, bf))
 
-/* Per-thread slices: dphi DPHI_FLOATS(n C, Mp), sk_y [(2 iters - 1)(n n + n) 16],
-   base [8 K]. */
+/* phitb: phi^T in blocks (maps_bwd_body). Per-thread slices: dphi DPHI_FLOATS(n C, Mp),
+   sk_y [(2 iters - 1)(n n + n) 16], base [8 K]. */
 EXPORT_BOTH(maps_bwd,
-            (const void* x, const float* phit, const float* ab, const float* lt,
+            (const void* x, const float* phitb, const float* ab, const float* lt,
              const float* r, const float* gpre, const float* gpost, const float* gres,
              const void* ga, const void* gmerge, void* dx, float* dht, float* dphi, float* sk_y,
              float* base, int64_t t0, int64_t t1, int64_t threads, int64_t n, int64_t C,
              int64_t M, int64_t MV, int64_t iters, int64_t res, double sk_eps,
              double pre_eps),
-            (x, phit, ab, lt, r, gpre, gpost, gres, ga, gmerge, dx, dht,
+            (x, phitb, ab, lt, r, gpre, gpost, gres, ga, gmerge, dx, dht,
              dphi + k_ * DPHI_FLOATS(n * C, MV * WG),
              (v16*)(sk_y + k_ * (2 * iters - 1) * (n * n + n) * 16),
              base + k_ * 8 * n * C, a_, b_, N_, C, M, MV, (int)iters, (int)res,

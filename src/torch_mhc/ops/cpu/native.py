@@ -355,9 +355,13 @@ class NativeOps:
         dx = self.blocks.empty(x.shape, x.dtype)
         dht = torch.empty((t, m), dtype=torch.float32, device=x.device)
         threads = self.threads_for(t)
-        # phi's gradient per thread: [n C, Mp], or where native.c's DPHI_TRANSPOSED is set,
-        # transposed in 16-float column blocks [ceil(n C / 16), Mp, 16] (zero past n C)
+        # phi^T [M, n C] in 16-float column blocks [ceil(n C / 16), M, 16], zero past n C
+        # (dx reads a chunk's M rows as one run of memory)
         blocks = -(-n * c // 16)
+        phitb = torch.nn.functional.pad(phit, (0, blocks * 16 - n * c))
+        phitb = phitb.view(m, blocks, 16).transpose(0, 1).contiguous()
+        # phi's gradient per thread: [n C, Mp], or where native.c's DPHI_TRANSPOSED is set,
+        # transposed in the same blocks, [ceil(n C / 16), Mp, 16]
         shape = (blocks, mp, 16) if self.dphi_transposed else (n * c, mp)
         dphi = torch.zeros((threads, *shape), dtype=torch.float32, device=x.device)
         # Sinkhorn's recomputed iterates and denominators for 16 tokens, per thread (torch's
@@ -367,7 +371,7 @@ class NativeOps:
         # The per-token part of dx for a tile of 8 tokens, in float32, per thread.
         base = torch.empty((threads, 8 * n * c), dtype=torch.float32)
         self._run("maps_bwd", x.dtype,
-                  [x, phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_merge, dx, dht,
+                  [x, phitb, ab, lt, r, g_pre, g_post, g_res, g_a, g_merge, dx, dht,
                    PerThread(dphi), PerThread(sk_y), PerThread(base)], t, n, c, m, mp // 8,
                   iters, res, sk_eps, pre_eps)
         dphi = dphi[0] if threads == 1 else dphi.sum(dim=0)
