@@ -183,7 +183,8 @@ class NativeOps:
         # 16 where the forward's x @ phi runs 16-float vectors over a phi padded to 16 columns
         # (Intel AVX-512 builds), else 8 (native.c's xphi_tile16)
         self.skinny_width = int(self._lib.native_skinny_width())
-        # whether maps_bwd's per-thread dphi partials are [Mp, K] (AVX-512 builds) or [K, Mp]
+        # whether maps_bwd's per-thread dphi partials are transposed blocks [K / 16, Mp, 16]
+        # (AVX-512 builds) or [K, Mp]
         self.dphi_transposed = bool(self._lib.native_dphi_transposed())
         # Threads this process started itself: used where OpenMP cannot be (a forked child,
         # or a library built without OpenMP). Reset in a forked child (its threads are gone).
