@@ -360,7 +360,7 @@ class NativeOps:
         # (dx reads a chunk's M rows as one run of memory)
         blocks = -(-n * c // 16)
         phitb = torch.nn.functional.pad(phit, (0, blocks * 16 - n * c))
-        phitb = phitb.view(m, blocks, 16).transpose(0, 1).contiguous()
+        phitb = phitb.reshape(m, blocks, 16).transpose(0, 1).contiguous()
         # phi's gradient per thread: [n C, Mp], or where native.c's DPHI_TRANSPOSED is set,
         # transposed in the same blocks, [ceil(n C / 16), Mp, 16]
         shape = (blocks, mp, 16) if self.dphi_transposed else (n * c, mp)
