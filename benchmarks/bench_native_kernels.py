@@ -43,15 +43,14 @@ def kernels(tokens: int, n: int, c: int, dtype: torch.dtype) -> dict:
     g_res = torch.randn(tokens, n, n, generator=g)
     f = torch.randn(tokens, c, generator=g).to(dtype)
     g_link = torch.randn(tokens, n, c, generator=g).to(dtype)
-    phit = phi.t().contiguous()
     return {
         "maps_fwd (+ aggregation)":
             lambda: native.maps_fwd(x, phip, ab, 20, 1e-6, 0.0, 0.0, True),
         "maps_bwd (+ aggregation, linked)":
-            lambda: native.maps_bwd(x, phit, ab, lt, r, g_pre, g_post, g_res, f, g_link, 20,
+            lambda: native.maps_bwd(x, phi, ab, lt, r, g_pre, g_post, g_res, f, g_link, 20,
                                     0.0, 0.0),
         "maps_bwd (+ aggregation)":
-            lambda: native.maps_bwd(x, phit, ab, lt, r, g_pre, g_post, g_res, f, None, 20,
+            lambda: native.maps_bwd(x, phi, ab, lt, r, g_pre, g_post, g_res, f, None, 20,
                                     0.0, 0.0),
         "merge_fwd": lambda: native.merge_fwd(x, f, h_post, h_res),
         "merge_bwd (with dx)": lambda: native.merge_bwd(x, f, h_post, h_res, g_link),

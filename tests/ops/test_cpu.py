@@ -561,8 +561,7 @@ def _native_op_samples():
         "cpu_post_merge_fwd": (x, f, h_post, h_res),
         "cpu_post_merge_bwd": (x, f, h_post, h_res, g, True),
         "cpu_mhc_maps_fwd": (x, cpu.padded_table(phi), ab, 4, 1e-6, 0.0, 0.0, True),
-        "cpu_mhc_maps_bwd": (x, phi.t().contiguous(), ab, lt, r, h_pre, h_post, h_res, f, g,
-                             4, 0.0, 0.0),
+        "cpu_mhc_maps_bwd": (x, phi, ab, lt, r, h_pre, h_post, h_res, f, g, 4, 0.0, 0.0),
         "cpu_rows_fwd": (x.view(15, 20), cpu.padded_table(w)),
         "cpu_rows_bwd": (x.view(15, 20), w.t().contiguous(), cpu.padded_table(torch.randn(15, 5)),
                          torch.randn(15)),
@@ -580,6 +579,14 @@ def test_native_custom_ops_pass_opcheck(name):
     if name == "cpu_pre_aggregate_fwd":  # the one with registered autograd
         args = tuple(a.requires_grad_() for a in args)
     torch.library.opcheck(getattr(torch.ops.torch_mhc, name).default, args)
+
+
+def test_native_maps_backward_refuses_phi_of_another_shape():
+    """phi transposed ([M, n C], the layout the native pass keeps inside) is refused by name."""
+    _need_native()
+    x, phi, ab, lt, r, *grads = _native_op_samples()["cpu_mhc_maps_bwd"]
+    with pytest.raises(ValueError, match=r"phi must be \[n\*C, M\] = \[60, 15\].*got \(15, 60\)"):
+        torch.ops.torch_mhc.cpu_mhc_maps_bwd(x, phi.t().contiguous(), ab, lt, r, *grads)
 
 
 def _fresh_load(monkeypatch, cache):

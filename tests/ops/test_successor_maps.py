@@ -281,7 +281,7 @@ def test_the_native_maps_ops_pass_opcheck_and_refuse_a_foreign_res_map():
     torch.library.opcheck(torch.ops.torch_mhc.cpu_mhc_maps_fwd.default, fwd)
     lt, r, *_ = torch.ops.torch_mhc.cpu_mhc_maps_fwd(*fwd)
     g = torch.randn(15, 3, 8)
-    bwd = (x, phi.t().contiguous(), ab, lt, r, torch.randn(15, 3), None, torch.randn(15, 3, 3),
+    bwd = (x, phi, ab, lt, r, torch.randn(15, 3), None, torch.randn(15, 3, 3),
            torch.randn(15, 8), g, 1, 0.0, 0.0, res)
     torch.library.opcheck(torch.ops.torch_mhc.cpu_mhc_maps_bwd.default, bwd)
     with pytest.raises(ValueError, match="res must be one of"):

@@ -21,7 +21,7 @@ def test_the_profiled_passes_are_the_connection_step():
     passes = op_profile._passes(native.load(), d)
     *_, a = passes["maps forward"]()
     m = 24
-    phi = d["phit"].t().clone().requires_grad_()
+    phi = d["phi"].clone().requires_grad_()
     ab = d["ab"]
     alpha = torch.stack([ab[0, 0], ab[0, 4], ab[0, 8]]).clone().requires_grad_()
     x = d["x"].clone().requires_grad_()

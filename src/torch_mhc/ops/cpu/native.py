@@ -341,26 +341,30 @@ class NativeOps:
                 torch.empty((*lead, n, n), dtype=f32),
                 self.blocks.empty((*lead, c), x.dtype, t * c) if with_pre else None)
 
-    def maps_bwd(self, x, phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_merge, iters, sk_eps,
+    def maps_bwd(self, x, phi, ab, lt, r, g_pre, g_post, g_res, g_a, g_merge, iters, sk_eps,
                  pre_eps, res=0):
         """dx [T, n, C] (x's dtype), dh~ [T, M] and dphi [n*C, M] of the maps (and of the
         aggregation when g_a is given; of the merge's H_res x when g_merge is given).
 
-        phit: phi^T [M, n*C] float32; the gradients are float32 [T, n], [T, n], [T, n, n]
+        phi: [n*C, M] float32, any strides; the gradients are float32 [T, n], [T, n], [T, n, n]
         and x's dtype [T, C], [T, n, C]; any may be None. res as in maps_fwd.
         """
         t, n, c = x.shape
         m = ab.shape[1]
         _check_res(res, n, m)
+        if tuple(phi.shape) != (n * c, m):
+            raise ValueError(f"maps_bwd: phi must be [n*C, M] = [{n * c}, {m}] for x "
+                             f"{tuple(x.shape)} and ab {tuple(ab.shape)}, got {tuple(phi.shape)}")
         mp = padded_width(m)
         dx = self.blocks.empty(x.shape, x.dtype)
         dht = torch.empty((t, m), dtype=torch.float32, device=x.device)
         threads = self.threads_for(t)
         # phi^T [M, n C] in 16-float column blocks [ceil(n C / 16), M, 16], zero past n C
-        # (dx reads a chunk's M rows as one run of memory)
+        # (dx reads a chunk's M rows as one run of memory): one copy of phi, two with a tail
         blocks = -(-n * c // 16)
-        phitb = torch.nn.functional.pad(phit, (0, blocks * 16 - n * c))
-        phitb = phitb.reshape(m, blocks, 16).transpose(0, 1).contiguous()
+        rows = phi if blocks * 16 == n * c else torch.nn.functional.pad(
+            phi, (0, 0, 0, blocks * 16 - n * c))
+        phitb = rows.reshape(blocks, 16, m).transpose(1, 2).contiguous()
         # phi's gradient per thread: [n C, Mp], or where native.c's DPHI_TRANSPOSED is set,
         # transposed in the same blocks, [ceil(n C / 16), Mp, 16]
         shape = (blocks, mp, 16) if self.dphi_transposed else (n * c, mp)
@@ -377,8 +381,10 @@ class NativeOps:
                   iters, res, sk_eps, pre_eps)
         dphi = dphi[0] if threads == 1 else dphi.sum(dim=0)
         if self.dphi_transposed:  # [blocks, Mp, 16] -> [n C, M]
-            dphi = dphi[:, :m].permute(0, 2, 1).reshape(blocks * 16, m)[:n * c]
-        return dx, dht, dphi[:, :m].contiguous()
+            dphi = dphi[:, :m].transpose(1, 2).reshape(blocks * 16, m)[:n * c]
+        else:
+            dphi = dphi[:, :m]
+        return dx, dht, dphi.contiguous()
 
     def hc_bwd(self, x, wt, d, u, r, h_pre, h_res, g_pre, g_post, g_res, g_a, g_merge, sc):
         """The backward of HC's maps and pre-aggregation (and of the merge's H_res x when

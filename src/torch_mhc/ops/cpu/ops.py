@@ -225,7 +225,7 @@ def _maps_backward_native(ctx, g_pre, g_post, g_res, g_a, g_merge):
     n = x.shape[1]
     f32 = torch.float32
     dx, d_ht, d_phi = torch.ops.torch_mhc.cpu_mhc_maps_bwd(
-        x, phi.to(f32).t().contiguous(), ab, lt, r,
+        x, phi.to(f32), ab, lt, r,
         contiguous_or_none(g_pre, f32), contiguous_or_none(g_post, f32),
         contiguous_or_none(g_res, f32), contiguous_or_none(g_a, x.dtype),
         contiguous_or_none(g_merge, x.dtype), ctx.iters, ctx.sk_eps, ctx.pre_eps,
@@ -877,19 +877,19 @@ def _(x, phip, ab, iters, norm_eps, sk_eps, pre_eps, with_pre, res=0):
 
 @torch.library.custom_op("torch_mhc::cpu_mhc_maps_bwd", mutates_args=())
 def _native_maps_bwd(
-    x: torch.Tensor, phit: torch.Tensor, ab: torch.Tensor, lt: torch.Tensor, r: torch.Tensor,
+    x: torch.Tensor, phi: torch.Tensor, ab: torch.Tensor, lt: torch.Tensor, r: torch.Tensor,
     g_pre: torch.Tensor | None, g_post: torch.Tensor | None, g_res: torch.Tensor | None,
     g_a: torch.Tensor | None, g_merge: torch.Tensor | None, iters: int, sk_eps: float,
     pre_eps: float, res: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dL/dH~ [T, M], dphi [K, M]): see NativeOps.maps_bwd."""
-    return _lib().maps_bwd(x.contiguous(), phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_merge,
+    return _lib().maps_bwd(x.contiguous(), phi, ab, lt, r, g_pre, g_post, g_res, g_a, g_merge,
                             iters, sk_eps, pre_eps, res)
 
 
 @_native_maps_bwd.register_fake
-def _(x, phit, ab, lt, r, g_pre, g_post, g_res, g_a, g_merge, iters, sk_eps, pre_eps, res=0):
-    return torch.empty_like(x), torch.empty_like(lt), phit.new_empty(phit.t().shape)
+def _(x, phi, ab, lt, r, g_pre, g_post, g_res, g_a, g_merge, iters, sk_eps, pre_eps, res=0):
+    return torch.empty_like(x), torch.empty_like(lt), phi.new_empty(phi.shape)
 
 
 @torch.library.custom_op("torch_mhc::cpu_hc_maps_bwd", mutates_args=())

@@ -161,7 +161,7 @@ class _VariantMaps(torch.autograd.Function):
             ab = saved[5]
             f32 = torch.float32
             dx, d_ht, d_phi = torch.ops.torch_mhc.cpu_mhc_maps_bwd(
-                x, phi.to(f32).t().contiguous(), ab, lt, r, contiguous_or_none(g_pre, f32),
+                x, phi.to(f32), ab, lt, r, contiguous_or_none(g_pre, f32),
                 contiguous_or_none(g_post, f32), contiguous_or_none(g_res, f32),
                 contiguous_or_none(g_a, x.dtype), contiguous_or_none(g_merge, x.dtype), 1, 0.0,
                 0.0, native.RES[ctx.kind])
