@@ -27,6 +27,7 @@ from torch_mhc.ops.cpu import native
 from torch_mhc.ops.cpu.ops import (  # (and the torch_mhc::cpu_* ops)
     cached_tables,
     contiguous_or_none,
+    native_call,
     no_autograd,
     padded_table,
 )
@@ -133,8 +134,9 @@ class _VariantMaps(torch.autograd.Function):
         ctx.b_dtypes = (b_pre.dtype, b_post.dtype, None if b_res is None else b_res.dtype)
         if ctx.native:
             phip, ab = variant_tables(phi, alpha, b_pre, b_post, b_res, wide=True)
-            lt, r, h_pre, h_post, h_res, a = torch.ops.torch_mhc.cpu_mhc_maps_fwd(
-                x, phip, ab, 1, norm_eps, 0.0, 0.0, with_pre, native.RES[kind])
+            lt, r, h_pre, h_post, h_res, a = native_call(
+                "cpu_mhc_maps_fwd", x, phip, ab, 1, norm_eps, 0.0, 0.0, with_pre,
+                native.RES[kind])
             # Saved: the logits [T, M] and the RMS, as mHC's maps.
             ctx.save_for_backward(x, phi, alpha, lt, r, ab)
         else:
@@ -160,8 +162,8 @@ class _VariantMaps(torch.autograd.Function):
         if ctx.native:
             ab = saved[5]
             f32 = torch.float32
-            dx, d_ht, d_phi = torch.ops.torch_mhc.cpu_mhc_maps_bwd(
-                x, phi.to(f32), ab, lt, r, contiguous_or_none(g_pre, f32),
+            dx, d_ht, d_phi = native_call(
+                "cpu_mhc_maps_bwd", x, phi.to(f32), ab, lt, r, contiguous_or_none(g_pre, f32),
                 contiguous_or_none(g_post, f32), contiguous_or_none(g_res, f32),
                 contiguous_or_none(g_a, x.dtype), contiguous_or_none(g_merge, x.dtype), 1, 0.0,
                 0.0, native.RES[ctx.kind])
