@@ -1498,6 +1498,49 @@ EXPORT_BOTH(maps_bwd,
              base + k_ * 8 * n * C, a_, b_, N_, C, M, MV, (int)iters, (int)res,
              (float)sk_eps, (float)pre_eps, bf))
 
+/* The maps backward's layouts of phi in and of its gradient out, in one pass each on the
+   caller's thread. torch's transposing copies of the same [K, M] <-> [K / 16, M, 16]
+   reshapes (small inner dimensions) took 114 us a call together, these 73 (K = 2048, M = 24,
+   one thread, 16 MB of other traffic before each call, medians of 11 interleaved rounds,
+   Zen 4, 2026-12-03): a fixed cost of every maps backward, whatever its token count.
+   maps_phi_blocks: phitb [ceil(K / 16), M, 16] (phi^T's column blocks, zero past K) from
+   phi [K, M]. maps_dphi_sum: dphi [K, M] = the sum of `parts` per-thread gradients of
+   DPHI_FLOATS(K, Mp) floats each (blocks [ceil(K / 16), Mp, 16], or [K, Mp]). */
+void maps_phi_blocks(const float* phi, float* phitb, int64_t K, int64_t M) {
+    for (int64_t kb = 0; kb * W < K; ++kb) {  /* block kb: rows 16 kb .. of phi, transposed */
+        const int64_t rows = K - kb * W < W ? K - kb * W : W;
+        for (int64_t q = 0; q < M; ++q) {
+            float* out = phitb + (kb * M + q) * W;
+            for (int64_t i = 0; i < rows; ++i) out[i] = phi[(kb * W + i) * M + q];
+            for (int64_t i = rows; i < W; ++i) out[i] = 0.0f;
+        }
+    }
+}
+
+void maps_dphi_sum(const float* parts, int64_t threads, int64_t K, int64_t M, int64_t Mp,
+                   float* dphi) {
+    const int64_t size = DPHI_FLOATS(K, Mp);
+#if DPHI_TRANSPOSED
+    for (int64_t kb = 0; kb * W < K; ++kb) {
+        const int64_t rows = K - kb * W < W ? K - kb * W : W;
+        const float* in = parts + kb * Mp * W;  /* [Mp, 16] */
+        for (int64_t i = 0; i < rows; ++i)  /* row kb 16 + i of dphi: column i of the block */
+            for (int64_t q = 0; q < M; ++q) {
+                float s = in[q * W + i];
+                for (int64_t p = 1; p < threads; ++p) s += in[p * size + q * W + i];
+                dphi[(kb * W + i) * M + q] = s;
+            }
+    }
+#else
+    for (int64_t k = 0; k < K; ++k)
+        for (int64_t q = 0; q < M; ++q) {
+            float s = parts[k * Mp + q];
+            for (int64_t p = 1; p < threads; ++p) s += parts[p * size + k * Mp + q];
+            dphi[k * M + q] = s;
+        }
+#endif
+}
+
 EXPORT_BOTH(hc_fwd,
             (const void* x, const float* wp, const float* p, float* hpre, float* hpost,
              float* hres, void* a, int64_t t0, int64_t t1, int64_t threads, int64_t n,

@@ -178,6 +178,10 @@ class NativeOps:
         for name, count in (("decode_maps", 3), ("decode_merge", 4), ("decode_entry_points", 1)):
             fn = getattr(self._lib, name)
             fn.argtypes, fn.restype = [_P] * count, None
+        # maps_phi_blocks(phi, phitb, K, M), maps_dphi_sum(parts, threads, K, M, Mp, dphi)
+        self._lib.maps_phi_blocks.argtypes = [_P, _P, _I, _I]
+        self._lib.maps_dphi_sum.argtypes = [_P, _I, _I, _I, _I, _P]
+        self._lib.maps_phi_blocks.restype = self._lib.maps_dphi_sum.restype = None
         self._decoding: tuple | None = None
         self.openmp = bool(self._lib.native_openmp())
         # 16 where the forward's x @ phi runs 16-float vectors over a phi padded to 16 columns
@@ -360,15 +364,15 @@ class NativeOps:
         dht = torch.empty((t, m), dtype=torch.float32, device=x.device)
         threads = self.threads_for(t)
         # phi^T [M, n C] in 16-float column blocks [ceil(n C / 16), M, 16], zero past n C
-        # (dx reads a chunk's M rows as one run of memory): one copy of phi, two with a tail
+        # (dx reads a chunk's M rows as one run of memory)
         blocks = -(-n * c // 16)
-        rows = phi if blocks * 16 == n * c else torch.nn.functional.pad(
-            phi, (0, 0, 0, blocks * 16 - n * c))
-        phitb = rows.reshape(blocks, 16, m).transpose(1, 2).contiguous()
+        phi = phi.to(torch.float32).contiguous()
+        phitb = torch.empty((blocks, m, 16), dtype=torch.float32)
+        self._lib.maps_phi_blocks(phi.data_ptr(), phitb.data_ptr(), n * c, m)
         # phi's gradient per thread: [n C, Mp], or where native.c's DPHI_TRANSPOSED is set,
         # transposed in the same blocks, [ceil(n C / 16), Mp, 16]
         shape = (blocks, mp, 16) if self.dphi_transposed else (n * c, mp)
-        dphi = torch.zeros((threads, *shape), dtype=torch.float32, device=x.device)
+        parts = torch.zeros((threads, *shape), dtype=torch.float32, device=x.device)
         # Sinkhorn's recomputed iterates and denominators for 16 tokens, per thread (torch's
         # CPU allocations are 64-byte aligned, and so is each row: a multiple of 16 floats).
         steps = 2 * iters - 1
@@ -377,14 +381,11 @@ class NativeOps:
         base = torch.empty((threads, 8 * n * c), dtype=torch.float32)
         self._run("maps_bwd", x.dtype,
                   [x, phitb, ab, lt, r, g_pre, g_post, g_res, g_a, g_merge, dx, dht,
-                   PerThread(dphi), PerThread(sk_y), PerThread(base)], t, n, c, m, mp // 8,
+                   PerThread(parts), PerThread(sk_y), PerThread(base)], t, n, c, m, mp // 8,
                   iters, res, sk_eps, pre_eps)
-        dphi = dphi[0] if threads == 1 else dphi.sum(dim=0)
-        if self.dphi_transposed:  # [blocks, Mp, 16] -> [n C, M]
-            dphi = dphi[:, :m].transpose(1, 2).reshape(blocks * 16, m)[:n * c]
-        else:
-            dphi = dphi[:, :m]
-        return dx, dht, dphi.contiguous()
+        dphi = torch.empty((n * c, m), dtype=torch.float32)
+        self._lib.maps_dphi_sum(parts.data_ptr(), threads, n * c, m, mp, dphi.data_ptr())
+        return dx, dht, dphi
 
     def hc_bwd(self, x, wt, d, u, r, h_pre, h_res, g_pre, g_post, g_res, g_a, g_merge, sc):
         """The backward of HC's maps and pre-aggregation (and of the merge's H_res x when
