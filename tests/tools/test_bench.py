@@ -527,3 +527,29 @@ def test_native_builds_script_reads_a_commits_source_and_refuses_a_wrong_one(cap
     with pytest.raises(SystemExit):
         module.main(["--against", "HEAD", "--repeats", "1"])
     assert "--repeats >= 2, got 2048, 512, 1, 1" in capsys.readouterr().err
+
+
+def test_connection_calls_script_compares_both_and_restores_the_dispatch_check(capsys):
+    """benchmarks/bench_connection_calls.py: both comparisons with their entries (the C
+    layout loops checked equal to torch's copies before timing), native_call's dispatch check
+    put back afterwards, bad counts refused with the values named."""
+    from torch_mhc.ops.cpu import native
+    from torch_mhc.ops.cpu import ops as cpu
+
+    if native.load() is None:
+        pytest.skip("native CPU library unavailable")
+    module = _bench_script("bench_connection_calls")
+    check = cpu.dispatch_mode_active
+    assert module.main(["--tokens", "4", "--calls", "2", "--repeats", "2"]) == 0
+    assert cpu.dispatch_mode_active is check
+    out = capsys.readouterr().out
+    results = json.loads(out[: out.index("\n| comparison")])["results"]
+    assert {name: set(entries) for name, entries in results.items()} == {
+        "connection forward + backward, 4 tokens": {"custom ops", "direct"},
+        "maps backward's layout copies (K = 2048, M = 24)": {"torch copies", "C loops"},
+    }
+    for entries in results.values():
+        assert all(len(e["runs_ms"]) == 2 and e["min_ms"] > 0 for e in entries.values())
+    with pytest.raises(SystemExit):
+        module.main(["--repeats", "1"])
+    assert "--repeats >= 2, got 8, 200, 1, 1" in capsys.readouterr().err
