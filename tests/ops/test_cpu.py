@@ -601,7 +601,8 @@ def _connection_step(conn, x):
 def test_eager_calls_skip_the_custom_ops_dispatch_that_modes_still_see(monkeypatch):
     """In plain eager mode the autograd Functions call the native functions directly (the
     custom ops' Python dispatch cost ~10 us a call); under a dispatch mode the custom ops
-    still run, seen by the mode, with the same gradients to the bit."""
+    still run, seen by the mode, with the same gradients to the bit, and torch.profiler
+    lists them by name."""
     _need_native()
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -634,6 +635,13 @@ def test_eager_calls_skip_the_custom_ops_dispatch_that_modes_still_see(monkeypat
     assert {"torch_mhc.cpu_mhc_maps_fwd", "torch_mhc.cpu_post_merge_fwd",
             "torch_mhc.cpu_post_merge_bwd", "torch_mhc.cpu_mhc_maps_bwd"} <= set(mode.ops)
     for a, b in zip(eager, seen, strict=True):
+        assert torch.equal(a, b)
+    with torch.profiler.profile() as prof:
+        profiled = _connection_step(conn, x)
+    assert calls == []
+    assert {"torch_mhc::cpu_mhc_maps_fwd", "torch_mhc::cpu_mhc_maps_bwd"} <= {
+        e.key for e in prof.key_averages()}
+    for a, b in zip(eager, profiled, strict=True):
         assert torch.equal(a, b)
 
 

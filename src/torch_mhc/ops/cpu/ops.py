@@ -403,12 +403,18 @@ def no_autograd(*tensors: torch.Tensor) -> bool:
     dispatch takes them)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
-    if not all(type(t) in _PLAIN and t.device.type == "cpu" for t in tensors):
-        return False
-    return not (torch.compiler.is_compiling() or dispatch_mode_active())
+    return plain_eager(tensors)
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def plain_eager(tensors) -> bool:
+    """Every tensor a plain CPU tensor, and no torch.compile trace or dispatch mode running:
+    nothing needs to see the custom ops, so the native functions may be called directly."""
+    if not all(type(t) in _PLAIN and t.device.type == "cpu" for t in tensors):
+        return False
+    return not (torch.compiler.is_compiling() or dispatch_mode_active())
 
 
 def dispatch_mode_active() -> bool:
@@ -793,16 +799,16 @@ def _custom_op(qualname: str, *, mutates_args=()):
 
 def native_call(name: str, *args):
     """torch.ops.torch_mhc.<name>(*args), or the function behind it called directly where
-    nothing needs to see the custom op: no torch.compile trace or dispatch mode (fake
-    tensors, FlopCounterMode) and only plain CPU tensors (a meta tensor, a DTensor or other
-    subclass goes through the op's dispatch). The dispatch cost 8-17 us a call, and a
+    nothing needs to see the custom op: no torch.compile trace, dispatch mode (fake tensors,
+    FlopCounterMode) or profiler (torch.profiler lists the ops by name) and only plain CPU
+    tensors (a meta tensor, a DTensor or other subclass goes through the op's dispatch).
+    The dispatch cost 8-17 us a call, and a
     connection's forward and backward on 8 tokens took 863 against 1008 us without it
     (medians of 15 interleaved rounds, one thread, Zen 4, 2026-12-03)."""
-    if torch.compiler.is_compiling() or dispatch_mode_active() or not all(
-            type(a) in _PLAIN and a.device.type == "cpu"
-            for a in args if isinstance(a, torch.Tensor)):
-        return getattr(torch.ops.torch_mhc, name)(*args)
-    return _IMPLS[name](*args)
+    if not torch.autograd._profiler_enabled() and plain_eager(
+            a for a in args if isinstance(a, torch.Tensor)):
+        return _IMPLS[name](*args)
+    return getattr(torch.ops.torch_mhc, name)(*args)
 
 
 @_custom_op("torch_mhc::cpu_pre_aggregate_fwd", mutates_args=())
