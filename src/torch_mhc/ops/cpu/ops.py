@@ -8,7 +8,9 @@ matmuls with phi, so everything here is about fewer passes and fewer saved tenso
   contiguous float32 and bfloat16 CPU tensors with n <= 8, registered as custom ops:
   maps forward = x @ phi, the RMS, gates, Sinkhorn and the pre-aggregation in one pass per
   tile of tokens; maps backward = the aggregation's dH_pre, gates' and Sinkhorn's backward,
-  dphi and dx in one pass; post-merge forward and backward.
+  dphi and dx in one pass; post-merge forward and backward. The autograd Functions call
+  them through native_call: directly in plain eager mode, as the custom ops wherever
+  something must see them (a compile trace, a dispatch mode, the profiler).
 - One gradient write for x per connection. mhc_maps_pre(..., fused_dx=True) returns
   x_for_merge, a view of x made by the maps node; post_merge(x_for_merge, ...,
   fused_dx=True) hands its upstream gradient g to x_for_merge unchanged, and the maps'
