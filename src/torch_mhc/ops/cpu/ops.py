@@ -807,10 +807,11 @@ def native_call(name: str, *args):
     The dispatch cost 8-17 us a call, and a
     connection's forward and backward on 8 tokens took 863 against 1008 us without it
     (medians of 15 interleaved rounds, one thread, Zen 4, 2026-12-03)."""
-    if not torch.autograd._profiler_enabled() and plain_eager(
+    # is_compiling first: a trace must not reach _profiler_enabled (Dynamo cannot trace it)
+    if torch.compiler.is_compiling() or torch.autograd._profiler_enabled() or not plain_eager(
             a for a in args if isinstance(a, torch.Tensor)):
-        return _IMPLS[name](*args)
-    return getattr(torch.ops.torch_mhc, name)(*args)
+        return getattr(torch.ops.torch_mhc, name)(*args)
+    return _IMPLS[name](*args)
 
 
 @_custom_op("torch_mhc::cpu_pre_aggregate_fwd", mutates_args=())
