@@ -735,3 +735,21 @@ def test_a_cut_short_decoding_extension_is_built_again(monkeypatch, tmp_path):
     path.write_bytes(data[: len(data) // 3])
     again = native_build.build_decode_calls()
     assert again == path and path.read_bytes() == data
+
+
+@pytest.mark.parametrize("kind", ["mhc", "hc"])
+def test_a_jit_trace_records_the_connection_instead_of_native_calls(kind):
+    """torch.jit.trace (and the TorchScript ONNX exporter) records torch ops: a native
+    decoding call would leave the traced graph without the connection, its output then the
+    traced input's whatever the new input. Under the trace the connection takes its autograd
+    Functions (recorded as Python ops), also where a prepared call exists for the shape."""
+    conn = _connection(kind)
+    x = torch.randn(1, 3, 4, C)
+    with torch.no_grad():
+        conn(x)  # a prepared decoding call for this shape
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the tracer's warnings about Python values
+            traced = torch.jit.trace(conn, (x,), check_trace=False)
+        x2 = torch.randn(1, 3, 4, C)
+        assert_close(traced(x2), conn(x2), TOL[torch.float32])
+        assert not torch.allclose(conn(x2), conn(x))

@@ -70,7 +70,7 @@ def decoder(kind: str, args: tuple) -> Decoder | None:
         return None
     x = args[0]
     if not (x.is_contiguous() and use_native(x)) or torch.compiler.is_compiling() \
-            or dispatch_mode_active():
+            or dispatch_mode_active() or torch.jit.is_tracing():
         return None
     if x.dim() < 2 or x.numel() >= _native.SINGLE_THREAD_TOKENS * x.shape[-2] * x.shape[-1]:
         return None  # many tokens: the ops' path splits them over torch's threads

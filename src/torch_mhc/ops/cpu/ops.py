@@ -412,11 +412,13 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def plain_eager(tensors) -> bool:
-    """Every tensor a plain CPU tensor, and no torch.compile trace or dispatch mode running:
-    nothing needs to see the custom ops, so the native functions may be called directly."""
+    """Every tensor a plain CPU tensor, and no torch.compile trace, dispatch mode or
+    torch.jit trace running: nothing needs to see the custom ops, so the native functions
+    may be called directly."""
     if not all(type(t) in _PLAIN and t.device.type == "cpu" for t in tensors):
         return False
-    return not (torch.compiler.is_compiling() or dispatch_mode_active())
+    return not (torch.compiler.is_compiling() or dispatch_mode_active()
+                or torch.jit.is_tracing())
 
 
 def dispatch_mode_active() -> bool:
