@@ -47,9 +47,9 @@ from torch_mhc.ops.checks import (
 from torch_mhc.ops.cpu import native as _native
 from torch_mhc.ops.cpu.ops import (
     cached_tables,
-    dispatch_mode_active,
     hc_tables,
     mhc_tables,
+    plain_eager,
     use_native,
 )
 from torch_mhc.ops.cpu.variants import variant_tables
@@ -69,13 +69,13 @@ def decoder(kind: str, args: tuple) -> Decoder | None:
     if kind not in _KINDS:
         return None
     x = args[0]
-    if not (x.is_contiguous() and use_native(x)) or torch.compiler.is_compiling() \
-            or dispatch_mode_active() or torch.jit.is_tracing():
+    if not (x.is_contiguous() and use_native(x)):
         return None
     if x.dim() < 2 or x.numel() >= _native.SINGLE_THREAD_TOKENS * x.shape[-2] * x.shape[-1]:
         return None  # many tokens: the ops' path splits them over torch's threads
-    if not all(_plain(t) for t in args if isinstance(t, torch.Tensor)):
-        return None  # meta, fake or wrapped tensors: no memory for the loops to read
+    if not plain_eager(t for t in args if isinstance(t, torch.Tensor)):
+        return None  # meta, fake or wrapped tensors (no memory for the loops to read), or a
+        # trace or dispatch mode that must see the custom ops
     if not _shapes_fit(kind, x, args[1:]):
         return None  # the ops' own path says what is wrong
     try:
@@ -83,11 +83,6 @@ def decoder(kind: str, args: tuple) -> Decoder | None:
     except RuntimeError:  # "Inference tensors do not track version counter"
         return None
     return Decoder(_native.load(), kind, args)
-
-
-def _plain(t: torch.Tensor) -> bool:
-    """A CPU tensor with memory of its own (not meta, not a FakeTensor or other subclass)."""
-    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
 
 
 def _shapes_fit(kind: str, x: torch.Tensor, params: tuple) -> bool:

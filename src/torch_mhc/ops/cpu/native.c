@@ -1500,9 +1500,10 @@ EXPORT_BOTH(maps_bwd,
 
 /* The maps backward's layouts of phi in and of its gradient out, in one pass each on the
    caller's thread. torch's transposing copies of the same [K, M] <-> [K / 16, M, 16]
-   reshapes (small inner dimensions) took 114 us a call together, these 73 (K = 2048, M = 24,
-   one thread, 16 MB of other traffic before each call, medians of 11 interleaved rounds,
-   Zen 4, 2026-12-03): a fixed cost of every maps backward, whatever its token count.
+   reshapes (small inner dimensions) took 196 us a call together, these 133 (K = 2048,
+   M = 24, one thread, 48 MB of other traffic before each call, 15 interleaved rounds,
+   benchmarks/bench_connection_calls.py, Zen 4, 2026-12-03): a fixed cost of every maps
+   backward, whatever its token count.
    maps_phi_blocks: phitb [ceil(K / 16), M, 16] (phi^T's column blocks, zero past K) from
    phi [K, M]. maps_dphi_sum: dphi [K, M] = the sum of `parts` per-thread gradients of
    DPHI_FLOATS(K, Mp) floats each (blocks [ceil(K / 16), Mp, 16], or [K, Mp]). */

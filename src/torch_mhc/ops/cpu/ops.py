@@ -399,10 +399,8 @@ def mhc_maps_pre(
 
 
 def no_autograd(*tensors: torch.Tensor) -> bool:
-    """No gradient can be needed (no_grad / inference mode, or nothing requires grad), no
-    torch.compile trace is running (it needs the custom ops) and every tensor is a plain CPU
-    tensor (meta, fake and wrapped tensors have no memory for the loops: the custom ops'
-    dispatch takes them)."""
+    """No gradient can be needed (no_grad / inference mode, or nothing requires grad) and
+    plain_eager(tensors)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
     return plain_eager(tensors)
@@ -412,8 +410,9 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def plain_eager(tensors) -> bool:
-    """Every tensor a plain CPU tensor, and no torch.compile trace, dispatch mode or
-    torch.jit trace running: nothing needs to see the custom ops, so the native functions
+    """Every tensor a plain CPU tensor (meta, fake and wrapped tensors have no memory for
+    the loops: the custom ops' dispatch takes them), and no torch.compile trace, dispatch
+    mode or torch.jit trace running (they must see the custom ops): the native functions
     may be called directly."""
     if not all(type(t) in _PLAIN and t.device.type == "cpu" for t in tensors):
         return False
@@ -806,9 +805,9 @@ def native_call(name: str, *args):
     nothing needs to see the custom op: no torch.compile trace, dispatch mode (fake tensors,
     FlopCounterMode) or profiler (torch.profiler lists the ops by name) and only plain CPU
     tensors (a meta tensor, a DTensor or other subclass goes through the op's dispatch).
-    The dispatch cost 8-17 us a call, and a
-    connection's forward and backward on 8 tokens took 863 against 1008 us without it
-    (medians of 15 interleaved rounds, one thread, Zen 4, 2026-12-03)."""
+    A connection's forward and backward on 8 tokens took 843 us this way against 1046 us
+    through the custom ops (benchmarks/bench_connection_calls.py, one thread, Zen 4,
+    2026-12-03)."""
     # is_compiling first: a trace must not reach _profiler_enabled (Dynamo cannot trace it)
     if torch.compiler.is_compiling() or torch.autograd._profiler_enabled() or not plain_eager(
             a for a in args if isinstance(a, torch.Tensor)):
