@@ -38,6 +38,24 @@ def test_the_profiled_passes_are_the_connection_step():
     torch.testing.assert_close(dphi[:, :m], phi.grad, rtol=1e-5, atol=1e-6)
 
 
+def test_each_pass_s_stream_bytes_are_the_tensors_it_reads_and_writes():
+    """[T, n, C] and [T, C] tensors, counted from the native passes' own inputs and outputs."""
+    lib = native.load()
+    d = op_profile._inputs(24, 4, 16, torch.float32, iters=5)
+    x, g = d["x"], d["g"]
+    lt, r, h_pre, h_post, h_res, a = lib.maps_fwd(x, d["phip"], d["ab"], 5, 1e-6, 0.0, 0.0, True)
+    merged = lib.merge_fwd(x, a, h_post, h_res)
+    _, df, dh_post, _ = lib.merge_bwd(x, a, h_post, h_res, g, fused_dx=True)
+    dx, *_ = lib.maps_bwd(x, d["phi"], d["ab"], lt, r, None, dh_post, None, df, g, 5, 0.0, 0.0)
+    assert op_profile._stream_bytes(24, 4, 16, 4) == {
+        "maps forward": x.nbytes + a.nbytes,
+        "merge forward": x.nbytes + a.nbytes + merged.nbytes,
+        "merge backward": g.nbytes + a.nbytes + df.nbytes,
+        "maps backward": x.nbytes + g.nbytes + df.nbytes + dx.nbytes}
+    assert op_profile._stream_bytes(24, 4, 16, 2)["maps backward"] == (
+        x.nbytes + g.nbytes + df.nbytes + dx.nbytes) // 2
+
+
 def test_profile_command_prints_json_and_a_table(capsys):
     argv = ["bench", "--ops", "--profile", "--tokens", "32", "--dim", "16", "--repeats", "2",
             "--threads", "1", "--clock", "process"]
@@ -46,7 +64,7 @@ def test_profile_command_prints_json_and_a_table(capsys):
     result = json.loads(text[:text.index("\n| pass")])
     names = ["maps forward", "maps forward, 1 Sinkhorn iteration", "merge forward",
              "merge backward", "maps backward", "allocation of the outputs",
-             "thread team entry", "connection step (autograd)",
+             "thread team entry", op_profile.STREAMING, "connection step (autograd)",
              "residual x + f step (autograd)"]
     assert list(result["median_ms"]) == names
     assert result["config"]["threads"] == 1 and result["config"]["tokens"] == 32
@@ -54,8 +72,17 @@ def test_profile_command_prints_json_and_a_table(capsys):
         assert 0 < result["min_ms"][name] <= result["median_ms"][name] <= result["max_ms"][name]
         assert f"| {name} |" in text
     assert "| connection step (autograd) |" in text and "100.0%" in text
-
-
-def test_profile_refuses_what_the_native_passes_do_not_run():
-    with pytest.raises(ValueError, match="float32 and bfloat16"):
-        op_profile.profile(tokens=8, dim=8, dtype="float16", repeats=1)
+    # the streaming add's bytes over its median; each pass's GiB/s and its time over its
+    # bytes at that rate, as the rows print them
+    rate = result["streaming_bytes_per_s"]
+    assert rate == pytest.approx(3 * 32 * 4 * 16 * 4 / (result["median_ms"][op_profile.STREAMING]
+                                                          / 1e3))
+    for name in ["maps forward", "merge forward", "merge backward", "maps backward",
+                 op_profile.STREAMING]:
+        ms, nbytes = result["median_ms"][name], result["stream_bytes"][name]
+        row = next(line for line in text.splitlines() if line.startswith(f"| {name} |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert float(cells[4]) == pytest.approx(nbytes / 2**20, abs=0.05)
+        assert float(cells[5]) == pytest.approx(nbytes / 2**30 / (ms / 1e3), rel=0.01, abs=0.05)
+        assert float(cells[6]) == pytest.approx(ms / (nbytes / rate * 1e3), rel=0.01, abs=0.005)
+    assert result["stream_bytes"]["maps backward"] == (3 * 4 + 1) * 32 * 16 * 4

@@ -15,10 +15,15 @@ interleaved rounds, beside:
   ops use) and entering the thread team with no work (the fixed cost of one parallel call),
   each timed over 100 calls and given per call;
 - the whole connection step through autograd (what `mhc bench --ops` times) and the plain
-  residual's x + f forward and backward on the same tokens.
+  residual's x + f forward and backward on the same tokens;
+- the streaming rate: torch adding two [T, n, C] tensors into a third (an elementwise op that
+  does next to no arithmetic, so it runs at the speed this machine moves bytes). Each pass's
+  stream-sized tensors ([T, n, C] and [T, C] read and written) at that rate give its memory
+  time: a pass near 1x its memory time waits on memory, one far above it on its arithmetic
+  (the maps' three skinny products, n C x (n^2 + 2 n) multiply-adds a token each).
 
-The rows sum to less than the autograd step: the rest is autograd, the custom-op dispatch and
-the small tensors around the passes.
+The passes' rows sum to less than the autograd step: the rest is autograd, the custom-op
+dispatch and the small tensors around the passes.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from torch_mhc.tools.bench.workloads import connection_step, residual_step
 
 __all__ = ["profile", "markdown"]
 
+STREAMING = "streaming rate: x + g into [T, n, C] (torch)"  # the row the memory times use
+
 
 def _inputs(tokens: int, n: int, c: int, dtype: torch.dtype, iters: int):
     """Streams, parameters as the native passes take them, and the forward's results."""
@@ -43,7 +50,7 @@ def _inputs(tokens: int, n: int, c: int, dtype: torch.dtype, iters: int):
     b_res = torch.randn(n, n, generator=g)
     phip, ab = cpu.mhc_tables(phi, alpha, b_pre, b_post, b_res, wide=True)
     return dict(x=x, phip=phip, phi=phip[:, :m], ab=ab, iters=iters,
-                g=torch.randn(tokens, n, c, generator=g).to(dtype))
+                g=torch.randn(tokens, n, c, generator=g).to(dtype), out=torch.empty_like(x))
 
 
 def _passes(lib: native.NativeOps, d: dict) -> dict:
@@ -80,7 +87,18 @@ def _passes(lib: native.NativeOps, d: dict) -> dict:
                                               d["g"], iters, 0.0, 0.0),
         "allocation of the outputs": many(allocate),
         "thread team entry": many(team_entry),
+        STREAMING: lambda: torch.add(x, d["g"], out=d["out"]),
     }
+
+
+def _stream_bytes(tokens: int, n: int, c: int, size: int) -> dict[str, int]:
+    """Bytes of the stream-sized tensors each pass reads and writes (element size `size`):
+    s = [T, n, C], b = [T, C]. The per-token maps (a few dozen floats a token) are left out."""
+    s, b = tokens * n * c * size, tokens * c * size
+    return {"maps forward": s + b,         # reads x, writes the aggregate a
+            "merge forward": 2 * s + b,    # reads x and f, writes the merged streams
+            "merge backward": s + 2 * b,   # reads g and f, writes df (fused_dx: not x)
+            "maps backward": 3 * s + b}    # reads x, g and ga, writes dx
 
 
 _CALLS = 100  # calls per timed run of the two fixed-cost rows (their figures are per call)
@@ -107,6 +125,9 @@ def profile(tokens: int = 2048, streams: int = 4, dim: int = 512, dtype: str = "
     times = time_interleaved(steps, repeats, warmup, clock, "cpu")
     for name in _PER_CALL:
         times[name] = [t / _CALLS for t in times[name]]
+    size = torch.finfo(dt).bits // 8
+    added = 3 * tokens * streams * dim * size  # bytes: two tensors read, one written
+    rate = added / (medians(times)[STREAMING] / 1e3)  # bytes a second
     return {
         "config": {"tokens": tokens, "streams": streams, "dim": dim, "dtype": dtype,
                    "sinkhorn_iters": iters, "threads": torch.get_num_threads(),
@@ -114,16 +135,30 @@ def profile(tokens: int = 2048, streams: int = 4, dim: int = 512, dtype: str = "
         "median_ms": medians(times),
         "min_ms": {k: min(v) for k, v in times.items()},
         "max_ms": {k: max(v) for k, v in times.items()},
+        # per pass: the stream-sized bytes it reads and writes; the streaming rate (bytes/s)
+        "stream_bytes": {**_stream_bytes(tokens, streams, dim, size), STREAMING: added},
+        "streaming_bytes_per_s": rate,
     }
 
 
 def markdown(result: dict) -> str:
-    """One row per pass: median, min-max, and its share of the autograd connection step."""
+    """One row per pass: median, min-max, its share of the autograd connection step, and for
+    the four passes (and the streaming add) their stream bytes, GiB/s and time over their
+    memory time (their bytes at the streaming rate)."""
     med, lo, hi = result["median_ms"], result["min_ms"], result["max_ms"]
     step = med["connection step (autograd)"]
-    lines = ["| pass | median ms | min-max ms | share of the connection step |",
-             "|---|---:|---:|---:|"]
+    nbytes, rate = result["stream_bytes"], result["streaming_bytes_per_s"]
+    lines = ["| pass | median ms | min-max ms | share of the connection step | stream MiB | "
+             "GiB/s | x its memory time |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for name, ms in med.items():
-        lines.append(f"| {name} | {ms:.3f} | {lo[name]:.3f}-{hi[name]:.3f} | "
-                     f"{ms / step:.1%} |")
+        row = f"| {name} | {ms:.3f} | {lo[name]:.3f}-{hi[name]:.3f} | {ms / step:.1%} |"
+        if name in nbytes:
+            memory_ms = nbytes[name] / rate * 1e3
+            row += (f" {nbytes[name] / 2**20:.1f} | {nbytes[name] / 2**30 / (ms / 1e3):.1f} | "
+                    f"{ms / memory_ms:.2f} |")
+        else:
+            row += " | | |"
+        lines.append(row)
+    lines += ["", f"Streaming rate (the median of `{STREAMING}`): {rate / 2**30:.1f} GiB/s."]
     return "\n".join(lines)
