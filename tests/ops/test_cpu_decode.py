@@ -737,7 +737,7 @@ def test_a_cut_short_decoding_extension_is_built_again(monkeypatch, tmp_path):
     assert again == path and path.read_bytes() == data
 
 
-@pytest.mark.parametrize("kind", ["mhc", "hc"])
+@pytest.mark.parametrize("kind", ["mhc", "hc", *VARIANT_KINDS])
 def test_a_jit_trace_records_the_connection_instead_of_native_calls(kind):
     """torch.jit.trace (and the TorchScript ONNX exporter) records torch ops: a native
     decoding call would leave the traced graph without the connection, its output then the

@@ -93,7 +93,8 @@ def res_count(kind: str, n: int) -> int:
     check_variant(kind, n)
     if kind == "mhc-lite":
         return math.factorial(n)
-    return n.bit_length() - 1 if kind == "kromhc" else 0
+    # int(): under torch.jit.trace a shape read from a tensor is a traced value, not an int
+    return int(n).bit_length() - 1 if kind == "kromhc" else 0
 
 
 def variant_res(kind: str, z: torch.Tensor, n: int) -> torch.Tensor:
