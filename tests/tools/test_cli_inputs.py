@@ -189,6 +189,14 @@ def test_bench_checks_json_path_before_running(tmp_path, capsys):
     assert_one_line_error(code, err, "does not exist (or is a file)")
 
 
+def test_bench_ops_checks_json_path_before_running(tmp_path, capsys):
+    for profile in ([], ["--profile"]):
+        code, out, err = run(["bench", "--ops", *profile, "--tokens", "8", "--dim", "8",
+                              "--json", tmp_path], capsys)
+        assert code == 2 and out == ""  # nothing timed
+        assert f"mhc bench --ops: error: --json {tmp_path} is a folder" in err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
 def test_bench_without_cuda_is_one_line(capsys):
     code, out, err = run(["bench", "--quick", "--device", "cuda"], capsys)

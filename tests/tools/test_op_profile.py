@@ -1,6 +1,7 @@
 """`mhc bench --ops --profile`: each native pass of the cpu connection step timed alone."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -56,12 +57,17 @@ def test_each_pass_s_stream_bytes_are_the_tensors_it_reads_and_writes():
         x.nbytes + g.nbytes + df.nbytes + dx.nbytes) // 2
 
 
-def test_profile_command_prints_json_and_a_table(capsys):
+def test_profile_command_prints_json_and_a_table(capsys, tmp_path):
     argv = ["bench", "--ops", "--profile", "--tokens", "32", "--dim", "16", "--repeats", "2",
-            "--threads", "1", "--clock", "process"]
+            "--threads", "1", "--clock", "process", "--json", str(tmp_path / "p.json")]
     assert main(argv) == 0
     text = capsys.readouterr().out
     result = json.loads(text[:text.index("\n| pass")])
+    assert json.loads((tmp_path / "p.json").read_text()) == result  # --json: the same JSON
+    assert os.listdir(tmp_path) == ["p.json"]  # written atomically: no temporary file left
+    for key in ("date", "torch", "machine", "cpu_count", "load_average_start",
+                "load_average_end"):
+        assert key in result["config"], key
     names = ["maps forward", "maps forward, 1 Sinkhorn iteration", "merge forward",
              "merge backward", "maps backward", "allocation of the outputs",
              "thread team entry", op_profile.STREAMING, "connection step (autograd)",

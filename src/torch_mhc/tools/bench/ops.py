@@ -3,6 +3,7 @@
     mhc bench --ops --tokens 2048 --streams 4 --dim 512 --impls reference cpu
     mhc bench --ops --kinds mhc,mhc-lite,kromhc,mhc-static-res --impls cpu  # the successors
     mhc bench --ops --profile ...                            # each native pass alone
+    mhc bench --ops ... --json ops.json                      # also written to a file
     python -m torch_mhc.tools.bench.ops ...                  # the same
 
 For each implementation (and each connection kind of --kinds: mHC's, its successors'),
@@ -14,7 +15,8 @@ x + f on the same tokens. Whole training steps of the reference LM with each con
 Runs alternate between the entries and the median is reported (torch_mhc.tools.bench.timing), which
 keeps a shared machine's load from favouring one of them; --clock process times this
 process's CPU time instead of wall time (steadier when other processes compete for the
-cores). Prints JSON, then a markdown table.
+cores). Prints JSON (its config with the date, versions, machine and load average at the
+start and end), then a markdown table; --json PATH writes the JSON there too (atomically).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from torch_mhc import ops as _ops
 from torch_mhc.functional.successors import VARIANT_KINDS
 from torch_mhc.ops.triton.aot import require_triton
+from torch_mhc.tools.bench.report import check_json_path, load_average, run_meta, write_json_atomic
 from torch_mhc.tools.bench.timing import CLOCKS, medians, time_interleaved
 from torch_mhc.tools.bench.workloads import connection_step, residual_step
 from torch_mhc.tools.boundary import positive_int
@@ -107,10 +110,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", action="store_true",
                         help="time each native pass of the cpu connection step alone "
                              "(tools/bench/op_profile.py); --impls is not used")
+    parser.add_argument("--json", metavar="PATH", default=None,
+                        help="also write the JSON to PATH (atomically)")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-    """ValueError naming an implementation that is unknown or cannot run here."""
+    """ValueError naming an implementation that is unknown or cannot run here, or a --json
+    path that cannot be written."""
+    if args.json is not None:
+        check_json_path(args.json)
     if args.profile:
         return  # the cpu ops' passes, whatever --impls says
     for name in args.impls:
@@ -121,21 +129,25 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """Time the implementations; print the JSON, then the markdown table."""
+    """Time the implementations; print the JSON (and write --json), then the markdown table."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    where = run_meta()
     if args.profile:
         from torch_mhc.tools.bench import op_profile
 
         result = op_profile.profile(args.tokens, args.streams, args.dim, args.dtype,
                                     repeats=args.repeats, clock=args.clock)
-        print(json.dumps(result, indent=2))
-        print(op_profile.markdown(result))
-        return 0
-    result = measure(args.impls, args.tokens, args.streams, args.dim, args.dtype, args.device,
-                     args.repeats, clock=args.clock, kinds=args.kinds)
+        table = op_profile.markdown(result)
+    else:
+        result = measure(args.impls, args.tokens, args.streams, args.dim, args.dtype,
+                         args.device, args.repeats, clock=args.clock, kinds=args.kinds)
+        table = markdown(result)
+    result["config"].update(where, load_average_end=load_average())
+    if args.json is not None:
+        write_json_atomic(args.json, result)
     print(json.dumps(result, indent=2))
-    print(markdown(result))
+    print(table)
     return 0
 
 

@@ -7,8 +7,58 @@ import datetime
 import json
 import os
 import platform
+from pathlib import Path
 
-__all__ = ["markdown", "script_report"]
+from torch_mhc.tools.errors import UsageError
+
+__all__ = ["check_json_path", "load_average", "markdown", "run_meta", "script_report",
+           "write_json_atomic"]
+
+
+def load_average() -> list[float] | None:
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def run_meta() -> dict:
+    """Where and when a measurement runs: date, versions, machine, cores, torch's threads and
+    the load average at its start."""
+    import torch
+
+    from torch_mhc import __version__
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch_mhc": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "load_average_start": load_average(),
+    }
+
+
+def check_json_path(path: str) -> None:
+    """--json names a file that can be written, checked before minutes of benchmarks."""
+    target = Path(os.path.abspath(os.path.expanduser(path)))
+    if target.is_dir():
+        raise UsageError(f"--json {path} is a folder, expected a file path")
+    if not target.parent.is_dir():
+        raise UsageError(f"--json {path}: its folder {target.parent} does not exist (or is "
+                          "a file), expected an existing folder")
+    if not os.access(target.parent, os.W_OK):
+        raise UsageError(f"--json {path}: the folder {target.parent} is not writable")
+
+
+def write_json_atomic(path: str, report: dict) -> None:
+    """Write to a temporary file beside `path`, then rename over it (never half a file)."""
+    from torch_mhc.runtime.files import atomic_write
+
+    atomic_write(os.path.abspath(os.path.expanduser(path)),
+                 (json.dumps(report, indent=2) + "\n").encode())
 
 
 def script_report(config: dict, results: dict, json_path: str | None = None,

@@ -41,20 +41,21 @@ benchmark on stdout; progress goes to stderr.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import sys
-from pathlib import Path
 
 import torch
 
 from torch_mhc import ops as _ops
-from torch_mhc.runtime.files import atomic_write
 from torch_mhc.tools.bench import workloads
 from torch_mhc.tools.bench.decode import bench_decode
-from torch_mhc.tools.bench.report import markdown
+from torch_mhc.tools.bench.report import (
+    check_json_path,
+    load_average,
+    markdown,
+    run_meta,
+    write_json_atomic,
+)
 from torch_mhc.tools.bench.saved import bench_saved
 from torch_mhc.tools.bench.sinkhorn import bench_sinkhorn
 from torch_mhc.tools.bench.step import bench_training_steps, select_variants
@@ -200,7 +201,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     _ops.check_impl_name(args.impl)
     _check_device(args.device)
     if args.json is not None:
-        _check_json_path(args.json)
+        check_json_path(args.json)
     if args.streams < 2:
         raise UsageError(f"--streams must be >= 2 for HC and mHC, got {args.streams}")
     # Every model the run will build, checked now rather than after minutes of timing.
@@ -224,47 +225,9 @@ def _check_device(name: str) -> None:
         raise UsageError(f"--device must be cpu, cuda or cuda:N, got {name!r}")
 
 
-def _check_json_path(path: str) -> None:
-    """--json names a file that can be written, checked before minutes of benchmarks."""
-    target = Path(os.path.abspath(os.path.expanduser(path)))
-    if target.is_dir():
-        raise UsageError(f"--json {path} is a folder, expected a file path")
-    if not target.parent.is_dir():
-        raise UsageError(f"--json {path}: its folder {target.parent} does not exist (or is "
-                          "a file), expected an existing folder")
-    if not os.access(target.parent, os.W_OK):
-        raise UsageError(f"--json {path}: the folder {target.parent} is not writable")
-
-
-def _load_average() -> list[float] | None:
-    try:
-        return [round(v, 2) for v in os.getloadavg()]
-    except (AttributeError, OSError):
-        return None
-
-
 def _meta(args: argparse.Namespace, argv: list[str]) -> dict:
-    from torch_mhc import __version__
-
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "mhc bench " + " ".join(argv),
-        "torch_mhc": __version__,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "cpu_count": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "clock": args.clock,
-        "quick": args.quick,
-        "load_average_start": _load_average(),
-    }
-
-
-def _write_json_atomic(path: str, report: dict) -> None:
-    """Write to a temporary file beside `path`, then rename over it (never half a file)."""
-    atomic_write(os.path.abspath(os.path.expanduser(path)),
-                 (json.dumps(report, indent=2) + "\n").encode())
+    return {**run_meta(), "command": "mhc bench " + " ".join(argv), "clock": args.clock,
+            "quick": args.quick}
 
 
 def run_benchmarks(args: argparse.Namespace) -> dict:
@@ -333,9 +296,9 @@ def run_command(args: argparse.Namespace, argv: list[str]) -> int:
         torch.set_num_threads(args.threads)
     report = {"meta": _meta(args, argv), "benchmarks": {}}
     report["benchmarks"] = run_benchmarks(args)
-    report["meta"]["load_average_end"] = _load_average()
+    report["meta"]["load_average_end"] = load_average()
     if args.json:
-        _write_json_atomic(args.json, report)
+        write_json_atomic(args.json, report)
         log(f"wrote {args.json}")
     else:
         print(json.dumps(report, indent=2))
