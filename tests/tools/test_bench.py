@@ -181,6 +181,27 @@ def test_quick_report_has_every_benchmark(quick_report):
     assert list(quick_report["benchmarks"]) == list(bench.BENCHMARKS)
     meta = quick_report["meta"]
     assert meta["threads"] == 1 and meta["clock"] == "process" and meta["quick"] is True
+    assert meta["command"].startswith("mhc bench --quick")
+
+
+def test_reports_name_the_cpu_they_ran_on(quick_report):
+    """The report's CPU is /proc/cpuinfo's model name where there is one, and the markdown's
+    first line names it (a report without it, as older JSON, still renders)."""
+    from pathlib import Path
+
+    from torch_mhc.tools.bench import report
+
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in
+             (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
+             if line.startswith("model name")]
+    meta = quick_report["meta"]
+    if names:
+        assert meta["cpu"] == names[0]
+    first = report.markdown(quick_report).splitlines()[0]
+    assert (f"{meta['cpu']} ({meta['cpu_count']} cores)" in first) == bool(meta["cpu"])
+    older = {**quick_report, "meta": {k: v for k, v in meta.items() if k != "cpu"}}
+    assert "cores)" not in report.markdown(older).splitlines()[0]
 
 
 def _positive_ratios(entries: dict, baseline: str):

@@ -22,6 +22,18 @@ def load_average() -> list[float] | None:
         return None
 
 
+def cpu_name() -> str | None:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what platform knows, else None."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def run_meta() -> dict:
     """Where and when a measurement runs: date, versions, machine, cores, torch's threads and
     the load average at its start."""
@@ -35,6 +47,7 @@ def run_meta() -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "load_average_start": load_average(),
@@ -211,8 +224,9 @@ def _md_decode(result: dict) -> list[str]:
 def markdown(report: dict) -> str:
     """One markdown table per benchmark in a bench_main report."""
     meta, b = report["meta"], report["benchmarks"]
+    cpu = f"{meta['cpu']} ({meta.get('cpu_count')} cores), " if meta.get("cpu") else ""
     lines = [
-        f"torch {meta['torch']}, {meta['threads']} thread(s), {meta['clock']} clock, "
+        f"torch {meta['torch']}, {cpu}{meta['threads']} thread(s), {meta['clock']} clock, "
         f"{meta['date']}; load average {meta['load_average_start']} at the start, "
         f"{meta['load_average_end']} at the end.",
     ]
