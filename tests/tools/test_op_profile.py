@@ -92,3 +92,8 @@ def test_profile_command_prints_json_and_a_table(capsys, tmp_path):
         assert float(cells[5]) == pytest.approx(nbytes / 2**30 / (ms / 1e3), rel=0.01, abs=0.05)
         assert float(cells[6]) == pytest.approx(ms / (nbytes / rate * 1e3), rel=0.01, abs=0.005)
     assert result["stream_bytes"]["maps backward"] == (3 * 4 + 1) * 32 * 16 * 4
+
+
+def test_profile_refuses_what_the_native_passes_do_not_run():
+    with pytest.raises(ValueError, match="float32 and bfloat16"):
+        op_profile.profile(tokens=8, dim=8, dtype="float16", repeats=1)
