@@ -414,10 +414,13 @@ def plain_eager(tensors) -> bool:
     the loops: the custom ops' dispatch takes them), and no torch.compile trace, dispatch
     mode or torch.jit trace running (they must see the custom ops): the native functions
     may be called directly."""
+    # is_compiling first: a compile trace then reaches nothing else here (native_call asks
+    # the profiler after this, which Dynamo cannot trace)
+    if torch.compiler.is_compiling():
+        return False
     if not all(type(t) in _PLAIN and t.device.type == "cpu" for t in tensors):
         return False
-    return not (torch.compiler.is_compiling() or dispatch_mode_active()
-                or torch.jit.is_tracing())
+    return not (dispatch_mode_active() or torch.jit.is_tracing())
 
 
 def dispatch_mode_active() -> bool:
@@ -808,9 +811,9 @@ def native_call(name: str, *args):
     A connection's forward and backward on 8 tokens took 843 us this way against 1046 us
     through the custom ops (benchmarks/bench_connection_calls.py, one thread, Zen 4,
     2026-12-03)."""
-    # is_compiling first: a trace must not reach _profiler_enabled (Dynamo cannot trace it)
-    if torch.compiler.is_compiling() or torch.autograd._profiler_enabled() or not plain_eager(
-            a for a in args if isinstance(a, torch.Tensor)):
+    # plain_eager first: it rules out a compile trace before _profiler_enabled is asked
+    if not plain_eager(a for a in args if isinstance(a, torch.Tensor)) \
+            or torch.autograd._profiler_enabled():
         return getattr(torch.ops.torch_mhc, name)(*args)
     return _IMPLS[name](*args)
 

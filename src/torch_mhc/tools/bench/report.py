@@ -76,23 +76,15 @@ def write_json_atomic(path: str, report: dict) -> None:
 
 def script_report(config: dict, results: dict, json_path: str | None = None,
                   key: str = "results") -> str:
-    """A benchmark script's JSON: its config with the torch version, date, machine, core
-    count and load average at the end added, and its results under `key`; written to
-    json_path too (atomically) when given."""
-    import torch
-
-    from torch_mhc.runtime.files import atomic_write
-
-    report = {"config": {**config, "torch": torch.__version__,
-                         "date": datetime.datetime.now(datetime.timezone.utc)
-                         .isoformat(timespec="seconds"),
-                         "machine": f"{platform.machine()} {platform.processor()}".strip(),
-                         "cpu_count": os.cpu_count(), "load_average_end": os.getloadavg()},
-              key: results}
-    text = json.dumps(report, indent=2)
+    """A benchmark script's JSON: its config with run_meta's date, versions, machine, CPU,
+    cores and threads and the load average at the end added, and its results under `key`;
+    written to json_path too (atomically) when given."""
+    meta = run_meta()
+    meta["load_average_end"] = meta.pop("load_average_start")  # called when the run is done
+    report = {"config": {**config, **meta}, key: results}
     if json_path:
-        atomic_write(os.path.abspath(json_path), (text + "\n").encode())
-    return text
+        write_json_atomic(json_path, report)
+    return json.dumps(report, indent=2)
 
 
 def _md_steps(result: dict, title: str) -> list[str]:
