@@ -171,13 +171,17 @@ INLINE void prefetch_rows(const void* p, int64_t row0, int64_t rows, int64_t C, 
     for (int64_t j = 0; j < rows; ++j) __builtin_prefetch(b + ((row0 + j) * C + c) * size);
 }
 
-/* for (c = 0; c < C; c += 16) { BODY } with w the chunk's width; BODY is compiled twice, for
-   full chunks (w the constant 16: plain vector loads, accumulators stay in registers) and
-   for the tail chunk. */
-#define FOR_CHUNKS(c, w, C, ...)                                          \
-    for (int64_t c = 0; c < (C); c += W) {                                \
-        if ((C) - c >= W) { const int w = W; __VA_ARGS__ }                \
-        else { const int w = (int)((C) - c); __VA_ARGS__ }                \
+/* for (c = 0; c < C; c += 16) { BODY } with w the chunk's width; BODY is compiled twice: a
+   loop over the full chunks (w the constant 16: plain vector loads), then the tail chunk
+   after it. With the tail's copy inside the same loop (an if on the width at each chunk),
+   its masked loads' temporaries shared the loop with the sums carried across chunks, and GCC
+   kept those sums on the stack where they outnumbered the free vector registers (the maps
+   backward's 20 dot products at n = 4: each multiply-add with a load and a store beside it);
+   with the tail apart the loop holds them in registers. */
+#define FOR_CHUNKS(c, w, C, ...)                                                \
+    for (int64_t c = 0, c##_end_ = (C); c < c##_end_; c = c##_end_) {           \
+        for (; c + W <= c##_end_; c += W) { const int w = W; __VA_ARGS__ }      \
+        for (; c < c##_end_; c += W) { const int w = (int)(c##_end_ - c); __VA_ARGS__ } \
     }
 
 /* Call CALL with N_ a compile-time constant for the usual stream counts, so that loops over
