@@ -194,6 +194,12 @@ INLINE void prefetch_rows(const void* p, int64_t row0, int64_t rows, int64_t C, 
         default: { const int64_t N_ = (n); CALL; break; }           \
     }
 
+/* CALL with bf a constant, as in the exported entry points: each dtype's loops apart */
+#define FOR_DTYPE(BF, CALL)                                                             \
+    do {                                                                                \
+        if (BF) { const int bf = 1; CALL; } else { const int bf = 0; CALL; }            \
+    } while (0)
+
 /* ---------------------------------------------------------------------------------------
    Post-and-merge
    --------------------------------------------------------------------------------------- */
@@ -1100,15 +1106,46 @@ INLINE void dx_chunk(const void* a, int64_t a0, const float* s, int a_bf, const 
     for (int u = 0; u < TT; ++u) stw(dx, (t + u) * K + k, acc[u], w, bf);
 }
 
+/* The maps backward's two per-token passes over x, ga and gmerge (the dots, then dx's base
+   for a tile) as functions of their own, each compiled for its dtype, stream count and the
+   gradients present. Inlined into maps_bwd_body, whose dphi and dx tiles hold most vector
+   registers, GCC kept token_dots' n + n n sums on the stack (a load and a store beside
+   each multiply-add) and reloaded maps_dx_base's row pointers and NULL checks from it at
+   every chunk (perf annotate: ~40% of the body's samples). Out of line the maps backward
+   took 7.43 against 8.08 ms (T = 2048, n = 4, C = 512, one thread, 25 interleaved rounds of
+   benchmarks/bench_native_builds.py, 2026-12-03). */
+static __attribute__((noinline)) void maps_token_dots(const void* x, const void* ga,
+                                                      const void* gmerge, float* dots,
+                                                      float* dres, int64_t t, int ahead,
+                                                      int64_t n, int64_t C, int bf) {
+    FOR_DTYPE(bf, WITH_N(n, token_dots(x, ga, gmerge, dots, dres, t, ahead, N_, C, bf)));
+}
+
+/* maps_dx_base (mHC's: one coef a token) for the TT tokens from t into base [TT, n C]. */
+#define DX_BASES(GA, GM)                                                                 \
+    for (int64_t u = 0; u < TT; ++u)                                                      \
+        maps_dx_base(x, GA, GM, coef + u, 0, hp + u * N_, hr + u * N_ * N_,              \
+                     base + u * N_ * C, t + u, N_, C, bf)
+static __attribute__((noinline)) void maps_dx_bases(const void* x, const void* ga,
+                                                    const void* gmerge, const float* coef,
+                                                    const float* hp, const float* hr,
+                                                    float* base, int64_t t, int64_t TT,
+                                                    int64_t n, int64_t C, int bf) {
+    FOR_DTYPE(bf, WITH_N(n,
+        if (ga && gmerge) DX_BASES(ga, gmerge);
+        else if (ga) DX_BASES(ga, NULL);
+        else if (gmerge) DX_BASES(NULL, gmerge);
+        else DX_BASES(NULL, NULL)));
+}
+#undef DX_BASES
+
 /* dx for TT tokens from t; base: scratch of TT n C floats. */
 INLINE void maps_dx_tile(const void* x, const float* phitb, const void* ga, const void* gmerge,
                          const float* coef, const float* hp, const float* hr, const float* dz,
                          void* dx, float* base, int64_t t, const int TT, const int64_t n,
                          int64_t C, int64_t M, int64_t Mp, int bf) {
     const int64_t K = n * C;
-    for (int u = 0; u < TT; ++u)
-        maps_dx_base(x, ga, gmerge, coef + u, 0, hp + u * n, hr + u * n * n, base + u * K,
-                     t + u, n, C, bf);
+    maps_dx_bases(x, ga, gmerge, coef, hp, hr, base, t, TT, n, C, bf);
     int64_t k = 0;
     for (; k + W <= K; k += W)
         dx_chunk(base, 0, NULL, 0, phitb + k * M, W, dz, dx, t, TT, K, M, Mp, k, W, bf);
@@ -1145,7 +1182,7 @@ INLINE void maps_bwd_body(const void* x, const float* phitb, const float* ab, co
             float* d = dht + tu * M;
             gate_logits(lt + tu * M, ab, ht, M);
             for (int64_t i = 0; i < n; ++i) dpre[i] = gpre ? gpre[tu * n + i] : 0.0f;
-            token_dots(x, ga, gmerge, dots, dres, tu, tu + 1 < t1, n, C, bf);
+            maps_token_dots(x, ga, gmerge, dots, dres, tu, tu + 1 < t1, n, C, bf);
             if (ga)
                 for (int64_t i = 0; i < n; ++i) dpre[i] += dots[i];
             for (int64_t i = 0; i < n; ++i) {
@@ -1610,12 +1647,6 @@ struct decode_call {
     int64_t res;         /* mHC's H_res map (RES_SINKHORN) or a successor's */
     double norm_eps, sk_eps, pre_eps;
 };
-
-/* CALL with bf a constant, as in the exported entry points: each dtype's loops apart */
-#define FOR_DTYPE(BF, CALL)                                                             \
-    do {                                                                                \
-        if (BF) { const int bf = 1; CALL; } else { const int bf = 0; CALL; }            \
-    } while (0)
 
 /* The maps of x [t, n, C] into the block's hpre, hpost and hres, and the branch input a
    [t, C]. */
