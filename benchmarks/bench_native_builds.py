@@ -10,6 +10,16 @@ AVX-512 run), loads every build into this process and times the pass (op_profile
 T tokens of n = 4 streams of C floats, float32) in interleaved rounds, process CPU time.
 Ratios are to the first build (this checkout), per round and paired. Prints JSON, then a
 markdown table. Each build takes about a minute.
+
+`--pass step` times what a kernel change does to a model instead: the training step of `mhc
+bench --only step`'s mHC model (pre-norm attention + MLP blocks, --layers, batch 8 x 256
+tokens, width --dim), the same model object with each build's library in turn (the library
+native.load() returns is swapped before each run), in interleaved rounds with --clock. Host
+noise that moves whole rounds cancels in the paired ratio, which runs of `mhc bench` one after
+the other cannot give.
+
+    python benchmarks/bench_native_builds.py --against 49cfb2d --pass step --threads 2 \
+        --clock wall --repeats 20
 """
 
 from __future__ import annotations
@@ -26,9 +36,11 @@ import torch
 from torch_mhc.ops.cpu import build, native
 from torch_mhc.tools.bench import op_profile
 from torch_mhc.tools.bench.report import script_report
-from torch_mhc.tools.bench.timing import summarize, time_interleaved
+from torch_mhc.tools.bench.timing import CLOCKS, summarize, time_interleaved
+from torch_mhc.tools.bench.workloads import build_model, random_tokens, train_step
 
 PASSES = ("maps forward", "merge forward", "merge backward", "maps backward")
+STEP = "step"  # --pass step: the model's training step
 
 
 def _source_at(rev: str) -> str:
@@ -55,21 +67,49 @@ def _build(source: str, cflags: list[str], out_dir: Path, name: str) -> native.N
     return native.NativeOps(lib)
 
 
+def _with_library(lib: native.NativeOps, run):
+    """run() with lib as the library native.load() returns (the ops call it at every pass)."""
+    def step():
+        native._loaded, native._tried = lib, True
+        run()
+    return step
+
+
+def _model_steps(libs: dict, dim: int, layers: int) -> dict:
+    """name -> one training step of the mHC benchmark model with that build's library."""
+    model = build_model("mhc", dim, layers)
+    run = train_step(model, random_tokens(8, 256 + 1), impl="auto")  # as mhc bench runs it
+    return {name: _with_library(lib, run) for name, lib in libs.items()}
+
+
+def _time_restoring(make_steps, repeats: int, clock: str) -> dict:
+    """time_interleaved of make_steps(), then the library native.load() returned before."""
+    shipped = native._loaded, native._tried
+    try:
+        return time_interleaved(make_steps(), repeats, warmup=2, clock=clock)
+    finally:
+        native._loaded, native._tried = shipped
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--against", nargs="+", required=True, metavar="REV",
                    help="git revisions whose native.c to build beside this checkout's")
-    p.add_argument("--pass", dest="name", default="maps backward", choices=PASSES)
+    p.add_argument("--pass", dest="name", default="maps backward", choices=(*PASSES, STEP))
     p.add_argument("--cflags", default="", help="flags added to every build (shell-split)")
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--layers", type=int, default=8, help="--pass step: the model's blocks")
+    p.add_argument("--clock", choices=CLOCKS, default="process",
+                   help="process CPU time (one thread) or wall time (two threads share it)")
     p.add_argument("--json", help="also write the JSON here")
     args = p.parse_args(argv)
-    if args.tokens < 1 or args.dim < 1 or args.threads < 1 or args.repeats < 2:
-        p.error("--tokens, --dim and --threads must be >= 1 and --repeats >= 2, got "
-                f"{args.tokens}, {args.dim}, {args.threads}, {args.repeats}")
+    if min(args.tokens, args.dim, args.threads, args.layers) < 1 or args.repeats < 2:
+        p.error("--tokens, --dim, --threads and --layers must be >= 1 and --repeats >= 2, "
+                f"got {args.tokens}, {args.dim}, {args.threads}, {args.layers}, "
+                f"{args.repeats}")
     torch.set_num_threads(args.threads)
     cflags = shlex.split(args.cflags)
     # every source first, so that a wrong revision is refused before a minute of building
@@ -78,13 +118,20 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         libs = {name: _build(text, cflags, Path(tmp), f"build{i}")
                 for i, (name, text) in enumerate(sources.items())}
-        inputs = op_profile._inputs(args.tokens, 4, args.dim, torch.float32, 20)
-        steps = {name: op_profile._passes(lib, inputs)[args.name] for name, lib in libs.items()}
-        times = time_interleaved(steps, args.repeats, warmup=2, clock="process")
+        if args.name == STEP:
+            times = _time_restoring(lambda: _model_steps(libs, args.dim, args.layers),
+                                    args.repeats, args.clock)
+        else:
+            inputs = op_profile._inputs(args.tokens, 4, args.dim, torch.float32, 20)
+            steps = {name: op_profile._passes(lib, inputs)[args.name]
+                     for name, lib in libs.items()}
+            times = time_interleaved(steps, args.repeats, warmup=2, clock=args.clock)
     results = summarize(times, "this checkout")
-    config = {"pass": args.name, "against": args.against, "cflags": args.cflags,
-              "tokens": args.tokens, "streams": 4, "dim": args.dim, "threads": args.threads,
-              "repeats": args.repeats, "clock": "process"}
+    shape = ({"layers": args.layers, "batch": 8, "seq": 256} if args.name == STEP
+             else {"tokens": args.tokens})
+    config = {"pass": args.name, "against": args.against, "cflags": args.cflags, **shape,
+              "streams": 4, "dim": args.dim, "threads": args.threads,
+              "repeats": args.repeats, "clock": args.clock}
     print(script_report(config, results, args.json))
     print(f"\n| build ({args.name}, cflags {args.cflags or 'none'}) | median ms | min-max ms "
           "| paired ratio to this checkout (95% interval) |\n|---|---:|---:|---|")

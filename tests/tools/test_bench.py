@@ -547,7 +547,40 @@ def test_native_builds_script_reads_a_commits_source_and_refuses_a_wrong_one(cap
     assert "building" not in capsys.readouterr().err
     with pytest.raises(SystemExit):
         module.main(["--against", "HEAD", "--repeats", "1"])
-    assert "--repeats >= 2, got 2048, 512, 1, 1" in capsys.readouterr().err
+    assert "--repeats >= 2, got 2048, 512, 1, 8, 1" in capsys.readouterr().err
+
+
+def test_native_builds_script_runs_the_model_step_on_each_build_and_restores_the_library():
+    """benchmarks/bench_native_builds.py --pass step: each entry runs the mHC model's training
+    step with its own build as the library every pass calls, and the library loaded before
+    is the one native.load() returns afterwards."""
+    from torch_mhc.ops.cpu import native
+
+    lib = native.load()
+    if lib is None:
+        pytest.skip("native CPU library unavailable")
+    module = _bench_script("bench_native_builds")
+
+    class Counting:  # the library, counting the passes called through it
+        def __init__(self):
+            self.calls = []
+
+        def __getattr__(self, name):
+            attr = getattr(lib, name)
+            if name in ("maps_fwd", "maps_bwd", "merge_fwd", "merge_bwd"):
+                self.calls.append(name)
+            return attr
+
+    a, b = Counting(), Counting()
+    times = module._time_restoring(lambda: module._model_steps({"a": a, "b": b}, 16, 1), 2,
+                                   "process")
+    assert native.load() is lib
+    assert {name: len(ts) for name, ts in times.items()} == {"a": 2, "b": 2}
+    # one block: two connections, each with its maps and merge forward and backward, in the
+    # two warm-up and two timed steps of each entry
+    for c in (a, b):
+        assert sorted(set(c.calls)) == ["maps_bwd", "maps_fwd", "merge_bwd", "merge_fwd"]
+        assert len(c.calls) == 4 * 2 * 4
 
 
 def test_connection_calls_script_compares_both_and_restores_the_dispatch_check(capsys):
