@@ -1108,7 +1108,7 @@ INLINE void dx_chunk(const void* a, int64_t a0, const float* s, int a_bf, const 
 
 /* The maps backward's two per-token passes over x, ga and gmerge (the dots, then dx's base
    for a tile) as functions of their own, each compiled for its dtype, stream count and the
-   gradients present. Inlined into maps_bwd_body, whose dphi and dx tiles hold most vector
+   gradients present (HC's backward calls the first too). Inlined into maps_bwd_body, whose dphi and dx tiles hold most vector
    registers, GCC kept token_dots' n + n n sums on the stack (a load and a store beside
    each multiply-add) and reloaded maps_dx_base's row pointers and NULL checks from it at
    every chunk (perf annotate: ~40% of the body's samples). Out of line the maps backward
@@ -1396,7 +1396,7 @@ INLINE void hc_bwd_body(const void* x, const float* wt, const float* d, const fl
         const int64_t g = t1 - t < G ? t1 - t : G;
         for (int64_t v = 0; v < g; ++v) {  /* the dot products, then each row's dz, coef */
             const int64_t tv = t + v;
-            token_dots(x, ga, gmerge, dots, dres, tv, tv + 1 < t1, n, C, bf);
+            maps_token_dots(x, ga, gmerge, dots, dres, tv, tv + 1 < t1, n, C, bf);
             float* gp = gtot + tv * (n + nn);
             float* gr = gp + n;
             for (int64_t j = 0; j < n; ++j)
