@@ -20,6 +20,10 @@ the other cannot give.
 
     python benchmarks/bench_native_builds.py --against 49cfb2d --pass step --threads 2 \
         --clock wall --repeats 20
+
+`--pass connection` times one connection of --kind (mhc or hc: HC's backward is a pass of
+its own) forward and backward through autograd, T tokens of n = 4 streams, an identity
+branch, with each build's library in turn.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch import nn
 
+from torch_mhc import HyperConnection, ManifoldHyperConnection
 from torch_mhc.ops.cpu import build, native
 from torch_mhc.tools.bench import op_profile
 from torch_mhc.tools.bench.report import script_report
@@ -41,6 +47,7 @@ from torch_mhc.tools.bench.workloads import build_model, random_tokens, train_st
 
 PASSES = ("maps forward", "merge forward", "merge backward", "maps backward")
 STEP = "step"  # --pass step: the model's training step
+CONNECTION = "connection"  # --pass connection: one connection's forward and backward
 
 
 def _source_at(rev: str) -> str:
@@ -82,6 +89,22 @@ def _model_steps(libs: dict, dim: int, layers: int) -> dict:
     return {name: _with_library(lib, run) for name, lib in libs.items()}
 
 
+def _connection_steps(libs: dict, kind: str, tokens: int, dim: int) -> dict:
+    """name -> forward and backward of one connection of kind with that build's library."""
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    conn = (HyperConnection(dim, 4, 1, nn.Identity()) if kind == "hc"
+            else ManifoldHyperConnection(dim, 4, 1, nn.Identity()))
+    x = torch.randn(tokens, 4, dim, generator=g, requires_grad=True)
+    grad = torch.randn(tokens, 4, dim, generator=g)
+
+    def run():
+        conn(x).backward(grad)
+        x.grad = None
+        conn.zero_grad(set_to_none=True)
+    return {name: _with_library(lib, run) for name, lib in libs.items()}
+
+
 def _time_restoring(make_steps, repeats: int, clock: str) -> dict:
     """time_interleaved of make_steps(), then the library native.load() returned before."""
     shipped = native._loaded, native._tried
@@ -95,7 +118,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--against", nargs="+", required=True, metavar="REV",
                    help="git revisions whose native.c to build beside this checkout's")
-    p.add_argument("--pass", dest="name", default="maps backward", choices=(*PASSES, STEP))
+    p.add_argument("--pass", dest="name", default="maps backward",
+                   choices=(*PASSES, STEP, CONNECTION))
+    p.add_argument("--kind", choices=("mhc", "hc"), default="mhc",
+                   help="--pass connection: the connection timed")
     p.add_argument("--cflags", default="", help="flags added to every build (shell-split)")
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--dim", type=int, default=512)
@@ -121,6 +147,10 @@ def main(argv: list[str] | None = None) -> None:
         if args.name == STEP:
             times = _time_restoring(lambda: _model_steps(libs, args.dim, args.layers),
                                     args.repeats, args.clock)
+        elif args.name == CONNECTION:
+            times = _time_restoring(
+                lambda: _connection_steps(libs, args.kind, args.tokens, args.dim),
+                args.repeats, args.clock)
         else:
             inputs = op_profile._inputs(args.tokens, 4, args.dim, torch.float32, 20)
             steps = {name: op_profile._passes(lib, inputs)[args.name]
@@ -129,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     results = summarize(times, "this checkout")
     shape = ({"layers": args.layers, "batch": 8, "seq": 256} if args.name == STEP
              else {"tokens": args.tokens})
+    if args.name == CONNECTION:
+        shape["kind"] = args.kind
     config = {"pass": args.name, "against": args.against, "cflags": args.cflags, **shape,
               "streams": 4, "dim": args.dim, "threads": args.threads,
               "repeats": args.repeats, "clock": args.clock}

@@ -582,6 +582,14 @@ def test_native_builds_script_runs_the_model_step_on_each_build_and_restores_the
         assert sorted(set(c.calls)) == ["maps_bwd", "maps_fwd", "merge_bwd", "merge_fwd"]
         assert len(c.calls) == 4 * 2 * 4
 
+    # --pass connection: one connection, forward and backward, per run
+    a, b = Counting(), Counting()
+    module._time_restoring(lambda: module._connection_steps({"a": a, "b": b}, "mhc", 8, 16),
+                           3, "process")
+    assert native.load() is lib
+    for c in (a, b):  # 2 warm-up and 3 timed runs
+        assert sorted(c.calls) == sorted(["maps_bwd", "maps_fwd", "merge_bwd", "merge_fwd"] * 5)
+
 
 def test_connection_calls_script_compares_both_and_restores_the_dispatch_check(capsys):
     """benchmarks/bench_connection_calls.py: both comparisons with their entries (the C
