@@ -177,7 +177,8 @@ INLINE void prefetch_rows(const void* p, int64_t row0, int64_t rows, int64_t C, 
    its masked loads' temporaries shared the loop with the sums carried across chunks, and GCC
    kept those sums on the stack where they outnumbered the free vector registers (the maps
    backward's 20 dot products at n = 4: each multiply-add with a load and a store beside it);
-   with the tail apart the loop holds them in registers. */
+   with the tail apart, token_dots compiled on its own holds them in registers (inlined into
+   a function as large as maps_bwd_body it still did not: see maps_token_dots). */
 #define FOR_CHUNKS(c, w, C, ...)                                                \
     for (int64_t c = 0, c##_end_ = (C); c < c##_end_; c = c##_end_) {           \
         for (; c + W <= c##_end_; c += W) { const int w = W; __VA_ARGS__ }      \
@@ -1108,12 +1109,13 @@ INLINE void dx_chunk(const void* a, int64_t a0, const float* s, int a_bf, const 
 
 /* The maps backward's two per-token passes over x, ga and gmerge (the dots, then dx's base
    for a tile) as functions of their own, each compiled for its dtype, stream count and the
-   gradients present (HC's backward calls the first too). Inlined into maps_bwd_body, whose dphi and dx tiles hold most vector
-   registers, GCC kept token_dots' n + n n sums on the stack (a load and a store beside
-   each multiply-add) and reloaded maps_dx_base's row pointers and NULL checks from it at
-   every chunk (perf annotate: ~40% of the body's samples). Out of line the maps backward
-   took 7.43 against 8.08 ms (T = 2048, n = 4, C = 512, one thread, 25 interleaved rounds of
-   benchmarks/bench_native_builds.py, 2026-12-03). */
+   gradients present (HC's backward calls the first too). Inlined into maps_bwd_body, whose
+   dphi and dx tiles hold most vector registers, GCC kept token_dots' n + n n sums on the
+   stack (a load and a store beside each multiply-add) and reloaded maps_dx_base's row
+   pointers and NULL checks from it at every chunk (perf annotate: ~40% of the body's
+   samples). Out of line the maps backward took 7.43 against 8.08 ms (T = 2048, n = 4,
+   C = 512, one thread, 25 interleaved rounds of benchmarks/bench_native_builds.py,
+   2026-12-03). */
 static __attribute__((noinline)) void maps_token_dots(const void* x, const void* ga,
                                                       const void* gmerge, float* dots,
                                                       float* dres, int64_t t, int ahead,
