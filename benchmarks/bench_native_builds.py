@@ -1,5 +1,5 @@
-"""One native pass of an mHC connection, timed in one process against builds of native.c from
-other commits or with other compiler flags.
+"""One native pass of an mHC connection (or a connection, or the model's training step), timed
+in one process against builds of native.c from other commits or with other compiler flags.
 
     python benchmarks/bench_native_builds.py --against 5dfae25 --pass "maps backward"
     python benchmarks/bench_native_builds.py --against 5dfae25 --cflags=-mno-avx512f
@@ -7,7 +7,8 @@ other commits or with other compiler flags.
 Builds ops/cpu/native.c as this checkout has it and as each commit of --against had it (git
 show), all with the library's flags plus --cflags (-mno-avx512f: the loops CPUs without
 AVX-512 run), loads every build into this process and times the pass (op_profile's inputs:
-T tokens of n = 4 streams of C floats, float32) in interleaved rounds, process CPU time.
+T tokens of n = 4 streams of C floats, float32) in interleaved rounds, process CPU time
+(--clock wall: wall time, for two threads on a machine shared with other jobs).
 Ratios are to the first build (this checkout), per round and paired. Prints JSON, then a
 markdown table. Each build takes about a minute.
 
