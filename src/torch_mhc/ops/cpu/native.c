@@ -178,12 +178,24 @@ INLINE void prefetch_rows(const void* p, int64_t row0, int64_t rows, int64_t C, 
    kept those sums on the stack where they outnumbered the free vector registers (the maps
    backward's 20 dot products at n = 4: each multiply-add with a load and a store beside it);
    with the tail apart, token_dots compiled on its own holds them in registers (inlined into
-   a function as large as maps_bwd_body it still did not: see maps_token_dots). */
+   a function as large as maps_bwd_body it still did not: see maps_token_dots).
+   Without AVX-512 (16 vector registers, two to a 16-float vector) those sums cannot stay in
+   registers either way, and the split loops took the maps backward from 11.2 to 14.1 ms
+   (T = 2048, n = 4, C = 512, one Zen 4 core built with -mno-avx512f, 2026-12-03): there the
+   one loop stays. */
+#if defined(__AVX512F__)
 #define FOR_CHUNKS(c, w, C, ...)                                                \
     for (int64_t c = 0, c##_end_ = (C); c < c##_end_; c = c##_end_) {           \
         for (; c + W <= c##_end_; c += W) { const int w = W; __VA_ARGS__ }      \
         for (; c < c##_end_; c += W) { const int w = (int)(c##_end_ - c); __VA_ARGS__ } \
     }
+#else
+#define FOR_CHUNKS(c, w, C, ...)                                          \
+    for (int64_t c = 0; c < (C); c += W) {                                \
+        if ((C) - c >= W) { const int w = W; __VA_ARGS__ }                \
+        else { const int w = (int)((C) - c); __VA_ARGS__ }                \
+    }
+#endif
 
 /* Call CALL with N_ a compile-time constant for the usual stream counts, so that loops over
    n unroll and small per-token arrays live in registers; other n run the generic code. */
