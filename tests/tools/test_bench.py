@@ -424,6 +424,27 @@ def test_ops_benchmark_times_the_successors_beside_mhc(capsys):
         ops_bench._kinds("mhc,mhc-heavy")
 
 
+@pytest.mark.parametrize("kind", ["hc", "mhc", "kromhc"])
+def test_connection_step_gradients_match_the_reference_ops(kind):
+    """The connection step `mhc bench --ops` times (HC's included) gives every input the
+    gradients the reference ops give on the same inputs, and --kinds takes hc."""
+    from tests.helpers.op_cases import TOL, assert_close
+    from torch_mhc.tools.bench import ops as ops_bench
+    from torch_mhc.tools.bench.workloads import connection_step
+
+    steps = {impl: connection_step(impl, 6, 4, 16, torch.float32, "cpu", kind)
+             for impl in ("reference", "cpu")}  # float32: the native passes
+    for step in steps.values():
+        step()
+    for ref, got in zip(steps["reference"].leaves, steps["cpu"].leaves, strict=True):
+        if ref is None:
+            assert got is None
+            continue
+        assert got.grad is not None and torch.equal(got.detach(), ref.detach())
+        assert_close(got.grad, ref.grad, TOL[torch.float32])
+    assert ops_bench._kinds("mhc,hc") == ("mhc", "hc")
+
+
 @pytest.mark.parametrize("calls, frozen", [("library", False), ("ctypes", True)])
 def test_decode_in_situ_script_parts_nest_and_the_patches_come_off(capsys, calls, frozen):
     """benchmarks/bench_decode_in_situ.py: every mHC call takes the prepared native calls

@@ -2,11 +2,12 @@
 
     mhc bench --ops --tokens 2048 --streams 4 --dim 512 --impls reference cpu
     mhc bench --ops --kinds mhc,mhc-lite,kromhc,mhc-static-res --impls cpu  # the successors
+    mhc bench --ops --kinds mhc,hc --impls cpu               # HC's ops beside mHC's
     mhc bench --ops --profile ...                            # each native pass alone
     mhc bench --ops ... --json ops.json                      # also written to a file
     python -m torch_mhc.tools.bench.ops ...                  # the same
 
-For each implementation (and each connection kind of --kinds: mHC's, its successors'),
+For each implementation (and each connection kind of --kinds: mHC's, HC's, mHC's successors'),
 maps + pre-aggregation + post-merge, forward and backward with a random upstream gradient,
 around an identity branch (so only the connection is timed), against the plain residual's
 x + f on the same tokens. Whole training steps of the reference LM with each connection are
@@ -34,13 +35,15 @@ from torch_mhc.tools.bench.timing import CLOCKS, medians, time_interleaved
 from torch_mhc.tools.bench.workloads import connection_step, residual_step
 from torch_mhc.tools.boundary import positive_int
 
+OP_KINDS = ("mhc", "hc", *VARIANT_KINDS)
+
 
 def _kinds(text: str) -> tuple[str, ...]:
     kinds = tuple(k.strip() for k in text.split(",") if k.strip())
-    bad = [k for k in kinds if k != "mhc" and k not in VARIANT_KINDS]
+    bad = [k for k in kinds if k not in OP_KINDS]
     if bad or not kinds:
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated kinds from mhc, {', '.join(VARIANT_KINDS)}; got {text!r}")
+            f"expected comma-separated kinds from {', '.join(OP_KINDS)}; got {text!r}")
     return kinds
 
 
@@ -60,7 +63,7 @@ def measure(
     kinds: tuple[str, ...] = ("mhc",),
 ) -> dict:
     """Median milliseconds of each implementation's connection step (entries "<impl>" for
-    mHC, "<impl> <kind>" for a successor) and of the residual."""
+    mHC, "<impl> <kind>" for HC and the successors) and of the residual."""
     dt = _DTYPES[dtype]
     steps = {(name if kind == "mhc" else f"{name} {kind}"):
              connection_step(name, tokens, streams, dim, dt, device, kind)
@@ -102,7 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--impls", nargs="+", default=["reference", "cpu"])
     parser.add_argument("--kinds", type=_kinds, default=("mhc",),
-                        help="comma-separated: mhc and any of " + ", ".join(VARIANT_KINDS))
+                        help="comma-separated, any of " + ", ".join(OP_KINDS))
     parser.add_argument("--repeats", type=positive_int, default=15)
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch.set_num_threads")

@@ -192,34 +192,46 @@ def saved_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] = ()):
 
 def connection_step(impl: str, tokens: int, n: int, c: int, dtype: torch.dtype, device: str,
                     kind: str = "mhc"):
-    """A closure running one forward + backward of the connection's ops: mHC's, or with
-    kind one of its successors' (variant_maps_pre in place of mhc_maps_pre)."""
+    """A closure running one forward + backward of the connection's ops: mHC's, HC's
+    (kind "hc": hc_maps_pre, dynamic) or one of mHC's successors' (variant_maps_pre)."""
     g = torch.Generator().manual_seed(0)
-    r = n * n if kind == "mhc" else _successors.res_count(kind, n)
     x = torch.randn(tokens, n, c, generator=g).to(device=device, dtype=dtype).requires_grad_()
-    params = [
-        (torch.randn(n * c, 2 * n + r, generator=g) / (n * c) ** 0.5),
-        torch.full((3 if r else 2,), 0.5),
-        torch.zeros(n),
-        torch.zeros(n),
-        torch.randn(n, n, generator=g) if kind == "mhc" else
-        (torch.randn(r, generator=g) if r else None),
-    ]
+    if kind == "hc":  # w [C, 2 + n], the two scales, static_pre, static_post, static_res
+        params = [torch.randn(c, 2 + n, generator=g) / c ** 0.5, torch.full((), 0.01),
+                  torch.full((), 0.01), torch.eye(n)[0], torch.ones(n), torch.eye(n)]
+    else:
+        r = n * n if kind == "mhc" else _successors.res_count(kind, n)
+        params = [
+            (torch.randn(n * c, 2 * n + r, generator=g) / (n * c) ** 0.5),
+            torch.full((3 if r else 2,), 0.5),
+            torch.zeros(n),
+            torch.zeros(n),
+            torch.randn(n, n, generator=g) if kind == "mhc" else
+            (torch.randn(r, generator=g) if r else None),
+        ]
     params = [None if p is None else p.to(device).requires_grad_() for p in params]
     upstream = torch.randn(tokens, n, c, generator=g).to(device=device, dtype=dtype)
     ops = _ops.get_impl(impl, device, dtype)
-    maps_pre = ops.mhc_maps_pre if kind == "mhc" else functools.partial(ops.variant_maps_pre,
-                                                                         kind)
+    if kind == "hc":
+        maps_pre = ops.hc_maps_pre
+    elif kind == "mhc":
+        maps_pre = ops.mhc_maps_pre
+    else:
+        maps_pre = functools.partial(ops.variant_maps_pre, kind)
 
     def step():  # what the connection module runs, around an identity branch
         if ops.fused_dx:
             _, h_post, h_res, f, x_for_merge = maps_pre(x, *params, fused_dx=True)
-            out = ops.post_merge(x_for_merge, f, h_post, h_res, fused_dx=True)
+            if x_for_merge is not None:  # None: HC made no single node, the merge writes dx
+                out = ops.post_merge(x_for_merge, f, h_post, h_res, fused_dx=True)
+            else:
+                out = ops.post_merge(x, f, h_post, h_res)
         else:
             _, h_post, h_res, f = maps_pre(x, *params)
             out = ops.post_merge(x, f, h_post, h_res)
         out.backward(upstream)
 
+    step.leaves = (x, *params)  # for tests: the tensors whose gradients a step accumulates
     return step
 
 
