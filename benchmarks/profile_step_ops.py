@@ -2,7 +2,8 @@
 
 torch.profiler over a few training steps of the benchmark LM (`mhc bench`'s model: pre-norm
 attention + MLP blocks, batch x seq tokens) per kind, after warm-up steps; each op's self
-CPU time per step, the kinds side by side. The native connection ops appear as
+CPU time per step, the kinds side by side. The kinds' steps are profiled in interleaved
+rounds, as `mhc bench` times them. The native connection ops appear as
 `torch_mhc::cpu_*`; an op's count per step says how often it runs (one per connection for
 the maps and the merge). Self time is wall time on the op's thread: at two threads an op
 that runs on both counts once.
@@ -23,19 +24,29 @@ from torch_mhc.tools.bench.workloads import build_model, random_tokens, train_st
 
 def profile(kinds: list[str], dim: int, layers: int, batch: int, seq: int, steps: int,
             warmup: int) -> dict:
-    """{kind: {op: [self ms per step, calls per step]}} over `steps` profiled steps."""
+    """{kind: {op: [self ms per step, calls per step]}} over `steps` profiled steps a kind.
+
+    Every model is built and warmed up first, then each round profiles one step of every
+    kind, the kinds in a rotated order. Profiled one kind after the other, the kind that came
+    second showed its elementwise ops (gelu, gelu_backward, mul, div) up to 2-3x slower at two
+    threads whichever kind it was (2026-12-03), which is no cost of that kind.
+    """
     idx = random_tokens(batch, seq + 1)
-    result = {}
-    for kind in kinds:
-        step = train_step(build_model(kind, dim, layers, seq=seq), idx)
-        for _ in range(warmup):
-            step()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            for _ in range(steps):
-                step()
-        result[kind] = {e.key: [e.self_cpu_time_total / steps / 1e3, e.count / steps]
-                        for e in prof.key_averages()}
-    return result
+    step = {kind: train_step(build_model(kind, dim, layers, seq=seq), idx) for kind in kinds}
+    for _ in range(warmup):
+        for kind in kinds:
+            step[kind]()
+    totals = {kind: {} for kind in kinds}  # op -> [self us, calls] over the profiled steps
+    for r in range(steps):
+        for kind in kinds[r % len(kinds):] + kinds[: r % len(kinds)]:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                step[kind]()
+            for e in prof.key_averages():
+                total = totals[kind].setdefault(e.key, [0.0, 0])
+                total[0] += e.self_cpu_time_total
+                total[1] += e.count
+    return {kind: {op: [us / steps / 1e3, calls / steps] for op, (us, calls) in ops.items()}
+            for kind, ops in totals.items()}
 
 
 def markdown(result: dict, top: int) -> str:

@@ -547,6 +547,25 @@ def test_profile_step_ops_script_counts_each_connections_ops_per_step(tmp_path, 
         module.main(["--steps", "0"])
 
 
+def test_profile_step_ops_script_interleaves_the_kinds(monkeypatch):
+    """The kinds' steps run warm-ups first, then one profiled step of every kind a round, the
+    order rotated each round (a kind profiled after the others showed slower elementwise ops)."""
+    module = _bench_script("profile_step_ops")
+    calls = []
+
+    def fake_train_step(model, idx):
+        kind = model.cfg.connection
+        return lambda: calls.append((kind, torch.autograd.profiler._is_profiler_enabled))
+
+    monkeypatch.setattr(module, "train_step", fake_train_step)
+    result = module.profile(["residual", "mhc", "hc"], 16, 1, 1, 4, steps=3, warmup=1)
+    assert calls == [("residual", False), ("mhc", False), ("hc", False),
+                     ("residual", True), ("mhc", True), ("hc", True),
+                     ("mhc", True), ("hc", True), ("residual", True),
+                     ("hc", True), ("residual", True), ("mhc", True)]
+    assert set(result) == {"residual", "mhc", "hc"}
+
+
 def test_native_builds_script_reads_a_commits_source_and_refuses_a_wrong_one(capsys):
     """benchmarks/bench_native_builds.py: --against REV builds native.c as git has it at REV;
     a revision git does not know is refused, naming it, before anything is built."""
