@@ -154,8 +154,13 @@ def test_bench_tools_report_bad_options_with_their_usage(capsys):
                                               "got '-5'"),
                          (["--streams", "0"], "argument --streams: expected an integer >= 1"),
                          (["--profile", "--repeats", "0"], "argument --repeats: expected"),
-                         (["--impls", "cpu", "nope"], "--impls: expected some of ['reference', "
-                                                      "'cpu', 'triton', 'inductor'], got 'nope'")):
+                         (["--impls", "cpu", "nope"], "argument --impls: expected names from "
+                          "reference, cpu, triton, inductor (space- or comma-separated), got "
+                          "'cpu nope'"),
+                         (["--kinds", "mhc,bogus"], "argument --kinds: expected names from mhc, "
+                                                    "hc, "),
+                         (["--profile", "--kinds", "hc"], "--profile times the cpu ops' mHC "
+                                                          "passes; it takes no --kinds")):
         assert main(["bench", "--ops", *bad]) == 2, bad
         err = capsys.readouterr().err
         assert err.startswith("usage: mhc bench --ops") and message in err, err

@@ -38,13 +38,15 @@ from torch_mhc.tools.boundary import positive_int
 OP_KINDS = ("mhc", "hc", *VARIANT_KINDS)
 
 
-def _kinds(text: str) -> tuple[str, ...]:
-    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
-    bad = [k for k in kinds if k not in OP_KINDS]
-    if bad or not kinds:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated kinds from {', '.join(OP_KINDS)}; got {text!r}")
-    return kinds
+def _names(option: str, values: list[str], allowed: tuple[str, ...]) -> list[str]:
+    """The names of a list option given space- or comma-separated (`--kinds mhc hc` or
+    `--kinds mhc,hc`), each one of `allowed`; ValueError otherwise."""
+    names = [name.strip() for value in values for name in value.split(",") if name.strip()]
+    bad = [name for name in names if name not in allowed]
+    if bad or not names:
+        raise ValueError(f"argument {option}: expected names from {', '.join(allowed)} "
+                         f"(space- or comma-separated), got {' '.join(values)!r}")
+    return names
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -98,37 +100,51 @@ def markdown(result: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tokens", type=positive_int, default=2048, help="ops: tokens (B*T)")
-    parser.add_argument("--streams", type=positive_int, default=4)
-    parser.add_argument("--dim", type=positive_int, default=512)
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--impls", nargs="+", default=["reference", "cpu"])
-    parser.add_argument("--kinds", type=_kinds, default=("mhc",),
-                        help="comma-separated, any of " + ", ".join(OP_KINDS))
-    parser.add_argument("--repeats", type=positive_int, default=15)
+    parser.add_argument("--tokens", type=positive_int, default=2048,
+                        help="tokens (batch x sequence) of the streams x [T, n, C] "
+                             "(default: %(default)s)")
+    parser.add_argument("--streams", type=positive_int, default=4,
+                        help="n, the number of streams (default: %(default)s)")
+    parser.add_argument("--dim", type=positive_int, default=512,
+                        help="C, the width of each stream (default: %(default)s)")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32",
+                        help="the streams' dtype (default: %(default)s)")
+    parser.add_argument("--device", default="cpu", help="(default: %(default)s)")
+    parser.add_argument("--impls", nargs="+", default=None, metavar="IMPL",
+                        help="op implementations, any of " + ", ".join(_ops.IMPLS)
+                             + " (default: reference cpu)")
+    parser.add_argument("--kinds", nargs="+", default=None, metavar="KIND",
+                        help="connection kinds, any of " + ", ".join(OP_KINDS)
+                             + " (default: mhc)")
+    parser.add_argument("--repeats", type=positive_int, default=15,
+                        help="timed rounds (default: %(default)s)")
     parser.add_argument("--threads", type=positive_int, default=None,
-                        help="torch.set_num_threads")
-    parser.add_argument("--clock", choices=CLOCKS, default="wall")
+                        help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--clock", choices=CLOCKS, default="wall",
+                        help="wall, or this process's CPU time (default: %(default)s)")
     parser.add_argument("--profile", action="store_true",
-                        help="time each native pass of the cpu connection step alone "
-                             "(tools/bench/op_profile.py); --impls is not used")
+                        help="time each native pass of mHC's cpu connection step alone "
+                             "(tools/bench/op_profile.py); takes no --impls or --kinds")
     parser.add_argument("--json", metavar="PATH", default=None,
                         help="also write the JSON to PATH (atomically)")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-    """ValueError naming an implementation that is unknown or cannot run here, or a --json
-    path that cannot be written."""
+    """ValueError naming an implementation or kind that is unknown or cannot run here, either
+    given with --profile, or a --json path that cannot be written. Fills in the defaults of
+    --impls and --kinds."""
     if args.json is not None:
         check_json_path(args.json)
     if args.profile:
-        return  # the cpu ops' passes, whatever --impls says
-    for name in args.impls:
-        if name not in _ops.IMPLS:
-            raise ValueError(f"--impls: expected some of {list(_ops.IMPLS)}, got {name!r}")
-        if name == "triton":
-            require_triton("--impls triton")
+        given = [o for o, v in (("--impls", args.impls), ("--kinds", args.kinds)) if v]
+        if given:
+            raise ValueError(f"--profile times the cpu ops' mHC passes; it takes no "
+                             f"{' or '.join(given)}")
+        return
+    args.impls = _names("--impls", args.impls or ["reference", "cpu"], _ops.IMPLS)
+    args.kinds = tuple(_names("--kinds", args.kinds or ["mhc"], OP_KINDS))
+    if "triton" in args.impls:
+        require_triton("--impls triton")
 
 
 def run_command(args: argparse.Namespace) -> int:
