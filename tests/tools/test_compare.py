@@ -270,3 +270,26 @@ def test_loss_plot_zooms_on_the_second_half():
     # half's 10.
     low, high = ax.get_ylim()
     assert 0.5 < low < 1.0 and 5.5 < high < 6.5
+
+
+def test_log_axes_label_their_ticks_as_plain_numbers():
+    """The plots' log axes write 0.6, 2 and 1000 (matplotlib's LogFormatter: 6e-01 below
+    one), and still leave unlabelled the minor ticks it leaves unlabelled."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from torch_mhc.tools.compare import plots
+
+    fig = Figure()
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.plot([1, 2], [0.5, 1.5])
+    plots._plain_log_axis(ax)
+    fig.canvas.draw()
+    major = ax.yaxis.get_major_formatter()
+    assert [major(v) for v in (0.6, 2.0, 1000.0)] == ["0.6", "2", "1000"]
+    labels = [t.get_text() for t in ax.get_yticklabels(minor=True) if t.get_text()]
+    assert "0.6" in labels and all("e" not in t for t in labels)
+    ax.set_ylim(1e-3, 1e3)  # six decades: minor ticks unlabelled
+    fig.canvas.draw()
+    assert not [t.get_text() for t in ax.get_yticklabels(minor=True) if t.get_text()]

@@ -31,13 +31,22 @@ def figure_png(fig: Figure) -> bytes:
     return buf.getvalue()
 
 
+class _PlainLogFormatter(LogFormatter):
+    """LogFormatter's choice of which ticks to label, each written as %g (0.6, 2, 1000):
+    its own numbers read 6e-01 below one."""
+
+    def __call__(self, x, pos=None):
+        return f"{x:g}" if super().__call__(x, pos) else ""
+
+
 def _plain_log_axis(ax) -> None:
-    """Log y axis labelled 0.5, 1, 2, 1e+03 ... rather than 10^x (the gains often span less
+    """Log y axis labelled 0.5, 1, 2, 1000 ... rather than 10^x (the gains often span less
     than a decade, where matplotlib's default labels read 1.1 x 10^0)."""
     ax.set_yscale("log")
-    ax.yaxis.set_major_formatter(LogFormatter(labelOnlyBase=False))
+    ax.yaxis.set_major_formatter(_PlainLogFormatter(labelOnlyBase=False))
     # minor ticks labelled only when the axis spans few decades (all of them below half one)
-    ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+    ax.yaxis.set_minor_formatter(_PlainLogFormatter(labelOnlyBase=False,
+                                                    minor_thresholds=(2, 0.5)))
 
 
 def _running_mean(values: list[float], window: int) -> list[float]:
@@ -183,6 +192,8 @@ def composite_gain_png(gains: dict[str, dict]) -> bytes:
         ax.grid(alpha=0.3, which="both")
     axes[0].set_ylabel("Amax gain magnitude")
     axes[0].legend(fontsize=8)
+    fig.suptitle("At the last measurement of each run (the largest over training: "
+                 "gain_over_training.png)", fontsize=9)
     return figure_png(fig)
 
 
