@@ -3,7 +3,7 @@
 torch.profiler over a few training steps of the benchmark LM (`mhc bench`'s model: pre-norm
 attention + MLP blocks, batch x seq tokens) per kind, after warm-up steps; each op's self
 CPU time per step, the kinds side by side. The kinds' steps are profiled in interleaved
-rounds, as `mhc bench` times them. The native connection ops appear as
+rounds, the order rotated each round. The native connection ops appear as
 `torch_mhc::cpu_*`; an op's count per step says how often it runs (one per connection for
 the maps and the merge). Self time is wall time on the op's thread: at two threads an op
 that runs on both counts once.
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
         p.error(f"--warmup must be >= 0, got {args.warmup}")
-    kinds = [k for k in args.kinds.split(",") if k]
+    kinds = list(dict.fromkeys(k for k in args.kinds.split(",") if k))  # each kind once
     torch.set_num_threads(args.threads)
     result = profile(kinds, args.dim, args.layers, args.batch, args.seq, args.steps, args.warmup)
     config = {**{k: v for k, v in vars(args).items() if k != "json"}, "kinds": kinds}

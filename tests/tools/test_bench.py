@@ -6,6 +6,7 @@ baseline's ratio is exactly 1, shared measurements agree).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 
@@ -424,16 +425,18 @@ def test_ops_benchmark_times_the_successors_beside_mhc(capsys):
         ops_bench._names("--kinds", ["mhc,mhc-heavy"], ops_bench.OP_KINDS)
 
 
+@pytest.mark.parametrize("tokens", [6, 32])
 @pytest.mark.parametrize("kind", ["hc", "mhc", "kromhc"])
-def test_connection_step_gradients_match_the_reference_ops(kind):
+def test_connection_step_gradients_match_the_reference_ops(kind, tokens):
     """The connection step `mhc bench --ops` times (HC's included) gives every input the
-    gradients the reference ops give on the same inputs, and --kinds takes hc."""
+    gradients the reference ops give on the same inputs (32 tokens: HC's native passes; 6:
+    its torch path, whose merge writes its own part of dx), and --kinds takes hc."""
     from tests.helpers.op_cases import TOL, assert_close
     from torch_mhc.tools.bench import ops as ops_bench
     from torch_mhc.tools.bench.workloads import connection_step
 
-    steps = {impl: connection_step(impl, 6, 4, 16, torch.float32, "cpu", kind)
-             for impl in ("reference", "cpu")}  # float32: the native passes
+    steps = {impl: connection_step(impl, tokens, 4, 16, torch.float32, "cpu", kind)
+             for impl in ("reference", "cpu")}
     for step in steps.values():
         step()
     for ref, got in zip(steps["reference"].leaves, steps["cpu"].leaves, strict=True):
@@ -442,7 +445,7 @@ def test_connection_step_gradients_match_the_reference_ops(kind):
             continue
         assert got.grad is not None and torch.equal(got.detach(), ref.detach())
         assert_close(got.grad, ref.grad, TOL[torch.float32])
-    assert ops_bench._names("--kinds", ["mhc,hc", "kromhc"], ops_bench.OP_KINDS) == [
+    assert ops_bench._names("--kinds", ["mhc,hc", "kromhc", "hc"], ops_bench.OP_KINDS) == [
         "mhc", "hc", "kromhc"]
 
 
@@ -656,3 +659,19 @@ def test_connection_calls_script_compares_both_and_restores_the_dispatch_check(c
     with pytest.raises(SystemExit):
         module.main(["--repeats", "1"])
     assert "--repeats >= 2, got 8, 200, 1, 1" in capsys.readouterr().err
+
+
+def test_ops_benchmark_lists_take_spaces_commas_and_repeats():
+    """mhc bench --ops: --impls and --kinds take names space- or comma-separated, a repeated
+    option adds to its list, each name is kept once, and the defaults fill in."""
+    from torch_mhc.tools.bench import ops as ops_bench
+
+    parser = argparse.ArgumentParser()
+    ops_bench.add_arguments(parser)
+    args = parser.parse_args(["--impls", "cpu", "--impls", "reference,cpu", "--kinds", "hc",
+                              "mhc,kromhc"])
+    ops_bench.check_arguments(args)
+    assert args.impls == ["cpu", "reference"] and args.kinds == ("hc", "mhc", "kromhc")
+    args = parser.parse_args([])
+    ops_bench.check_arguments(args)
+    assert args.impls == ["reference", "cpu"] and args.kinds == ("mhc",)

@@ -40,8 +40,10 @@ OP_KINDS = ("mhc", "hc", *VARIANT_KINDS)
 
 def _names(option: str, values: list[str], allowed: tuple[str, ...]) -> list[str]:
     """The names of a list option given space- or comma-separated (`--kinds mhc hc` or
-    `--kinds mhc,hc`), each one of `allowed`; ValueError otherwise."""
+    `--kinds mhc,hc`; a repeated option adds to the list), each one of `allowed`, each kept
+    once; ValueError otherwise."""
     names = [name.strip() for value in values for name in value.split(",") if name.strip()]
+    names = list(dict.fromkeys(names))  # each once, in the order given
     bad = [name for name in names if name not in allowed]
     if bad or not names:
         raise ValueError(f"argument {option}: expected names from {', '.join(allowed)} "
@@ -110,10 +112,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32",
                         help="the streams' dtype (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="(default: %(default)s)")
-    parser.add_argument("--impls", nargs="+", default=None, metavar="IMPL",
+    parser.add_argument("--impls", nargs="+", action="extend", default=None, metavar="IMPL",
                         help="op implementations, any of " + ", ".join(_ops.IMPLS)
                              + " (default: reference cpu)")
-    parser.add_argument("--kinds", nargs="+", default=None, metavar="KIND",
+    parser.add_argument("--kinds", nargs="+", action="extend", default=None, metavar="KIND",
                         help="connection kinds, any of " + ", ".join(OP_KINDS)
                              + " (default: mhc)")
     parser.add_argument("--repeats", type=positive_int, default=15,
