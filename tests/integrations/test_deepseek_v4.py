@@ -339,3 +339,15 @@ def test_stream_head_errors():
         from_deepseek_v4_head(state, hc_eps=HC_EPS)
     with pytest.raises(TypeError, match="expected a DeepseekV4HyperHead"):
         from_deepseek_v4_head(nn.Linear(2, 2))
+
+
+def test_norm_epsilon_reads_either_transformers_name():
+    """DeepSeek-V4's unweighted input_norm holds its epsilon as `eps` (transformers up to
+    5.24) or `variance_epsilon` (5.25); anything else is refused by name."""
+    from torch_mhc.integrations.deepseek_v4 import norm_epsilon
+
+    old, new, neither = nn.Module(), nn.Module(), nn.Identity()
+    old.eps, new.variance_epsilon = 1e-6, 2e-6
+    assert (norm_epsilon(old), norm_epsilon(new)) == (1e-6, 2e-6)
+    with pytest.raises(TypeError, match="`eps` or `variance_epsilon`, got Identity"):
+        norm_epsilon(neither)

@@ -28,6 +28,7 @@ from tests.helpers.hf_cases import batch as _batch  # noqa: E402
 from tests.helpers.hf_cases import logits as _logits  # noqa: E402
 from tests.helpers.hf_cases import perturb_connections as _perturb_connections  # noqa: E402
 from tests.helpers.hf_cases import rel as _rel  # noqa: E402
+from torch_mhc.integrations.deepseek_v4 import norm_epsilon  # noqa: E402
 from torch_mhc.runtime.recompute import recompute_streams  # noqa: E402
 
 FAMILIES = {
@@ -521,7 +522,7 @@ def _v4_norm_float64(self, x):
 def _v4_hc_float64(self, x):
     """DeepseekV4HyperConnection.forward without its float32 casts (for float64 parity)."""
     n = self.hc_mult
-    flat = _rms_float64(x.flatten(2), self.input_norm.eps)
+    flat = _rms_float64(x.flatten(2), norm_epsilon(self.input_norm))
     pre_w, post_w, comb_w = torch.nn.functional.linear(flat, self.fn).split([n, n, n * n], -1)
     pre_b, post_b, comb_b = self.base.split([n, n, n * n])
     pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + self.hc_eps
@@ -536,7 +537,7 @@ def _v4_hc_float64(self, x):
 
 
 def _v4_head_float64(self, x):
-    flat = _rms_float64(x.flatten(2), self.input_norm.eps)
+    flat = _rms_float64(x.flatten(2), norm_epsilon(self.input_norm))
     pre = torch.sigmoid(torch.nn.functional.linear(flat, self.hc_fn) * self.hc_scale
                         + self.hc_base) + self.eps
     return (pre.unsqueeze(-1) * x).sum(dim=2)

@@ -215,6 +215,19 @@ def from_deepseek_v4(
     )
 
 
+def norm_epsilon(norm: nn.Module) -> float:
+    """The epsilon of a DeepSeek-V4 module's input_norm (an unweighted RMSNorm): transformers
+    up to 5.24 names it `eps`, 5.25 `variance_epsilon`."""
+    for name in ("eps", "variance_epsilon"):
+        value = getattr(norm, name, None)
+        if value is not None:
+            return float(value)
+    raise TypeError(
+        f"expected DeepSeek-V4's input_norm to hold its epsilon as `eps` or `variance_epsilon`, "
+        f"got {type(norm).__name__} with neither"
+    )
+
+
 def _settings_of_module(module: nn.Module, given: dict) -> dict:
     """hidden_size, hc_mult, sinkhorn_iters, hc_eps, rms_norm_eps read from a
     DeepseekV4HyperConnection; a given (not None) value that disagrees is an error."""
@@ -229,7 +242,7 @@ def _settings_of_module(module: nn.Module, given: dict) -> dict:
     found = {
         "hidden_size": module.fn.shape[-1] // n, "hc_mult": n,
         "sinkhorn_iters": int(module.hc_sinkhorn_iters), "hc_eps": float(module.hc_eps),
-        "rms_norm_eps": float(module.input_norm.eps),
+        "rms_norm_eps": norm_epsilon(module.input_norm),
     }
     for name, value in given.items():
         if value is not None and value != found[name]:
@@ -307,7 +320,7 @@ def from_deepseek_v4_head(
             )
         tensors = {k: getattr(module, k) for k in _HEAD_KEYS}
         hc_eps = float(module.eps) if hc_eps is None else hc_eps
-        rms_norm_eps = float(module.input_norm.eps) if rms_norm_eps is None else rms_norm_eps
+        rms_norm_eps = norm_epsilon(module.input_norm) if rms_norm_eps is None else rms_norm_eps
     elif isinstance(head_or_state_dict, Mapping):
         missing = [prefix + k for k in _HEAD_KEYS if prefix + k not in head_or_state_dict]
         if missing:

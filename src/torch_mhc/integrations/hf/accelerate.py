@@ -25,7 +25,7 @@ from torch import nn
 
 from torch_mhc.connections import Connection, ManifoldHyperConnection
 from torch_mhc.connections.stream_head import StreamHead
-from torch_mhc.integrations.deepseek_v4 import column_order
+from torch_mhc.integrations.deepseek_v4 import column_order, norm_epsilon
 from torch_mhc.integrations.hf.convert import with_no_split
 from torch_mhc.integrations.hf.layers import ConversionError
 
@@ -60,7 +60,7 @@ class DeepseekV4Connection(ManifoldHyperConnection):
         # checks and the branch are wanted, and the parameters are the module's own.
         Connection.__init__(self, hf_module.fn.shape[1] // n, n, branch, impl=impl)
         self.layer_index, self.sinkhorn_iters = layer_index, int(hf_module.hc_sinkhorn_iters)
-        self.norm_eps = float(hf_module.input_norm.eps)
+        self.norm_eps = norm_epsilon(hf_module.input_norm)
         self.pre_eps = self.sinkhorn_eps = float(hf_module.hc_eps)
         self.fn, self.base, self.scale = hf_module.fn, hf_module.base, hf_module.scale
         self.register_buffer("column_order", column_order(n), persistent=False)
@@ -110,7 +110,7 @@ class DeepseekV4StreamHead(StreamHead):
         nn.Module.__init__(self)  # StreamHead.__init__ would create new parameters
         n = int(hf_head.hc_mult)
         self.dim, self.streams = hf_head.hc_fn.shape[1] // n, n
-        self.norm_eps, self.eps = float(hf_head.input_norm.eps), float(hf_head.eps)
+        self.norm_eps, self.eps = norm_epsilon(hf_head.input_norm), float(hf_head.eps)
         self.hc_fn, self.hc_base, self.hc_scale = hf_head.hc_fn, hf_head.hc_base, hf_head.hc_scale
 
     def parameters_as_phi_alpha_b(self):
