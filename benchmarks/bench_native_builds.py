@@ -22,9 +22,10 @@ the other cannot give.
     python benchmarks/bench_native_builds.py --against 49cfb2d --pass step --threads 2 \
         --clock wall --repeats 20
 
-`--pass connection` times one connection of --kind (mhc or hc: HC's backward is a pass of
-its own) forward and backward through autograd, T tokens of n = 4 streams, an identity
-branch, with each build's library in turn.
+`--pass connection` times the connection ops of --kind (mhc or hc: HC's backward is a pass
+of its own) forward and backward through autograd, T tokens of n = 4 streams around an
+identity branch (`tools/bench/workloads.connection_step`, what `mhc bench --ops` times), with
+each build's library in turn.
 """
 
 from __future__ import annotations
@@ -37,14 +38,17 @@ import tempfile
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from torch_mhc import HyperConnection, ManifoldHyperConnection
 from torch_mhc.ops.cpu import build, native
 from torch_mhc.tools.bench import op_profile
 from torch_mhc.tools.bench.report import script_report
 from torch_mhc.tools.bench.timing import CLOCKS, summarize, time_interleaved
-from torch_mhc.tools.bench.workloads import build_model, random_tokens, train_step
+from torch_mhc.tools.bench.workloads import (
+    build_model,
+    connection_step,
+    random_tokens,
+    train_step,
+)
 
 PASSES = ("maps forward", "merge forward", "merge backward", "maps backward")
 STEP = "step"  # --pass step: the model's training step
@@ -91,18 +95,9 @@ def _model_steps(libs: dict, dim: int, layers: int) -> dict:
 
 
 def _connection_steps(libs: dict, kind: str, tokens: int, dim: int) -> dict:
-    """name -> forward and backward of one connection of kind with that build's library."""
-    g = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)
-    conn = (HyperConnection(dim, 4, 1, nn.Identity()) if kind == "hc"
-            else ManifoldHyperConnection(dim, 4, 1, nn.Identity()))
-    x = torch.randn(tokens, 4, dim, generator=g, requires_grad=True)
-    grad = torch.randn(tokens, 4, dim, generator=g)
-
-    def run():
-        conn(x).backward(grad)
-        x.grad = None
-        conn.zero_grad(set_to_none=True)
+    """name -> forward and backward of kind's connection ops (what `mhc bench --ops` times)
+    with that build's library."""
+    run = connection_step("cpu", tokens, 4, dim, torch.float32, "cpu", kind)
     return {name: _with_library(lib, run) for name, lib in libs.items()}
 
 

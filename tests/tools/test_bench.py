@@ -430,7 +430,8 @@ def test_ops_benchmark_times_the_successors_beside_mhc(capsys):
 def test_connection_step_gradients_match_the_reference_ops(kind, tokens):
     """The connection step `mhc bench --ops` times (HC's included) gives every input the
     gradients the reference ops give on the same inputs (32 tokens: HC's native passes; 6:
-    its torch path, whose merge writes its own part of dx), and --kinds takes hc."""
+    its torch path, whose merge writes its own part of dx), each run anew, and --kinds takes
+    hc."""
     from tests.helpers.op_cases import TOL, assert_close
     from torch_mhc.tools.bench import ops as ops_bench
     from torch_mhc.tools.bench.workloads import connection_step
@@ -445,6 +446,11 @@ def test_connection_step_gradients_match_the_reference_ops(kind, tokens):
             continue
         assert got.grad is not None and torch.equal(got.detach(), ref.detach())
         assert_close(got.grad, ref.grad, TOL[torch.float32])
+    # a second run starts from no gradients: the same ones again, not their sum
+    first = [t.grad.clone() for t in steps["cpu"].leaves if t is not None]
+    steps["cpu"]()
+    for before, t in zip(first, [t for t in steps["cpu"].leaves if t is not None], strict=True):
+        assert_close(t.grad, before, TOL[torch.float32])
     assert ops_bench._names("--kinds", ["mhc,hc", "kromhc", "hc"], ops_bench.OP_KINDS) == [
         "mhc", "hc", "kromhc"]
 

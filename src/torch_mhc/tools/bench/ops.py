@@ -10,8 +10,9 @@
 For each implementation (and each connection kind of --kinds: mHC's, HC's, mHC's successors'),
 maps + pre-aggregation + post-merge, forward and backward with a random upstream gradient,
 around an identity branch (so only the connection is timed), against the plain residual's
-x + f on the same tokens. Whole training steps of the reference LM with each connection are
-`mhc bench --only step` (torch_mhc.tools.bench.suite).
+x + f on the same tokens; every run starts from no gradients (none is added to). Whole
+training steps of the reference LM with each connection are `mhc bench --only step`
+(torch_mhc.tools.bench.suite).
 
 Runs alternate between the entries and the median is reported (torch_mhc.tools.bench.timing), which
 keeps a shared machine's load from favouring one of them; --clock process times this

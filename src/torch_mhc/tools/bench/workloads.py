@@ -219,20 +219,29 @@ def connection_step(impl: str, tokens: int, n: int, c: int, dtype: torch.dtype, 
     else:
         maps_pre = functools.partial(ops.variant_maps_pre, kind)
 
+    leaves = [t for t in (x, *params) if t is not None]
+
     def step():  # what the connection module runs, around an identity branch
+        _drop_grads(leaves)
         if ops.fused_dx:
             _, h_post, h_res, f, x_for_merge = maps_pre(x, *params, fused_dx=True)
-            if x_for_merge is not None:  # None: HC made no single node, the merge writes dx
-                out = ops.post_merge(x_for_merge, f, h_post, h_res, fused_dx=True)
-            else:
-                out = ops.post_merge(x, f, h_post, h_res)
         else:
-            _, h_post, h_res, f = maps_pre(x, *params)
+            (_, h_post, h_res, f), x_for_merge = maps_pre(x, *params), None
+        if x_for_merge is not None:  # x's gradient through the merge joins the maps' one dx
+            out = ops.post_merge(x_for_merge, f, h_post, h_res, fused_dx=True)
+        else:  # no single node (HC's torch path, or no fused_dx): the merge writes its dx
             out = ops.post_merge(x, f, h_post, h_res)
         out.backward(upstream)
 
-    step.leaves = (x, *params)  # for tests: the tensors whose gradients a step accumulates
+    step.leaves = (x, *params)  # for tests: the tensors whose gradients a step leaves
     return step
+
+
+def _drop_grads(leaves) -> None:
+    """Each run starts with no gradients, so that every run does the same work (a
+    gradient left from the run before would be added to: one more [T, n, C] pass)."""
+    for t in leaves:
+        t.grad = None
 
 
 def residual_step(tokens: int, c: int, dtype: torch.dtype, device: str):
@@ -241,6 +250,7 @@ def residual_step(tokens: int, c: int, dtype: torch.dtype, device: str):
     upstream = torch.randn(tokens, c, generator=g).to(device=device, dtype=dtype)
 
     def step():
+        _drop_grads((x,))
         (x + x * 1.0).backward(upstream)  # x + F(x) with a (nearly free) branch
 
     return step
