@@ -681,3 +681,19 @@ def test_ops_benchmark_lists_take_spaces_commas_and_repeats():
     args = parser.parse_args([])
     ops_bench.check_arguments(args)
     assert args.impls == ["reference", "cpu"] and args.kinds == ("mhc",)
+
+
+@pytest.mark.parametrize("module", ["suite", "ops"])
+def test_bench_help_gives_every_valued_options_default(module):
+    """Every option of `mhc bench` (and of `--ops`) that takes a value says in its help what
+    it defaults to; flags and options with no default (--json) need not."""
+    import importlib
+
+    parser = argparse.ArgumentParser()
+    importlib.import_module(f"torch_mhc.tools.bench.{module}").add_arguments(parser)
+    missing = [
+        a.option_strings[-1] for a in parser._actions
+        if a.nargs != 0 and a.option_strings and a.dest not in ("json", "help")
+        and "default" not in (a.help or "")
+    ]
+    assert missing == []

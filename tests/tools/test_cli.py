@@ -325,6 +325,27 @@ def test_help_lists_subcommands(capsys):
         assert name in out
 
 
+def test_every_option_with_a_default_names_it():
+    """`mhc SUBCOMMAND --help` says what each optional value defaults to (flags, required
+    options and options whose absence means "none" need not)."""
+    import argparse
+
+    from torch_mhc.tools.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions
+                    if isinstance(a, argparse._SubParsersAction)).choices
+    missing = [
+        f"mhc {name} {a.option_strings[-1]}"
+        for name, parser in commands.items() for a in parser._actions
+        if a.option_strings and a.nargs != 0 and not a.required
+        and a.default not in (None, False, argparse.SUPPRESS)
+        and "default" not in (a.help or "")
+    ]
+    assert sorted(commands) == sorted(["train", "compare", "sweep", "generate", "export-hf",
+                                       "cost", "bench", "upcycle"])
+    assert missing == []
+
+
 def test_python_dash_m(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch_mhc", "train", "--connection", "dense"],
                           capture_output=True, text=True, timeout=120)

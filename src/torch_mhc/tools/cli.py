@@ -171,7 +171,8 @@ def _add_compare(subparsers) -> None:
                    "also mhc-lite, kromhc, mhc-static-res)")
     p.add_argument("--seeds", type=int, default=1, metavar="K",
                    help="train every kind on K seeds (seed .. seed+K-1, paired across kinds) "
-                   "and report mean +- sd and 95%% intervals of the differences to residual")
+                   "and report mean +- sd and 95%% intervals of the differences to residual "
+                   "(default: 1)")
     _config.add_config_flags(p, exclude=_COMPARE_EXCLUDED, preset_keys=_preset_keys())
     p.set_defaults(run=_run_compare)
 

@@ -126,26 +126,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=positive_int, default=None, help="blocks (default 8)")
     p.add_argument("--streams", type=positive_int, default=4, help="n (default 4)")
     p.add_argument("--batch", type=positive_int, default=None, help="step batch (default 8)")
-    p.add_argument("--seq", type=positive_int, default=None, help="step tokens per row (256)")
+    p.add_argument("--seq", type=positive_int, default=None,
+                   help="step tokens per row (default 256)")
     p.add_argument("--repeats", type=positive_int, default=None,
                    help="timed rounds for every timed benchmark (default: step 5, or 3 above "
                         "d = 512; sinkhorn 30; decode 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch.set_num_threads (default: torch's own choice)")
     p.add_argument("--clock", choices=CLOCKS, default="wall",
-                   help="wall time, or this process's CPU time (steadier on a shared machine)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--device", default="cpu")
+                   help="wall time, or this process's CPU time (steadier on a shared machine; "
+                        "default wall)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="default float32")
+    p.add_argument("--device", default="cpu", help="default cpu")
     p.add_argument("--impl", default="auto",
-                   help="op implementation for HC and mHC: auto, reference, cpu, triton, inductor")
+                   help="op implementation for HC and mHC: auto, reference, cpu, triton, inductor "
+                        "(default auto)")
     p.add_argument("--optimizer", action="store_true",
                    help="step: include an AdamW step in the timed training step")
     p.add_argument("--sinkhorn-tokens", type=positive_int, default=None,
                    help="matrices per Sinkhorn call (default 2048 = 8 x 256)")
-    p.add_argument("--sinkhorn-n", type=_int_list, default=[4, 8], help="default 4,8")
-    p.add_argument("--decode-batches", type=_int_list, default=None, help="default 1,8")
-    p.add_argument("--prompt", type=positive_int, default=None, help="decode prompt (128)")
-    p.add_argument("--new-tokens", type=positive_int, default=None, help="decode new tokens (128)")
+    p.add_argument("--sinkhorn-n", type=_int_list, default=[4, 8],
+                   help="streams n of the Sinkhorn benchmark (default 4,8)")
+    p.add_argument("--decode-batches", type=_int_list, default=None,
+                   help="decode batch sizes (default 1,8)")
+    p.add_argument("--prompt", type=positive_int, default=None,
+                   help="decode prompt tokens (default 128)")
+    p.add_argument("--new-tokens", type=positive_int, default=None,
+                   help="decode new tokens (default 128)")
     p.add_argument("--decode-builds", type=positive_int, default=None,
                    help="decode: build the models this many times, in rotated order, and pool "
                         "the rounds (default 2; where weights land moves decoding speed)")
