@@ -293,3 +293,10 @@ def test_log_axes_label_their_ticks_as_plain_numbers():
     ax.set_ylim(1e-3, 1e3)  # six decades: minor ticks unlabelled
     fig.canvas.draw()
     assert not [t.get_text() for t in ax.get_yticklabels(minor=True) if t.get_text()]
+    # outside 0.001 .. 9999 powers of ten, not %g's 1e-07 beside 100000
+    assert [plots._tick_text(v) for v in (1e-7, 1e4, 9999.0, 1e-3, 2.5e-5, 3e6)] == [
+        "$10^{-7}$", "$10^{4}$", "9999", "0.001", "$2.5\\times10^{-5}$", "$3\\times10^{6}$"]
+    ax.set_ylim(1e-8, 1e8)
+    fig.canvas.draw()
+    labels = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+    assert labels and not [t for t in labels if "e" in t and "times" not in t]

@@ -31,12 +31,24 @@ def figure_png(fig: Figure) -> bytes:
     return buf.getvalue()
 
 
+def _tick_text(x: float) -> str:
+    """0.6, 2, 1000 as they are; outside 0.001 .. 9999 a power of ten in mathtext (10^-7,
+    3 x 10^6), where %g's 1e-07 would stand beside 100000 on an axis spanning many decades."""
+    if x == 0 or 1e-3 <= abs(x) < 1e4:
+        return f"{x:g}"
+    k = math.floor(math.log10(abs(x)) + 1e-9)
+    m = float(f"{x / 10 ** k:.3g}")
+    if abs(m) >= 10:  # 9.9996 rounded up
+        m, k = m / 10, k + 1
+    return f"$10^{{{k}}}$" if m == 1 else f"${m:g}\\times10^{{{k}}}$"
+
+
 class _PlainLogFormatter(LogFormatter):
-    """LogFormatter's choice of which ticks to label, each written as %g (0.6, 2, 1000):
-    its own numbers read 6e-01 below one."""
+    """LogFormatter's choice of which ticks to label, each written as _tick_text says: its
+    own numbers read 6e-01 below one."""
 
     def __call__(self, x, pos=None):
-        return f"{x:g}" if super().__call__(x, pos) else ""
+        return _tick_text(x) if super().__call__(x, pos) else ""
 
 
 def _plain_log_axis(ax) -> None:
