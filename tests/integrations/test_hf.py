@@ -589,7 +589,7 @@ def test_deepseek_v4_acceleration_shares_parameters_and_keeps_logits():
 def test_deepseek_v4_decoding_keeps_its_prepared_calls_and_follows_fn(monkeypatch):
     """Decoding one token at a time prepares each accelerated connection's native calls once
     (phi, a permuted copy of fn, is made once per version of fn, not at every call), equals
-    the autograd path, and sees an in-place update of fn."""
+    the autograd path, and sees an in-place update of fn and a fused optimizer's step."""
     from torch_mhc.ops.cpu import decode, native
 
     if native.load() is None:
@@ -622,6 +622,14 @@ def test_deepseek_v4_decoding_keeps_its_prepared_calls_and_follows_fn(monkeypatc
         later = [conn(x) for _ in range(3)]
     assert len(made) == 3
     assert all(torch.equal(o, first) for o in later)
+    conn.fn.grad = torch.randn_like(conn.fn)  # fused AdamW bumps no version of fn
+    version = conn.fn._version
+    torch.optim.AdamW([conn.fn], lr=0.05, fused=True).step()
+    assert conn.fn._version == version
+    with torch.no_grad():
+        stepped = conn(x)
+    assert (stepped - first).abs().max() > 1e-4
+    assert torch.equal(stepped, conn(x.clone().requires_grad_()).detach())
 
 
 def test_deepseek_v4_acceleration_float64(monkeypatch):

@@ -735,9 +735,11 @@ def test_native_library_falls_back_with_one_warning(monkeypatch, tmp_path, cc):
 
 def test_import_builds_nothing_spawns_nothing_loads_no_library(tmp_path):
     """`import torch_mhc` in a fresh interpreter: no process started, no shared library
-    mapped (the native one included), nothing written to the cache."""
+    mapped (the native one included), nothing written to the cache, no optimizer step hook
+    registered in torch (runtime.optimizer_steps registers its own at first use)."""
     script = textwrap.dedent("""
         import os, subprocess, torch
+        from torch.optim import optimizer
 
         def libraries():
             return {line.split()[-1] for line in open("/proc/self/maps")
@@ -752,6 +754,8 @@ def test_import_builds_nothing_spawns_nothing_loads_no_library(tmp_path):
         import torch_mhc, torch_mhc.ops
         new = libraries() - before
         assert not new, new
+        hooks = optimizer._global_optimizer_pre_hooks, optimizer._global_optimizer_post_hooks
+        assert not any(hooks), hooks
         print("clean")
     """)
     env = {**os.environ, "TORCH_MHC_CACHE": str(tmp_path / "cache"), "CC": "false"}

@@ -1,3 +1,4 @@
 """What runs beside the maths: diagnostics a forward reports to (Amax gain, connection
-health), selective recomputation, and durable file writes shared by every part.
+health), selective recomputation, durable file writes shared by every part, and the count
+of optimizer steps the ops' no-autograd caches compare.
 """

@@ -28,6 +28,7 @@ from torch_mhc.connections.stream_head import StreamHead
 from torch_mhc.integrations.deepseek_v4 import column_order, norm_epsilon
 from torch_mhc.integrations.hf.convert import with_no_split
 from torch_mhc.integrations.hf.layers import ConversionError
+from torch_mhc.runtime import optimizer_steps
 
 __all__ = ["accelerate_deepseek_v4", "DeepseekV4Connection", "DeepseekV4StreamHead"]
 
@@ -73,13 +74,13 @@ class DeepseekV4Connection(ManifoldHyperConnection):
         decoding calls are kept while their arguments are the same tensors at the same
         versions: a fresh copy at each call made them again at every token (176 us a call
         against 24 at C = 32, n = 4, one thread). The copy is kept while fn is the same
-        tensor, storage and version (as the prepared calls' own copies are: a write into
-        `fn.data`, which torch does not count, goes unseen; write under torch.no_grad()),
-        and is an ordinary tensor even under inference_mode, so that later calls can use
-        it."""
+        tensor, storage and version and no optimizer has stepped (as the prepared calls' own
+        copies are: a fused optimizer bumps no version; a write into `fn.data`, which torch
+        does not count, goes unseen; write under torch.no_grad()), and is an ordinary tensor
+        even under inference_mode, so that later calls can use it."""
         fn = self.fn
         try:
-            mark = (fn.data_ptr(), fn._version)
+            mark = (fn.data_ptr(), fn._version, optimizer_steps.current())
         except RuntimeError:  # an inference tensor has no version: nothing to key a copy by
             return self.map_args(x)
         kept = _PHI_COPIES.get(id(self))

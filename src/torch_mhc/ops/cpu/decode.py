@@ -22,12 +22,13 @@ at a time: Connection keys them by thread and takes the ops' path when its branc
 again in between (`busy`).
 
 `current(args)` says whether a Decoder still describes the arguments: the same parameter
-objects, over the same storage, at the same version (an optimizer step, load_state_dict or
-any in-place op on a parameter bumps the version; `param.data = ...` swaps the storage) and
-equal options. Not seen: a write into `param.data` (`p.data.copy_(...)`), which torch does
-not count; write into the parameter under torch.no_grad() instead. The padded parameter
-tables are copies made once per parameter version (ops.cpu.cached_tables), shared by the
-shapes.
+objects, over the same storage, at the same version (load_state_dict or any in-place op on
+a parameter bumps the version; `param.data = ...` swaps the storage), no optimizer step
+since it was made (torch's fused optimizers bump no version: runtime.optimizer_steps) and
+equal options. Not seen: a write into `param.data` (`p.data.copy_(...)`) outside an
+optimizer, which torch does not count; write into the parameter under torch.no_grad()
+instead. The padded parameter tables are copies made once per parameter version and
+optimizer step (ops.cpu.cached_tables), shared by the shapes.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from torch_mhc.ops.cpu.ops import (
     use_native,
 )
 from torch_mhc.ops.cpu.variants import variant_tables
+from torch_mhc.runtime import optimizer_steps
 
 __all__ = ["Decoder", "decoder"]
 
@@ -111,11 +113,11 @@ def _shapes_fit(kind: str, x: torch.Tensor, params: tuple) -> bool:
 
 
 def _marks(params: tuple) -> tuple[list, int, tuple]:
-    """What `current` compares: each tensor's identity (a view counts as its base: the
-    DeepSeek-V4 connection passes slices of its `base` made at each call; the Decoder keeps
-    the bases alive, so an identity cannot pass to a new tensor), storage and version; then
-    the trailing options (the map arguments after the last tensor: iterations, epsilons) as
-    one tuple, from their position on."""
+    """What `current` compares (besides the optimizer steps): each tensor's identity (a view
+    counts as its base: the DeepSeek-V4 connection passes slices of its `base` made at each
+    call; the Decoder keeps the bases alive, so an identity cannot pass to a new tensor),
+    storage and version; then the trailing options (the map arguments after the last tensor:
+    iterations, epsilons) as one tuple, from their position on."""
     last = max(i for i, t in enumerate(params) if isinstance(t, torch.Tensor))
     tensors = [(i, t if t._base is None else t._base, t.data_ptr(), t._version)
                for i, t in enumerate(params[:last + 1], start=1)  # x is argument 0
@@ -126,13 +128,14 @@ def _marks(params: tuple) -> tuple[list, int, tuple]:
 class Decoder:
     """One connection's prepared decoding calls for streams of one shape and dtype."""
 
-    __slots__ = ("size", "dtype", "a_shape", "tensor_marks", "options_from",
+    __slots__ = ("size", "dtype", "a_shape", "steps", "tensor_marks", "options_from",
                  "options", "tables", "maps", "busy", "impl_state", "frozen_in", "_a_like",
                  "_call", "_addr", "_maps_call", "_merge_call", "_lib")
 
     def __init__(self, lib: _native.NativeOps, kind: str, args: tuple):
         x, params = args[0], args[1:]
         *lead, n, c = x.shape
+        self.steps = optimizer_steps.current()  # before the tables: a step after is seen
         self.size, self.dtype, self.a_shape = x.shape, x.dtype, torch.Size((*lead, c))
         # the branch inputs are made by empty_like of this: half the time of torch.empty
         # with a shape and a dtype to parse
@@ -189,6 +192,8 @@ class Decoder:
         """current(args) for an x already known to be a contiguous CPU tensor of the shape
         and dtype this Decoder was built for (Connection found it under that key): inside a
         decoding step every read of a cold tensor attribute costs, and x's were made."""
+        if optimizer_steps.COUNT != self.steps:
+            return False
         for i, base, ptr, version in self.tensor_marks:
             t = args[i]
             if (t is not base and t._base is not base) or t._version != version \

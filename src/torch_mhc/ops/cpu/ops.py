@@ -57,6 +57,7 @@ from torch_mhc.ops.checks import (
     check_sinkhorn_scalars,
 )
 from torch_mhc.ops.cpu import native as _native
+from torch_mhc.runtime import optimizer_steps
 
 __all__ = ["mhc_maps", "mhc_maps_pre", "hc_maps", "hc_maps_pre", "pre_aggregate", "post_merge",
            "sinkhorn", "use_native", "mhc_tables", "hc_tables", "cached_tables",
@@ -439,9 +440,10 @@ def cached_tables(make, *tensors: torch.Tensor) -> tuple:
     """make(*tensors), cached per first tensor (phi, HC's W) while every tensor is the same
     object (a view counts as its base: HC passes s_alpha.view(()) at each call) with the same
     version (an in-place update bumps it, in a view or its base alike) over the same
-    storage."""
+    storage, and no optimizer has stepped since (a fused one bumps no version:
+    runtime.optimizer_steps)."""
     try:  # `param.data = ...` swaps the storage without a new version: both are compared
-        versions = [(t._version, t.data_ptr()) for t in tensors]
+        versions = [optimizer_steps.current(), *((t._version, t.data_ptr()) for t in tensors)]
     except RuntimeError:  # inference tensors have no version counter: nothing to key on
         return make(*tensors)
     bases = [t if t._base is None else t._base for t in tensors]
