@@ -353,10 +353,16 @@ def test_missing_folder_and_bad_arguments(tmp_path):
                                                 r" folder written by torch_mhc.hf.save_pretrained"
                                                 r" .* or the id of a Hub repository"):
         mhc_hf.from_pretrained(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match=r"^\./nope: no such folder"):  # as given
+        mhc_hf.from_pretrained("./nope")
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match=r"empty has no config.json \(it holds \[\]\)"):
         mhc_hf.from_pretrained(tmp_path / "empty")
     folder = mhc_hf.save_pretrained(_converted(), tmp_path / "ckpt")
+    with pytest.raises(NotADirectoryError, match=r"ckpt/config.json is a file, not a folder; "
+                                                 r"from_pretrained expects a folder .*"
+                                                 r" \(here: .*ckpt\)$"):
+        mhc_hf.from_pretrained(folder / "config.json")
     with pytest.raises(TypeError, match=r"takes no config=: the config is read from the "
                                         r"checkpoint's config.json"):
         mhc_hf.from_pretrained(folder, config=transformers.LlamaConfig(**COMMON))

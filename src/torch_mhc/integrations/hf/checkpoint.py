@@ -194,12 +194,16 @@ def from_pretrained(path: str | os.PathLike, **kwargs) -> nn.Module:
 def _checkpoint_folder(path: str | os.PathLike) -> Path:
     """The folder, if it exists and holds a config.json (else transformers would look for a
     hub repository of that name)."""
-    path = Path(path)
+    given, path = str(path), Path(path)  # the error names the path as given ("./nope")
     expected = ("a folder written by torch_mhc.hf.save_pretrained (config.json, "
                 f"model.safetensors, {CONNECTIONS_FILE}) or the id of a Hub repository "
                 "holding one")
+    if path.is_file():
+        raise NotADirectoryError(
+            f"{given} is a file, not a folder; from_pretrained expects {expected}"
+            + (f" (here: {path.parent})" if path.name == "config.json" else ""))
     if not path.is_dir():
-        raise FileNotFoundError(f"{path}: no such folder; from_pretrained expects {expected}")
+        raise FileNotFoundError(f"{given}: no such folder; from_pretrained expects {expected}")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"{path} has no config.json (it holds {sorted(p.name for p in path.iterdir())}); "
