@@ -143,6 +143,7 @@ def test_corrupt_last_falls_back_to_prev(trained, tiny_config, capsys):
     code, text, err = run_cli(["generate", "--checkpoint", trained, "--max-new-tokens", "4",
                                "--temperature", "0"], capsys)
     assert code == 0 and text.startswith("def ")
+    assert err.splitlines()[0].startswith("mhc generate: warning: ")
     assert "loading the previous checkpoint" in err.splitlines()[0]
     # the metrics file reads as one run resumed at step 2
     lines = [json.loads(s) for s in (trained / "metrics.jsonl").read_text().splitlines()]

@@ -158,7 +158,8 @@ def test_compare_folder_kind_and_seed(runs, tmp_path, capsys):
     shutil.copytree(runs["hc"], compare / "hc" / "seed1")
     code, out, err = run(["export-hf", compare, tmp_path / "a", "--kind", "mhc"], capsys)
     assert code == 0, err
-    assert f"wrote {tmp_path / 'a'} (mhc" in out and "trust_remote_code=True" in out
+    assert f"wrote {tmp_path / 'a'} from {compare / 'mhc' / 'ckpt'} (step " in out
+    assert "; mhc, " in out and "trust_remote_code=True" in out
     # the lines it prints to load the folder run as printed, and pass the flag to both calls
     # (without it transformers asks on a terminal whether to run the remote code)
     hint = textwrap.dedent(out.split("load it with:\n", 1)[1])
@@ -217,3 +218,29 @@ def test_refusals_leave_everything_as_it_was(runs, tmp_path, capsys):
     assert not (tmp_path / "x").exists()
     # nothing half-written is left beside the targets
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "out"]
+
+
+def test_current_folder_relative_paths_and_a_fallback_checkpoint(runs, tmp_path, capsys,
+                                                                 monkeypatch):
+    """OUT_DIR "." or ".." (the current folder, or one holding it) is refused, since the
+    export would replace it; a relative OUT_DIR is written; a damaged ckpt falls back to
+    ckpt.prev with a warning of the command's own, and the line saying what was written names
+    the checkpoint and step exported."""
+    here = tmp_path / "here"
+    (here / "sub").mkdir(parents=True)
+    monkeypatch.chdir(here / "sub")
+    for given in (".", ".."):
+        code, _, err = run(["export-hf", runs["mhc"], given, "--overwrite"], capsys)
+        assert_one_line_error(code, err, f"{given} is the current folder or holds it")
+    assert [p.name for p in here.iterdir()] == ["sub"] and not any((here / "sub").iterdir())
+    damaged = tmp_path / "damaged"
+    shutil.copytree(runs["mhc"], damaged)
+    if not (damaged / "ckpt.prev").exists():  # a run of few steps saved once
+        shutil.copytree(damaged / "ckpt", damaged / "ckpt.prev")
+    shard = next((damaged / "ckpt").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    code, out, err = run(["export-hf", damaged, "hf"], capsys)
+    assert code == 0, err
+    assert err.startswith("mhc export-hf: warning: ") and "previous checkpoint" in err
+    assert out.startswith(f"wrote {here / 'sub' / 'hf'} from {damaged / 'ckpt.prev'} (step ")
+    assert {p.name for p in (here / "sub" / "hf").iterdir()} == FILES

@@ -299,7 +299,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     if not args.prompt:
         raise UsageError("--prompt must not be empty: the model needs a token to start from")
     model = load_model(args.checkpoint, device,
-                       say=lambda message: print(message, file=sys.stderr, flush=True))
+                       say=lambda message: print(f"mhc generate: {message}", file=sys.stderr,
+                                                 flush=True))
     cfg = model.cfg
     if args.top_k is not None and not 1 <= args.top_k <= cfg.vocab_size:
         raise UsageError(f"--top-k must lie in [1, {cfg.vocab_size}], got {args.top_k}")

@@ -74,10 +74,12 @@ def run_command(args: argparse.Namespace) -> int:
     """Export, then say where the folder is and how to load it."""
     done = export_hf(args.run_dir, args.out_dir, kind=args.kind, seed=args.seed,
                      overwrite=args.overwrite,
-                     say=lambda message: print(message, file=sys.stderr, flush=True))
+                     say=lambda message: print(f"mhc export-hf: {message}", file=sys.stderr,
+                                               flush=True))
     out = done["out_dir"]
-    print(f"wrote {out} ({done['kind']}, {done['streams']} stream(s), {done['blocks']} blocks "
-          f"of width {done['dim']}; logits within {done['max_abs_diff']:.1e} of the run's model)")
+    print(f"wrote {out} from {done['checkpoint']} (step {done['step']}; {done['kind']}, "
+          f"{done['streams']} stream(s), {done['blocks']} blocks of width {done['dim']}; "
+          f"logits within {done['max_abs_diff']:.1e} of the run's model)")
     print("load it with:\n"
           "  from transformers import AutoModelForCausalLM, AutoTokenizer\n"
           f"  model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)\n"
@@ -92,12 +94,14 @@ def export_hf(run_dir, out_dir, kind: str | None = None, seed: int | None = None
     the exported model's logits from the run's on a fixed text)."""
     _require_modules()
     run = find_run(run_dir, kind, seed)
-    out = Path(out_dir).expanduser()
-    _check_out_dir(out, run, overwrite)
+    given = Path(out_dir).expanduser()
+    # absolute and without "." or "..": the temporary folder goes beside it, named after it
+    out = Path(os.path.abspath(given))
+    _check_out_dir(given, out, run, overwrite)
 
-    from torch_mhc.lm import load_model
+    from torch_mhc.lm.train.checkpoint import load_model_with_source
 
-    model = load_model(run, "cpu", say=say)
+    model, checkpoint, step = load_model_with_source(run, "cpu", say=say)
     if kind is not None and model.cfg.connection != kind:
         raise UsageError(f"{run} holds a {model.cfg.connection!r} model, not {kind!r}")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -110,7 +114,8 @@ def export_hf(run_dir, out_dir, kind: str | None = None, seed: int | None = None
         raise
     cfg = model.cfg
     return {"out_dir": out, "kind": cfg.connection, "streams": cfg.n_streams,
-            "blocks": cfg.n_layers, "dim": cfg.dim, "max_abs_diff": diff}
+            "blocks": cfg.n_layers, "dim": cfg.dim, "max_abs_diff": diff,
+            "checkpoint": checkpoint, "step": step}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,16 +157,22 @@ def find_run(run_dir, kind: str | None = None, seed: int | None = None) -> Path:
     return folder / f"seed{seed}"
 
 
-def _check_out_dir(out: Path, run: Path, overwrite: bool) -> None:
-    if out.is_symlink():
-        raise UsageError(f"{out} is a symbolic link; name a folder")
+def _check_out_dir(given: Path, out: Path, run: Path, overwrite: bool) -> None:
+    """UsageError (naming the folder as given) unless `out`, the absolute form of `given`, can
+    become the export: a new folder, an empty one, or one --overwrite replaces."""
+    if given.is_symlink():
+        raise UsageError(f"{given} is a symbolic link; name a folder")
     if out.exists() and not out.is_dir():
-        raise UsageError(f"{out} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise UsageError(f"{out} exists and is not empty; pass --overwrite to replace it")
+        raise UsageError(f"{given} exists and is not a folder")
     target, source = out.resolve(), run.resolve()
     if target == source or target in source.parents:
-        raise UsageError(f"{out} holds the run being exported; name another folder")
+        raise UsageError(f"{given} holds the run being exported; name another folder")
+    here = Path.cwd().resolve()
+    if target == here or target in here.parents:  # it would be moved away from under us
+        raise UsageError(f"{given} is the current folder or holds it, which the export would "
+                         "replace; name another folder (e.g. a new one inside it)")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise UsageError(f"{given} exists and is not empty; pass --overwrite to replace it")
 
 
 def _require_modules() -> None:

@@ -45,6 +45,7 @@ __all__ = [
     "find_checkpoint",
     "load_checkpoint",
     "load_model",
+    "load_model_with_source",
     "open_for_resume",
     "restore",
     "save_checkpoint",
@@ -272,14 +273,22 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", say=print) -> LM:
     """The LM saved in a checkpoint, in eval mode, for generation. A run folder's ckpt falls
     back to its ckpt.old and ckpt.prev (with a message through `say`) when ckpt is damaged."""
+    return load_model_with_source(path, device, say)[0]
+
+
+def load_model_with_source(path: str | os.PathLike, device: str | torch.device = "cpu",
+                           say=print) -> tuple[LM, Path, int]:
+    """load_model's model, and the checkpoint folder it came from and its step (a fallback's,
+    where ckpt was damaged)."""
     device = resolve_device(device) if isinstance(device, str) else device
     path = find_checkpoint(path)
     candidates = [path] + [p for p in _fallbacks(path)[1:] if is_complete(p)]
     for i, candidate in enumerate(candidates):
         try:
-            model = LM(_model_config(read_run_state(candidate), candidate))
+            state = read_run_state(candidate)
+            model = LM(_model_config(state, candidate))
             restore(candidate, model, None)
-            return model.to(device).eval()
+            return model.to(device).eval(), candidate, state["step"]
         except CheckpointError as e:
             if i + 1 == len(candidates):
                 raise
