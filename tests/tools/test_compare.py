@@ -270,6 +270,26 @@ def test_loss_plot_zooms_on_the_second_half():
     # half's 10.
     low, high = ax.get_ylim()
     assert 0.5 < low < 1.0 and 5.5 < high < 6.5
+    assert [t.get_text() for t in ax.legend().get_texts()] == [
+        "mHC train (2-step running mean)", "mHC val"]
+
+
+def test_loss_plot_zoom_keeps_the_seed_bands():
+    """With several seeds the second half's y range holds the bands (lowest to highest
+    seed), not only the mean lines."""
+    from matplotlib.figure import Figure
+
+    from torch_mhc.tools.compare import plots
+
+    # two seeds 4 apart, falling from 10 and 14: the bands reach 4 above the mean
+    seed_runs = [{"loss_history": [b - 9 * i / 99 for i in range(100)], "val_history": []}
+                 for b in (8.0, 12.0)]
+    ax = Figure().add_subplot()
+    plots.loss_lines(ax, "mhc", {"seed_runs": seed_runs})
+    plots.zoom_to_second_half(ax)
+    low, high = ax.get_ylim()
+    band_low, band_high = 8 - 9 * 99 / 99, 12 - 9 * 49 / 99  # lowest and highest from step 50
+    assert low <= band_low and high >= band_high
 
 
 def test_log_axes_label_their_ticks_as_plain_numbers():
@@ -300,3 +320,41 @@ def test_log_axes_label_their_ticks_as_plain_numbers():
     fig.canvas.draw()
     labels = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
     assert labels and not [t for t in labels if "e" in t and "times" not in t]
+
+
+def test_interrupted_comparison_says_it_starts_over(tmp_path, capsys, monkeypatch):
+    """Ctrl-C in a kind's run: exit 130 and one line naming the run, saying that a comparison
+    does not resume (the run's own message offers `--resume`, which compare does not take)."""
+    from torch_mhc.lm.train import RunInterrupted
+    from torch_mhc.tools.compare import run as compare_run
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"def g{i % 13}(y):\n    return y + {i % 9}\n" for i in range(400)))
+    train = compare_run.train
+
+    def interrupt_hc(cfg, **kwargs):
+        if cfg.model.connection == "hc" and cfg.out_dir is not None:
+            raise RunInterrupted("interrupted after step 3; checkpoint x, which `mhc train "
+                                 "--resume` (resume=True) continues", 3, "x")
+        return train(cfg, **kwargs)
+
+    monkeypatch.setattr(compare_run, "train", interrupt_hc)
+    argv = ["compare", "--out", str(tmp_path / "out"), "--preset", "tiny", "--data",
+            str(corpus), "--steps", "4", "--cache-dir", str(tmp_path / "cache"), "--quiet",
+            "--no-progress", "--no-tensorboard"]
+    assert main(argv) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("mhc compare: interrupted in the hc run after step 3; a comparison does "
+                       "not resume: run `mhc compare` again to start it over")
+
+
+def test_summary_table_without_a_residual_run_writes_n_a(tiny_report):
+    """The "vs residual" column of a comparison without the residual: n/a, not n/ax."""
+    from torch_mhc.tools.compare.report import summary_table
+
+    _, report = tiny_report
+    variants = [dict(v, step_time_ratio=None) for v in report["variants"]]
+    rows = summary_table({**report, "variants": variants}).splitlines()[2:]
+    assert rows and all(row.split(" | ")[10] == "n/a" for row in rows)
+    rows = summary_table(report).splitlines()[2:]
+    assert all(row.split(" | ")[10].endswith("x") for row in rows)

@@ -72,6 +72,12 @@ def _running_mean(values: list[float], window: int) -> list[float]:
     return out
 
 
+def _mean_of(window: int) -> str:
+    """The legend's words for a running mean over `window` steps (the seeds are the
+    title's)."""
+    return f" ({window}-step running mean)" if window > 1 else ""
+
+
 def loss_curves_png(runs: dict[str, dict]) -> bytes:
     """Training loss (faint: per step; solid: running mean) and validation loss, per variant:
     the whole run on the left, its second half zoomed on the right (where the kinds differ).
@@ -108,7 +114,7 @@ def loss_lines(ax, kind: str, run: dict) -> None:
         window = max(1, len(losses) // 50)
         ax.plot(steps, losses, color=color, alpha=0.2, linewidth=0.8)
         ax.plot(steps, _running_mean(losses, window), color=color, linewidth=1.5,
-                label=f"{LABELS.get(kind, kind)} train (mean of {window})")
+                label=f"{LABELS.get(kind, kind)} train{_mean_of(window)}")
     val = run.get("val_history") or []
     if val:
         ax.plot([v["step"] for v in val], [v["val_loss"] for v in val], color=color,
@@ -116,7 +122,8 @@ def loss_lines(ax, kind: str, run: dict) -> None:
 
 
 def zoom_to_second_half(ax) -> None:
-    """Limit ax to the second half of its steps, and y to the solid lines' range there."""
+    """Limit ax to the second half of its steps, and y to the range there of the solid lines
+    and of the seeds' bands (not of the faint per-step lines)."""
     lines = [line for line in ax.get_lines() if line.get_alpha() is None]  # not the faint ones
     last = max((max(line.get_xdata(), default=0) for line in lines), default=0)
     if last <= 1:
@@ -124,6 +131,8 @@ def zoom_to_second_half(ax) -> None:
     start = last / 2
     ys = [y for line in lines for x, y in zip(line.get_xdata(), line.get_ydata(), strict=True)
           if x >= start]
+    ys += [y for band in ax.collections for path in band.get_paths()
+           for x, y in path.vertices if x >= start and math.isfinite(y)]
     ax.set_xlim(start, last)
     if ys:
         pad = 0.05 * (max(ys) - min(ys)) or 0.01
@@ -143,7 +152,7 @@ def _seed_band(ax, kind: str, per_seed: list[dict]) -> None:
         ax.fill_between(steps, [min(c) for c in at_step], [max(c) for c in at_step],
                         color=color, alpha=0.2, linewidth=0)
         ax.plot(steps, [sum(c) / len(c) for c in at_step], color=color, linewidth=1.5,
-                label=f"{label} train (mean of {window})")
+                label=f"{label} train{_mean_of(window)}")
     vals = [r.get("val_history") or [] for r in per_seed]
     points = min(len(v) for v in vals)
     if points:
@@ -168,7 +177,7 @@ def grad_norm_png(runs: dict[str, dict]) -> bytes:
         steps = list(range(1, len(norms) + 1))
         ax.plot(steps, norms, color=color, alpha=0.2, linewidth=0.8)
         ax.plot(steps, _running_mean(norms, window), color=color, linewidth=1.5,
-                label=f"{LABELS.get(kind, kind)} (mean of {window})")
+                label=f"{LABELS.get(kind, kind)}{_mean_of(window)}")
     _plain_log_axis(ax)
     ax.set_xlabel("step")
     ax.set_ylabel("gradient norm (before clipping)")

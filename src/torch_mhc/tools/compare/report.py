@@ -72,12 +72,14 @@ def summary_table(report: dict) -> str:
     rows = [head, "|" + "---|" * 14]
     for v in report["variants"]:
         name = v["kind"] + (" (stopped)" if v["diverged"] else "")
+        ratio = _fmt(v["step_time_ratio"], ".2f")  # n/a without a residual run
+        ratio += "x" if ratio != "n/a" else ""
         rows.append(
             f"| {name} | {v['streams']} | {v['params']:,} | {v['connection_params']:,} | "
             f"{_fmt(v['val_loss'])} | {_fmt(v['val_bpb'])} | {_fmt(v['final_train_loss'])} | "
             f"{_fmt(v['tokens_per_s'], ',.0f')} | {_fmt(v['tokens_per_s_median_step'], ',.0f')} | "
             f"{_fmt(v['step_time_median_s'] * 1e3, '.1f')} | "
-            f"{_fmt(v['step_time_ratio'], '.2f')}x | {v['peak_mem_bytes'] / 2**20:.1f} | "
+            f"{ratio} | {v['peak_mem_bytes'] / 2**20:.1f} | "
             f"{_fmt_gain(v['max_composite_gain_fwd'])} | {_fmt_gain(v['max_composite_gain_bwd'])} |"
         )
     return "\n".join(rows)

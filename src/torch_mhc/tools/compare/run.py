@@ -70,6 +70,7 @@ from torch_mhc.lm.config import SEED_MAX
 from torch_mhc.lm.data import bits_per_byte
 from torch_mhc.lm.train import (
     ConfigError,
+    RunInterrupted,
     TrainConfig,
     TrainingDiverged,
     TrainResult,
@@ -188,11 +189,17 @@ def compare(out_dir: str | os.PathLike, preset: str = "default", *,
         pass
     # seed by seed, every kind within a seed: an interrupted comparison holds whole pairs
     results: dict[str, list[TrainResult]] = {kind: [] for kind in kinds}
-    for (kind, _), cfg in configs.items():
+    for (kind, seed), cfg in configs.items():
         try:
             results[kind].append(train(cfg, corpus=corpus))
         except TrainingDiverged as e:  # a finding, not a failure: report what it reached
             results[kind].append(e.result)
+        except RunInterrupted as e:  # the run's own message offers a resume compare lacks
+            which = f"{kind}" + (f", seed {seed}" if seeds > 1 else "")
+            raise RunInterrupted(
+                f"interrupted in the {which} run after step {e.step}; a comparison does not "
+                f"resume: run `mhc compare` again to start it over",
+                e.step, e.checkpoint, e.result, e.signum) from None
     report = _report(base, preset_label(preset, base), results, corpus,
                      time.perf_counter() - t_start)
     if _rank0():
