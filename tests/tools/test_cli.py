@@ -239,6 +239,10 @@ def test_resume_takes_the_runs_own_settings(tmp_path, tiny_flags, capsys, monkey
     # without a checkpoint to read, --resume fails as before, naming what is missing
     code, _, err = run(["train", "--out-dir", tmp_path / "none", "--resume"], capsys)
     assert_one_line_error(code, err, "no checkpoint to resume from")
+    assert not (tmp_path / "none").exists()  # the refusal leaves no folder behind
+    (tmp_path / "empty").mkdir()  # an existing folder without a checkpoint: the same refusal
+    code, _, err = run(["train", "--out-dir", tmp_path / "empty", "--resume"], capsys)
+    assert_one_line_error(code, err, "no checkpoint to resume from")
     # settings this version does not read: said, and the defaults stand (refused here: the
     # default model is not the run's)
     monkeypatch.setattr(checkpoint, "saved_train_config", lambda cfg: {"gone": 1})

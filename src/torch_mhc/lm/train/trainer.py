@@ -215,18 +215,22 @@ class Trainer:
     def _out_dir_locked(self):
         """Rank 0 holds out_dir's lock for the whole run; every rank learns if it failed."""
         lock = RunLock(self.cfg.out_dir) if self.cfg.out_dir and par.is_rank0() else None
-        error = None
-        if lock is not None:
+        error = None  # (kind, message)
+        if lock is not None and self.cfg.resume is True and not Path(self.cfg.out_dir).exists():
+            # refused before the lock makes the folder, which a refused run would leave behind
+            error = ("checkpoint", f"no checkpoint to resume from: {self.cfg.out_dir} does not "
+                                   "exist")
+        elif lock is not None:
             try:
                 lock.acquire()
             except RunLockedError as e:
-                error = str(e)
+                error = ("lock", str(e))
         if self.info is not None:
             shared = [error]
             torch.distributed.broadcast_object_list(shared, src=0)
             error = shared[0]
         if error is not None:
-            raise RunLockedError(error)
+            raise (ckpt.CheckpointError if error[0] == "checkpoint" else RunLockedError)(error[1])
         if lock is not None and lock.stale_pid:
             self.printer(f"note: {lock.path} was left by process {lock.stale_pid}, which is "
                          "no longer running; taking it over")
