@@ -284,7 +284,19 @@ def test_generate_with_and_without_cache(tmp_path, tiny_flags, capsys):
     assert cached.startswith("def f1(x):\n") and len(cached.encode()) >= 12
 
     code, _, err = run(["generate", "--checkpoint", out, "--prompt", "x" * 40], capsys)
-    assert_one_line_error(code, err, "longer than the model allows", "max_seq_len 32")
+    assert_one_line_error(code, err, "longer than the model allows", "max_seq_len 32",
+                          "--no-cache")
+    # without the cache the window slides over a long prompt, as over the tokens made
+    code, text, err = run(["generate", "--checkpoint", out, "--prompt", "y" * 10 + "x" * 40,
+                           "--no-cache", "--temperature", "0", "--max-new-tokens", "4"], capsys)
+    assert code == 0, err
+    assert "[the prompt is 50 bytes: the model sees its last 32" in err
+    code, cropped, err = run(["generate", "--checkpoint", out, "--prompt", "x" * 32,
+                              "--no-cache", "--temperature", "0", "--max-new-tokens", "4"],
+                             capsys)
+    assert code == 0, err
+    # the first 18 bytes of the prompt were out of view: the same 4 new bytes
+    assert text == "y" * 10 + "x" * 8 + cropped
     code, _, err = run(["generate", "--checkpoint", out, "--prompt", "x" * 20,
                         "--max-new-tokens", "20"], capsys)
     assert_one_line_error(code, err, "exceed the model's max_seq_len 32", "--no-cache")

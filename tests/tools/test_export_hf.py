@@ -187,6 +187,9 @@ def test_compare_folder_kind_and_seed(runs, tmp_path, capsys):
     assert_one_line_error(code, err, "holds no seed2 (found: seed0, seed1)")
     code, _, err = run(["export-hf", compare, tmp_path / "c", "--kind", "mHC"], capsys)
     assert_one_line_error(code, err, "--kind must be one of")
+    code, _, err = run(["export-hf", runs["hc"], tmp_path / "c", "--kind", "hc"], capsys)
+    assert_one_line_error(code, err, "is a single run, not a `mhc compare` folder: leave out "
+                                     "--kind")
     assert not (tmp_path / "c").exists()
 
 

@@ -61,6 +61,10 @@ def test_files_and_paired_statistics(upcycled):
     md = (out / "report.md").read_text()
     for kind in KINDS:
         assert f"| {kind} |" in md and f"- {kind}: " in md
+    warmup = report["schedule"]["warmup"]
+    assert f"after {warmup} warmup step{'' if warmup == 1 else 's'}," in md
+    assert f"; seeds {report['seeds'][0]}, {report['seeds'][1]}, the same batches" in md
+    assert "-0.0000" not in md
     for kind in ("residual", *KINDS):  # each continuation is a finished `mhc train` run
         state = read_run_state(out / kind / f"seed{report['seeds'][0]}" / "ckpt")
         assert state["step"] == STEPS and state["model_config"]["connection"] == kind
@@ -137,3 +141,11 @@ def test_bad_input_is_one_line_and_exit_2(upcycled, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("mhc upcycle: error: "), (case, err)
     assert not (root / "bad").exists()  # refused before anything was written
+
+
+def test_report_numbers_that_round_to_zero_carry_no_minus():
+    from torch_mhc.tools.upcycle import report as upcycle_report
+
+    fmt = upcycle_report._fmt
+    assert [fmt(-1e-6, "+.4f"), fmt(-1e-6), fmt(-2e-4, "+.4f"), fmt(float("nan"))] == [
+        "+0.0000", "0.0000", "-0.0002", "n/a"]

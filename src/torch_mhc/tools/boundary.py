@@ -23,7 +23,8 @@ EXIT_STATUS = """exit status:
   0    the run finished
   1    stopped by the spike policy (a NaN/Inf or spiking loss); the last good checkpoint is kept
   2    bad input: configuration, data, a corrupt or foreign checkpoint, out_dir in use by
-       another run, a missing extra
+       another run, a symbolic link where the run writes, a model too large for memory, a
+       permission or other file error (its errno named), a missing extra
   3    no space left on the device (or disk quota exceeded, or a file over the file-size
        limit); a checkpoint written before is left intact
   4    an internal error (a bug): one line naming it; MHC_TRACEBACK=1 shows the traceback

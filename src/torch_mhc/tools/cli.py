@@ -164,7 +164,7 @@ def _add_compare(subparsers) -> None:
     )
     p.add_argument("--out", required=True, metavar="DIR", help="folder for the report")
     p.add_argument("--preset", default="default", choices=_compare_presets(),
-                   help="size of the comparison (default: default, about 6 min on 2 cores)")
+                   help="size of the comparison (default: default, about 5 min on 2 cores)")
     p.add_argument("--config", metavar="FILE.toml", help="TOML file of config keys")
     p.add_argument("--kinds", default="residual,hc,mhc", metavar="K1,K2,...",
                    help="connection kinds to train, comma-separated (default: residual,hc,mhc; "
@@ -306,9 +306,13 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise UsageError(f"--top-k must lie in [1, {cfg.vocab_size}], got {args.top_k}")
     prompt = encode(args.prompt).to(device)[None]  # [1, T0]
     t0 = prompt.shape[1]
-    if t0 > cfg.max_seq_len:
+    if t0 > cfg.max_seq_len and args.use_cache:
         raise UsageError(f"the prompt is {t0} bytes, longer than the model allows "
-                         f"(max_seq_len {cfg.max_seq_len})")
+                         f"(max_seq_len {cfg.max_seq_len}); --no-cache slides the context "
+                         "window over it")
+    if t0 > cfg.max_seq_len:
+        print(f"[the prompt is {t0} bytes: the model sees its last {cfg.max_seq_len} "
+              "(max_seq_len), as it will each step's]", file=sys.stderr, flush=True)
     new_tokens = args.max_new_tokens
     room = cfg.max_seq_len - t0 + 1  # new tokens the KV cache has positions for
     if new_tokens is None:

@@ -143,6 +143,10 @@ def find_run(run_dir, kind: str | None = None, seed: int | None = None) -> Path:
         raise UsageError(f"--kind must be one of {', '.join(CONNECTION_KINDS)}, got {kind!r}")
     folder = root / kind
     if not folder.is_dir():
+        if not kinds and any((root / name).exists() for name in ("ckpt", "ckpt.old",
+                                                                 "ckpt.prev")):
+            raise UsageError(f"{root} is a single run, not a `mhc compare` folder: leave out "
+                             "--kind (and --seed)")
         raise UsageError(f"{root} holds no {kind!r} run (found: {', '.join(kinds) or 'none'})")
     seeds = sorted(p.name for p in folder.glob("seed*") if p.is_dir())
     if seed is None:

@@ -114,8 +114,9 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
         if _is_checkpoint(candidate):
             return candidate
     runs = _runs_inside(path)
-    hint = (f"; it holds the runs {', '.join(runs)} (a `mhc compare` folder holds one a kind): "
-            f"pass one of them, e.g. {path / runs[0]}" if runs else "")
+    hint = (f"; it holds the runs {', '.join(runs)} (a `mhc compare`, `mhc upcycle` or "
+            f"`mhc sweep` folder holds one run per kind or cell): pass one of them, e.g. "
+            f"{path / runs[0]}" if runs else "")
     raise CheckpointError(f"no checkpoint at {path} (neither a checkpoint folder nor a run "
                           f"folder holding {LAST_CHECKPOINT}/){hint}")
 

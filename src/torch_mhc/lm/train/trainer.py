@@ -516,7 +516,8 @@ class Trainer:
     def _say_done(self) -> None:
         r = self.result
         self.printer(
-            f"done: {r.steps} steps, final loss {r.final_loss:.4f}, val "
+            f"done: {r.steps} steps, final loss {r.final_loss:.4f} (mean of the last "
+            f"{min(20, len(r.loss_history))} steps), val "
             f"{r.val_loss:.4f} nats = {r.val_bpb:.4f} bits/byte, {r.tokens_per_s:,.0f} tokens/s"
             + (f", checkpoint {r.checkpoint}" if r.checkpoint else "")
         )

@@ -33,7 +33,7 @@ files) of another seed count are removed with the report. Files of other names a
 Under torchrun only rank 0 writes the report and prints.
 
 Presets (`PRESETS`):
-- "default": finishes on a 2-core CPU in about 6 minutes and every variant learns clearly
+- "default": finishes on a 2-core CPU in about 5 minutes and every variant learns clearly
   (validation about 2.6 bits per byte on the standard library source); see the README.
 - "tiny": seconds; for tests and smoke checks.
 - "stress": 24 blocks (48 sublayers) of width 64 at a high learning rate: the setting in

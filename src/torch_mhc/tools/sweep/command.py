@@ -107,6 +107,7 @@ def run_command(args: argparse.Namespace) -> int:
                  progress=cfg.progress)
     for kind, squares in aggregate(done["cells"]).items():
         say(f"{kind}: smallest lr that diverged: {breaks_text(squares, ', ')}")
-    say(f"report: {args.out}/report.md ({done['ran']} cells run, {done['skipped']} skipped, "
+    cells = "cell" if done["ran"] == 1 else "cells"
+    say(f"report: {args.out}/report.md ({done['ran']} {cells} run, {done['skipped']} skipped, "
         f"{done['wall_time_s']:.1f} s)")
     return 0

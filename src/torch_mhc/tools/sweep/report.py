@@ -85,7 +85,8 @@ def format_markdown(records: list[dict], config: dict, label: str) -> str:
              "Each cell trains the reference LM for the same steps; a cell *diverged* when the "
              "spike policy stopped it (a non-finite loss or gradient, or a loss above "
              f"{config.get('spike_factor')} x its running mean) or its loss was not finite. "
-             f"Validation loss in nats per byte, seeds {', '.join(map(str, seeds))}"
+             f"Validation loss in nats per byte, seed{'s' if len(seeds) > 1 else ''} "
+             f"{', '.join(map(str, seeds))}"
              + (" (mean over the seeds that finished)" if len(seeds) > 1 else "") + ".", "",
              "## Where each kind breaks", "",
              "| kind | smallest lr that diverged, per depth | best val loss (depth, lr) | "

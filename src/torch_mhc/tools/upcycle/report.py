@@ -106,7 +106,11 @@ def _curves(rows: list[dict]) -> dict[str, dict]:
 
 
 def _fmt(x, spec: str = ".4f") -> str:
-    return "n/a" if x is None or not math.isfinite(x) else format(x, spec)
+    if x is None or not math.isfinite(x):
+        return "n/a"
+    text = format(x, spec)
+    # a tiny negative rounds to -0.0000: no sign of a difference that rounds away
+    return text.replace("-", "+" if "+" in spec else "", 1) if float(text) == 0 else text
 
 
 def _pm(values: list) -> str:
@@ -120,14 +124,17 @@ def _pm(values: list) -> str:
 def format_markdown(report: dict, sentences: list[str]) -> str:
     """The rows summarised per kind, the paired differences and one sentence per kind."""
     s = report["schedule"]
+    warmup = f"{s['warmup']} warmup step" + ("" if s["warmup"] == 1 else "s")
+    seeds = ("seeds " if len(report["seeds"]) > 1 else "seed ") + ", ".join(
+        map(str, report["seeds"]))
     lines = [
         "# mhc upcycle", "",
         f"Source: `{report['source']}` (residual, {report['source_steps']} steps, final val "
         f"loss {_fmt(report['source_val_loss'])} nats; {_fmt(report['residual_start_val_loss'])}"
         " on the continuation's validation windows).",
         f"Continuation: {report['steps']} steps per run, {s['kind']} schedule at lr {s['lr']:g} "
-        f"(min {s['min_lr']:g}) after {s['warmup']} warmup steps, fresh AdamW state; "
-        f"{report['streams']} streams; seeds {', '.join(map(str, report['seeds']))}, the same "
+        f"(min {s['min_lr']:g}) after {warmup}, fresh AdamW state; {report['streams']} "
+        f"streams; {seeds}, the same "
         "batches for every kind of a seed.", "",
         "| kind | seeds | start val loss | final val loss (mean ± sd) | max composite gain | "
         "step (ms, median) |", "|---|---|---|---|---|---|"]
