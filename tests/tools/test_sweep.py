@@ -158,3 +158,29 @@ def test_out_is_a_file(tmp_path, corpus, capsys):
     out.write_text("x")
     assert main([*flags(tmp_path, out), "--preset", "smoke"]) == 2
     assert "exists and is a file" in capsys.readouterr().err
+
+
+def test_gain_heatmap_labels_its_log_colour_bar_plainly(monkeypatch):
+    """The log colour bar of heatmap_gain.png reads 2, 4, 6 (matplotlib wrote 2 x 10^0), and
+    the figure's title sits above the panels' titles."""
+    from torch_mhc.tools.sweep import report
+
+    figures = []
+    monkeypatch.setattr(report, "figure_png", lambda fig: figures.append(fig) or b"")
+    table = {"hc": {(1, 0.003): {"gain": 1.01, "diverged": False},
+                    (1, 0.03): {"gain": 9.5, "diverged": False}},
+             "mhc": {(1, 0.003): {"gain": 1.0, "diverged": False},
+                     (1, 0.03): {"gain": 1.0, "diverged": False}}}
+    report.heatmap_png(table, "gain", "max composite Amax gain", log=True)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = figures[0]
+    FigureCanvasAgg(fig).draw()
+    bar = fig.axes[-1]  # the colour bar's axes, added last
+    labels = [t.get_text() for t in bar.get_yticklabels(minor=True) + bar.get_yticklabels()
+              if t.get_text()]
+    assert labels and all("times" not in t and "^" not in t for t in labels)
+    renderer = fig.canvas.get_renderer()
+    top = fig._suptitle.get_window_extent(renderer)
+    for ax in fig.axes[:-1]:
+        assert top.y0 >= ax.title.get_window_extent(renderer).y1

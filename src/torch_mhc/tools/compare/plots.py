@@ -16,7 +16,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import LogFormatter, MaxNLocator
 
 __all__ = ["COLORS", "composite_gain_png", "figure_png", "gain_over_training_png",
-           "grad_norm_png", "health_png", "loss_curves_png", "loss_lines", "zoom_to_second_half"]
+           "grad_norm_png", "health_png", "loss_curves_png", "loss_lines", "plain_log_labels",
+           "zoom_to_second_half"]
 
 COLORS = {"residual": "#4d4d4d", "hc": "#d62728", "mhc": "#1f77b4", "mhc-lite": "#2ca02c",
           "kromhc": "#9467bd", "mhc-static-res": "#ff7f0e"}
@@ -55,10 +56,14 @@ def _plain_log_axis(ax) -> None:
     """Log y axis labelled 0.5, 1, 2, 1000 ... rather than 10^x (the gains often span less
     than a decade, where matplotlib's default labels read 1.1 x 10^0)."""
     ax.set_yscale("log")
-    ax.yaxis.set_major_formatter(_PlainLogFormatter(labelOnlyBase=False))
+    plain_log_labels(ax.yaxis)
+
+
+def plain_log_labels(axis) -> None:
+    """Label a log-scaled Axis (ax.yaxis, a colour bar's) as _plain_log_axis does."""
+    axis.set_major_formatter(_PlainLogFormatter(labelOnlyBase=False))
     # minor ticks labelled only when the axis spans few decades (all of them below half one)
-    ax.yaxis.set_minor_formatter(_PlainLogFormatter(labelOnlyBase=False,
-                                                    minor_thresholds=(2, 0.5)))
+    axis.set_minor_formatter(_PlainLogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
 
 
 def _running_mean(values: list[float], window: int) -> list[float]:

@@ -11,7 +11,7 @@ from matplotlib.colors import LogNorm, Normalize
 from matplotlib.figure import Figure
 
 from torch_mhc.runtime.files import atomic_write
-from torch_mhc.tools.compare.plots import LABELS, figure_png
+from torch_mhc.tools.compare.plots import LABELS, figure_png, plain_log_labels
 
 __all__ = ["FIGURES", "aggregate", "best", "breaks_at", "breaks_text", "format_markdown",
            "heatmap_png", "write_report"]
@@ -121,7 +121,8 @@ def heatmap_png(table: dict[str, dict[tuple[int, float], dict]], value: str,
     kinds = list(table)
     values = [s[value] for squares in table.values() for s in squares.values()
               if s[value] is not None and (s[value] > 0 or not log)]
-    fig = Figure(figsize=(3.6 * max(1, len(kinds)) + 1, 3.6))
+    # constrained layout: the figure's title above the panels' own, not on them
+    fig = Figure(figsize=(3.6 * max(1, len(kinds)) + 1, 3.9), layout="constrained")
     if not values:
         ax = fig.add_subplot()
         ax.axis("off")
@@ -136,7 +137,9 @@ def heatmap_png(table: dict[str, dict[tuple[int, float], dict]], value: str,
         image = _panel(ax, table[kind], value, norm)
         ax.set_title(LABELS.get(kind, kind))
     axes[0].set_ylabel("depth (blocks)")
-    fig.colorbar(image, ax=list(axes), label=title, shrink=0.9)
+    bar = fig.colorbar(image, ax=list(axes), label=title, shrink=0.9)
+    if log:  # 2, 3, 6 rather than 2 x 10^0
+        plain_log_labels(bar.ax.yaxis)
     fig.suptitle(f"{title} (x: diverged)")
     return figure_png(fig)
 
