@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import subprocess
 import sys
@@ -339,6 +340,24 @@ def test_help_lists_subcommands(capsys):
     assert code == 0
     for name in ("train", "compare", "generate", "cost"):
         assert name in out
+
+
+def test_output_into_a_closed_pipe_stops_quietly():
+    """A command whose output's reader is gone (`mhc export-hf ... | head -0`) stops with 141
+    (as under SIGPIPE) and no error line, where it said "error: Broken pipe (EPIPE)" with
+    status 2 (and 1 with stderr on the same pipe). The first command prints its lines as
+    export-hf does at its end, inside the `mhc` boundary; `mhc cost` is one of the tools
+    with their own parsing (it printed a traceback)."""
+    script = ("import sys; from torch_mhc.tools import cli; "
+              "cli._dispatch = lambda argv: print('wrote it\\n' * 10000, flush=True) or 0; "
+              "sys.exit(cli.main(['export-hf']))")
+    commands = [[sys.executable, "-c", script],
+                [sys.executable, "-m", "torch_mhc", "cost", "--preset", "paper-27b"]]
+    for command, stderr in itertools.product(commands, (subprocess.PIPE, subprocess.STDOUT)):
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr)
+        proc.stdout.close()  # before the interpreter has started: the first write fails
+        err = proc.stderr.read().decode() if proc.stderr else ""
+        assert proc.wait(timeout=120) == 141 and err == "", err
 
 
 def test_every_option_with_a_default_names_it():

@@ -29,7 +29,8 @@ EXIT_STATUS = """exit status:
        limit); a checkpoint written before is left intact
   4    an internal error (a bug): one line naming it; MHC_TRACEBACK=1 shows the traceback
   130  interrupted (Ctrl-C, SIGINT) after writing a checkpoint of the last completed step
-  143  terminated (SIGTERM), alike"""
+  143  terminated (SIGTERM), alike
+  141  the output's reader went away (a closed pipe, `| head`): stopped without a message"""
 EXIT_INTERNAL = 4
 
 
@@ -118,6 +119,11 @@ def report(prog: str, e: BaseException, first_signal: int | None) -> int:
     """One line and the exit status of any failure."""
     if isinstance(e, SystemExit):
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    if _wrapped(e, BrokenPipeError) is not None:
+        # the reader of the output went away (`mhc ... | head`): nothing failed that a message
+        # could reach; the status a command killed by SIGPIPE gets, as Python ignores it
+        _silence_stdout()
+        return 128 + signal.SIGPIPE
     interrupt = _wrapped(e, KeyboardInterrupt)
     if interrupt is not None:  # RunInterrupted says what was saved and which signal it was
         signum = getattr(interrupt, "signum", None) or first_signal or signal.SIGINT
@@ -125,6 +131,18 @@ def report(prog: str, e: BaseException, first_signal: int | None) -> int:
     if isinstance(e, UsageError):
         return fail(prog, f"error: {_one_line(e)}", 2)
     return _known_error(prog, e)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush of what is still
+    buffered for the closed pipe raises nothing more."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by a non-file (a test's capture)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def _wrapped(e: BaseException, kind: type) -> BaseException | None:

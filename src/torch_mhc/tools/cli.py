@@ -428,14 +428,20 @@ def main(argv: list[str] | None = None) -> int:
     every failure, BaseException subclasses included, is one line and its status
     (`boundary.report`); a SIGINT / SIGTERM ends with 130 / 143 whenever it comes (`Signals`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in DELEGATED:
-        return DELEGATED[argv[0]](argv[1:])
-    signals = boundary.Signals()
     prog = f"mhc {argv[0]}" if argv and not argv[0].startswith("-") else "mhc"
+    if argv and argv[0] in DELEGATED:  # their own parsing and errors; failures they let
+        try:                           # through (a closed pipe, a bug) are reported alike
+            status = DELEGATED[argv[0]](argv[1:])
+            sys.stdout.flush()  # a closed pipe is found here, not by the interpreter's exit
+            return status
+        except BaseException as e:  # noqa: BLE001 - the boundary of the delegated tools
+            return boundary.report(prog, e, None)
+    signals = boundary.Signals()
     with signals.installed():
         try:
             try:
                 status = _dispatch(argv)
+                sys.stdout.flush()  # as above
             finally:
                 signals.mute()  # from here on a signal is recorded, never raised
         except BaseException as e:  # noqa: BLE001 - the one boundary of the command
