@@ -27,7 +27,7 @@ from torch_mhc import (
 ALL_KINDS = ["hc", "mhc", "mhc-lite", "kromhc", "mhc-static-res"]
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [2, 3, 4])  # n = 1 is refused (test_bad_input_errors)
 def test_mhc_layer_equals_paper_equations(n):
     torch.manual_seed(n)
     c, tokens = 6, 5
@@ -255,6 +255,11 @@ def test_bad_input_errors():
         conn(torch.zeros(2, 4, 8, dtype=torch.long))
     with pytest.raises(ValueError, match="streams >= 1, got 0"):
         ManifoldHyperConnection(8, 0, 0, nn.Identity())
+    for kind in ("mhc", "mhc-lite", "kromhc", "mhc-static-res"):  # n = 1 cannot start as a
+        with pytest.raises(ValueError, match="expects streams >= 2, got 1: with one stream "
+                                             "its H_pre = sigmoid"):  # residual: refused
+            make_connection(kind, 8, 1, 0, nn.Identity())
+    make_connection("hc", 8, 1, 0, nn.Identity())  # HC's H_pre = e_k: one stream is exact
     with pytest.raises(ValueError, match="sinkhorn_iters must be >= 1, got 0"):
         ManifoldHyperConnection(8, 4, 0, nn.Identity(), sinkhorn_iters=0)
     with pytest.raises(ValueError, match="unknown connection kind 'mhcc'"):
@@ -331,7 +336,7 @@ def test_constructor_counts_are_ints_not_bools():
         HyperConnection(8, 4, -1, lin)
     conn = ManifoldHyperConnection(8, np.int64(4), np.int64(2), lin)  # numpy ints are ints
     assert (conn.streams, conn.layer_index) == (4, 2) and type(conn.streams) is int
-    with pytest.raises(TypeError, match="residual takes no connection options, got \\['impl'\\]"):
+    with pytest.raises(ValueError, match="unknown implementation 'bogus'|impl"):
         make_connection("residual", 8, 1, 0, lin, impl="bogus")
     with pytest.raises(TypeError, match="floating-point streams tensor, got torch.int64"):
         reduce_streams(torch.ones(2, 4, 8, dtype=torch.long))
@@ -437,3 +442,26 @@ def test_parametrized_parameters_are_read_through_the_parametrization(kind):
         assert torch.equal(conn(x), plain(x)), impl
         with torch.no_grad():  # few tokens: the cpu ops' prepared decoding calls
             assert torch.equal(conn(x[:, :1]), plain(x[:, :1])), impl
+
+
+def test_every_kind_takes_the_shared_options_and_names_the_ones_it_takes():
+    """One make_connection call with check_finite and impl builds every kind (the residual
+    included), and check_finite then checks the branch output; an option a kind does not take
+    is a TypeError naming the kind's class and its options (not the successors' base class)."""
+    nan_branch = nn.Linear(8, 8)
+    with torch.no_grad():
+        nan_branch.bias.fill_(float("nan"))
+    for kind in torch_mhc.CONNECTION_KINDS:
+        conn = make_connection(kind, 8, 4, 0, nan_branch, check_finite=True, impl="reference")
+        x = expand_streams(torch.randn(2, 3, 8), conn.streams)
+        with pytest.raises(FloatingPointError, match="the branch output contains NaN or Inf"):
+            conn(x)
+    with pytest.raises(TypeError, match=r"'kromhc' \(KromHC\) takes no option\(s\) "
+                                        r"\['sinkhorn_iters'\]; its options: gate_init, "
+                                        r"norm_eps, check_finite, impl"):
+        make_connection("kromhc", 8, 4, 0, nan_branch, sinkhorn_iters=5)
+    with pytest.raises(TypeError, match=r"\(sinkhorn_iter: did you mean sinkhorn_iters\?\)"):
+        make_connection("mhc", 8, 4, 0, nan_branch, sinkhorn_iter=5)
+    with pytest.raises(TypeError, match=r"'residual' \(Residual\) takes no option\(s\) "
+                                        r"\['gate_init'\]; its options: check_finite, impl"):
+        make_connection("residual", 8, 1, 0, nan_branch, gate_init=0.1)

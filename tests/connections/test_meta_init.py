@@ -34,8 +34,9 @@ def _connections(n: int, k: int) -> list[nn.Module]:
         Residual(6, lin),
         HyperConnection(6, n, k, lin),
         HyperConnection(6, n, k, lin, dynamic=False),
-        ManifoldHyperConnection(6, n, k, lin),
-        ManifoldHyperConnection(6, n, k, lin, gate_init=0.03, res_init_diag=0.7),
+        *([ManifoldHyperConnection(6, n, k, lin),  # mHC takes n >= 2
+           ManifoldHyperConnection(6, n, k, lin, gate_init=0.03, res_init_diag=0.7)]
+          if n > 1 else []),
     ]
 
 

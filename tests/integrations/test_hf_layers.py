@@ -414,7 +414,7 @@ def test_converted_model_pickles(tmp_path):
 def test_unknown_connection_options_are_refused():
     model = _llama()
     with pytest.raises(ValueError, match=r"unknown connection option\(s\) \['bogus'\] for kind "
-                                         r"'residual'; expected none"):
+                                         r"'residual'; expected \['check_finite', 'impl'\]"):
         mhc_hf.convert(model, "residual", bogus=1)
     with pytest.raises(ValueError, match=r"unknown connection option\(s\) \['bogus', 'zz'\] for "
                                          r"kind 'mhc'; expected \['check_finite', 'gate_init', "

@@ -22,8 +22,9 @@ training moves the maps:
 - mHC: H_pre = sigmoid(b_pre) = e_k / 2 + 1 / (2n) (half on stream k mod n, half spread),
   H_post = 2 sigmoid(0) = 1, H_res = sinkhorn(b_res) = I / 2 + J / (2n) (the same split:
   half kept, half averaged), and the gates alpha_pre, alpha_post, alpha_res start at 0.01 (the
-  paper's value). For n = 4 every initial weight (0.625, 0.125) is exact in binary, so fp32
-  rounding adds no bias. For n = 1, H_pre cannot reach 1 through a sigmoid: it starts at 0.99.
+  paper's value). For n = 4, H_res's initial weights (0.625, 0.125) are exact in binary;
+  H_pre's are within one float32 rounding of theirs (sigmoid of a rounded logit). With n = 1,
+  H_pre could not reach 1 through a sigmoid: mHC and its successors take n >= 2.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from torch_mhc.runtime import diagnostics as _diag
 from torch_mhc.runtime import recompute as _recompute
 
 __all__ = ["Connection", "assign_parameter", "check_count", "check_eps", "check_flag",
-           "check_gate", "frozen_connections", "pre_bias", "res_bias"]
+           "check_gate", "check_mixing_streams", "frozen_connections", "pre_bias", "res_bias"]
 
 
 def check_count(value, owner: str, name: str, least: int) -> int:
@@ -58,6 +59,16 @@ def check_count(value, owner: str, name: str, least: int) -> int:
     if value < least:
         raise ValueError(f"{owner} expects {name} >= {least}, got {value}")
     return value
+
+
+def check_mixing_streams(streams: int, owner: str) -> None:
+    """mHC and its successors need n >= 2: with one stream H_pre = sigmoid(b_pre) cannot be 1,
+    so the connection would not start as the residual network does (HC's H_pre = e_k can)."""
+    if streams < 2:
+        raise ValueError(
+            f"{owner} expects streams >= 2, got {streams}: with one stream its H_pre = "
+            "sigmoid(b_pre) cannot be 1, so it would not start as the residual network; the "
+            "one-stream network is kind 'residual'")
 
 
 def check_eps(value, owner: str, name: str, positive: bool) -> float:

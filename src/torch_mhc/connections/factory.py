@@ -3,12 +3,14 @@ and the optimizer's parameter groups."""
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
-from torch_mhc.connections.base import Connection, check_count
+from torch_mhc.connections.base import Connection, check_count, check_mixing_streams
 from torch_mhc.connections.hc import HyperConnection
 from torch_mhc.connections.mhc import ManifoldHyperConnection
 from torch_mhc.connections.residual import Residual
@@ -33,6 +35,10 @@ __all__ = [
 CONNECTION_KINDS = ("residual", "hc", "mhc", *VARIANT_KINDS)
 
 _SUCCESSORS = {cls.kind: cls for cls in (MHCLite, KromHC, MHCStaticRes)}
+_CLASSES = {"residual": Residual, "hc": HyperConnection, "mhc": ManifoldHyperConnection,
+            **_SUCCESSORS}
+# what make_connection passes itself, not options
+_POSITIONAL = {"self", "dim", "streams", "layer_index", "branch"}
 
 
 def expand_streams(h: torch.Tensor, n: int) -> torch.Tensor:
@@ -66,27 +72,41 @@ def make_connection(
 ) -> nn.Module:
     """Build a connection from a string: one of CONNECTION_KINDS.
 
-    `streams` is ignored for "residual" (always one stream); kwargs go to the class.
+    `streams` is ignored for "residual" (always one stream); kwargs go to the class. Every
+    kind takes check_finite and impl (the residual has no maps for impl to choose the ops of),
+    so one call serves every kind; an option the kind does not take is a TypeError naming the
+    options it does.
     """
+    if kind not in _CLASSES:
+        raise ValueError(f"unknown connection kind {kind!r}; expected one of {CONNECTION_KINDS}")
+    _check_options(kind, kwargs)
     if kind == "residual":
-        if kwargs:
-            raise TypeError(
-                f"make_connection: the residual takes no connection options, got "
-                f"{sorted(kwargs)}"
-            )
-        return Residual(dim, branch, layer_index=layer_index)
+        return Residual(dim, branch, layer_index=layer_index, **kwargs)
     if kind == "hc":
         return HyperConnection(dim, streams, layer_index, branch, **kwargs)
     if kind == "mhc":
         return ManifoldHyperConnection(dim, streams, layer_index, branch, **kwargs)
-    if kind in VARIANT_KINDS:
-        return make_variant(kind, dim, streams, layer_index, branch, **kwargs)
-    raise ValueError(f"unknown connection kind {kind!r}; expected one of {CONNECTION_KINDS}")
+    return make_variant(kind, dim, streams, layer_index, branch, **kwargs)
+
+
+def _check_options(kind: str, kwargs: dict) -> None:
+    """TypeError unless every option is one the kind's class takes (Python's own message
+    names the successors' shared base, MhcResVariant.__init__)."""
+    cls = _CLASSES[kind]
+    takes = [p for p in inspect.signature(cls.__init__).parameters if p not in _POSITIONAL]
+    unknown = sorted(set(kwargs) - set(takes))
+    if unknown:
+        close = {u: difflib.get_close_matches(u, takes, n=1) for u in unknown}
+        hints = "".join(f" ({u}: did you mean {c[0]}?)" for u, c in close.items() if c)
+        raise TypeError(f"make_connection: {kind!r} ({cls.__name__}) takes no option(s) "
+                        f"{unknown}{hints}; its options: {', '.join(takes)}")
 
 
 def check_streams(kind: str, n: int) -> None:
     """Raise a ValueError if connection kind `kind` cannot use n streams (a no-op for the
-    kinds that take any n)."""
+    kinds that take any n: the residual, which has one, and HC)."""
+    if kind == "mhc" or kind in _SUCCESSORS:
+        check_mixing_streams(n, _CLASSES[kind].__name__)
     if kind in _SUCCESSORS:
         _SUCCESSORS[kind].check_streams(n)
 

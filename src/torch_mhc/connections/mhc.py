@@ -15,6 +15,7 @@ from torch_mhc.connections.base import (
     check_count,
     check_eps,
     check_gate,
+    check_mixing_streams,
     pre_bias,
     res_bias,
 )
@@ -50,6 +51,7 @@ class ManifoldHyperConnection(Connection):
         impl: str = "auto",
     ):
         super().__init__(dim, streams, branch, check_finite, impl)
+        check_mixing_streams(self.streams, type(self).__name__)
         if isinstance(sinkhorn_iters, bool):  # an int to isinstance, not a count
             raise TypeError(
                 f"{type(self).__name__} expects sinkhorn_iters to be an int, got {sinkhorn_iters!r}"

@@ -12,12 +12,17 @@ __all__ = ["Residual"]
 
 
 class Residual(Connection):
-    """The plain residual x + F(x) on a single stream: x [..., 1, C]."""
+    """The plain residual x + F(x) on a single stream: x [..., 1, C].
+
+    check_finite checks the branch output, as every kind's does; impl is taken so that one
+    make_connection call serves every kind (the residual has no maps whose ops it would
+    choose)."""
 
     kind = "residual"
 
-    def __init__(self, dim: int, branch: Callable, layer_index: int = 0):
-        super().__init__(dim, 1, branch)
+    def __init__(self, dim: int, branch: Callable, layer_index: int = 0,
+                 check_finite: bool = False, impl: str = "auto"):
+        super().__init__(dim, 1, branch, check_finite, impl)
         self.layer_index = check_count(layer_index, "Residual", "layer_index", 0)
 
     def check_input(self, x: torch.Tensor) -> None:

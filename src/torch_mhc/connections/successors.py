@@ -59,6 +59,7 @@ from torch_mhc.connections.base import (
     check_count,
     check_eps,
     check_gate,
+    check_mixing_streams,
     pre_bias,
 )
 from torch_mhc.functional.maps import read_write_maps
@@ -95,6 +96,7 @@ class MhcResVariant(Connection):
                  impl: str = "auto"):
         super().__init__(dim, streams, branch, check_finite, impl)
         n = self.streams
+        check_mixing_streams(n, type(self).__name__)
         self.check_streams(n)
         r = self.res_count(n)
         layer_index = check_count(layer_index, type(self).__name__, "layer_index", 0)

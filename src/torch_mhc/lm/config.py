@@ -450,8 +450,8 @@ HELP = {
     "max_seq_len": "longest sequence the model accepts",
     "mlp_ratio": "MLP width / dim",
     "connection": "connection kind: residual | hc | mhc | mhc-lite | kromhc | mhc-static-res",
-    "streams": "residual streams n for every kind but residual (mhc-lite: n <= 5; kromhc: "
-               "a power of two)",
+    "streams": "residual streams n for every kind but residual (mHC and its successors: "
+               "n >= 2; mhc-lite: n <= 5; kromhc: a power of two)",
     "sinkhorn_iters": "Sinkhorn-Knopp iterations of mHC",
     "norm_eps": "RMSNorm epsilon",
     "rope_base": "rotary embedding base",

@@ -115,7 +115,7 @@ def check_options(kind: str, streams: int, options: dict) -> None:
 
 def _option_names(cls: type) -> set[str]:
     """The keyword options a connection class takes: its constructor's named parameters
-    other than the structural ones (Residual takes none and ignores the rest)."""
+    other than the structural ones."""
     structural = {"self", "dim", "streams", "layer_index", "branch"}
     return {
         name for name, p in inspect.signature(cls.__init__).parameters.items()
