@@ -116,6 +116,26 @@ def test_two_rank_checkpoint_resumes_in_one_process(single_losses):
         assert abs(got - want) <= RTOL * abs(want)
 
 
+def test_one_process_checkpoint_resumes_as_a_pipeline(single_losses):
+    """The reverse of the above, with tied embeddings (the default): one process saves the
+    head's optimizer state under the embedding's name only, which the pipeline's last stage
+    (holding a copy of the head) reads for its copy; the pipeline then continues with the
+    one-process resume's losses. It stopped on "Missing key ... optim.state.lm_head.weight"."""
+    tmp, _ = single_losses
+    for out in ("to_pipeline", "to_single"):
+        shutil.copytree(tmp / "single", tmp / out)  # the fixture's run stays as it was
+    pipeline = ["--parallel", "pp", "--pp-schedule", "1f1b", "--micro-batches", "2"]
+    done = _run(_torchrun(_flags(tmp, "to_pipeline", "--resume", *pipeline, steps=STEPS + 2)))
+    assert done.returncode == 0, done.stdout[-6000:]
+    done = _run([sys.executable, "-m", "torch_mhc",
+                 *_flags(tmp, "to_single", "--resume", steps=STEPS + 2)])
+    assert done.returncode == 0, done.stdout[-4000:]
+    got, want = _train_losses(tmp / "to_pipeline"), _train_losses(tmp / "to_single")
+    assert len(got) == len(want) == STEPS + 2
+    for g, w in zip(got[STEPS:], want[STEPS:], strict=True):
+        assert abs(g - w) <= RTOL * abs(w)
+
+
 def test_generate_reads_the_two_rank_checkpoint(single_losses, capsys):
     """One checkpoint format: `mhc generate` reads what FSDP2 on 2 ranks wrote, and decodes
     what the single-process run's checkpoint decodes (greedy; the weights agree to rtol)."""

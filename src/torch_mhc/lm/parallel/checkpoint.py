@@ -448,14 +448,53 @@ def load_checkpoint(
     model_sd, optim_sd = get_state_dict(model, optimizers, options=_OPTIONS)
     state = {"model": model_sd}
     if optimizer is not None:
-        state["optim"] = optim_sd
+        saved = set(_guarded(where, _SafeReader(where).read_metadata).state_dict_metadata)
+        state["optim"], copies = _read_tied_as(optim_sd, saved)
     with _single_process_quiet():
         _guarded(where, lambda: dcp.load(state, storage_reader=_SafeReader(where),
                                          planner=_SafeLoadPlanner(), no_dist=not _distributed()))
+    if optimizer is not None:
+        state["optim"] = _restore_tied(state["optim"], copies)
     _guarded(where, lambda: set_state_dict(
         model, optimizers, model_state_dict=state["model"],
         optim_state_dict=state.get("optim", {}), options=_OPTIONS))
     return extra
+
+
+# The LM's tied LM head: one tensor with the embedding in one process (its optimizer state
+# saved under the embedding's name only), a copy of it on a pipeline's last stage (with its
+# own state, equal to the embedding's: both copies take the same steps).
+_TIED = ("lm_head.weight", "tok_emb.weight")
+
+
+def _read_tied_as(optim_sd: dict, saved: set[str]) -> tuple[dict, dict]:
+    """The optimizer template to load, with the head's entries that the checkpoint lacks read
+    from the embedding's: renamed where this rank holds no embedding, else copied from it
+    after loading. Returns (template, {head key: (embedding key, renamed)})."""
+    head, emb = _TIED
+    template, copies = dict(optim_sd), {}
+    for key in optim_sd:
+        parts = key.split(".")  # "state.lm_head.weight.exp_avg", "param_groups.lm_head..."
+        if ".".join(parts[1:3]) != head or f"optim.{key}" in saved:
+            continue
+        alias = ".".join([parts[0], *emb.split("."), *parts[3:]])
+        if f"optim.{alias}" not in saved:
+            continue  # missing for another reason: DCP names it
+        value = template.pop(key)
+        renamed = alias not in template
+        if renamed:  # this rank holds the head only: read it under the embedding's name
+            template[alias] = value
+        copies[key] = (alias, renamed)
+    return template, copies
+
+
+def _restore_tied(loaded: dict, copies: dict) -> dict:
+    """The loaded optimizer state under this rank's own names again (_read_tied_as undone)."""
+    out = dict(loaded)
+    for key, (alias, renamed) in copies.items():
+        value = out.pop(alias) if renamed else out[alias]
+        out[key] = value.clone() if isinstance(value, torch.Tensor) and not renamed else value
+    return out
 
 
 def read_state_dict(path: str | os.PathLike) -> dict:
@@ -499,7 +538,8 @@ def _guarded(where: Path, fn: Callable):
             raise
         line = _first_line(e)
         if any(k in line for k in ("Missing key", "Unexpected key", "Size mismatch", "mismatch")):
-            raise CheckpointError(f"checkpoint {where}: the weights do not fit the model "
+            what = "the optimizer state does" if "optim." in line else "the weights do"
+            raise CheckpointError(f"checkpoint {where}: {what} not fit the model "
                                   f"({line})") from None
         raise CheckpointError(f"checkpoint {where} cannot be loaded ({line})") from None
 
