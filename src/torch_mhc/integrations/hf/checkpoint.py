@@ -245,7 +245,10 @@ def _conversion_record(config, tensors: dict[str, torch.Tensor], path: Path) -> 
         raise ValueError(
             f"{path}: the weights hold connection parameters (e.g. {next(iter(tensors))}) "
             f"but config.json lacks {CONFIG_KEY!r} (kind, streams, options), so the "
-            "conversion cannot be rebuilt; restore it in config.json"
+            "conversion cannot be rebuilt; add it to config.json ({\"kind\": ..., "
+            "\"streams\": ..., \"options\": {...}}: for a torchtitan export, "
+            "torch_mhc.integrations.torchtitan.hf_conversion(model_config) gives the kind, "
+            "the streams and, as its other keys, the options)"
         )
     if conversion is None:
         raise ValueError(

@@ -115,7 +115,9 @@ def _check_block(i: int, layer) -> None:
     if isinstance(layer, HYPER_CONFIGS):
         raise ValueError(
             f"MhcConverter: layers[{i}] is already converted ({type(layer).__qualname__}); "
-            "apply the converter (or the override) once"
+            "apply the converter (or the override) once (a Trainer.Config whose model the "
+            "converter already converted needs with_connection_checkpoints(config) only, "
+            "not convert_trainer_config)"
         )
     if getattr(layer, "moe", None) is not None:
         raise NotImplementedError(
