@@ -19,6 +19,7 @@ from torch_mhc.connections import (
 from torch_mhc.functional.sinkhorn import sinkhorn, sinkhorn_unrolled
 from torch_mhc.runtime import diagnostics
 from torch_mhc.runtime.diagnostics import collect_gains, collect_health
+from torch_mhc.runtime.param_updates import parameters_changed
 
 __version__ = "0.1.0"
 
@@ -39,6 +40,7 @@ __all__ = [
     "frozen_connections",
     "make_connection",
     "param_groups",
+    "parameters_changed",
     "reduce_streams",
     "sinkhorn",
     "sinkhorn_unrolled",

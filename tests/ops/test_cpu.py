@@ -736,7 +736,7 @@ def test_native_library_falls_back_with_one_warning(monkeypatch, tmp_path, cc):
 def test_import_builds_nothing_spawns_nothing_loads_no_library(tmp_path):
     """`import torch_mhc` in a fresh interpreter: no process started, no shared library
     mapped (the native one included), nothing written to the cache, no optimizer step hook
-    registered in torch (runtime.optimizer_steps registers its own at first use)."""
+    registered in torch (runtime.param_updates registers its own at first use)."""
     script = textwrap.dedent("""
         import os, subprocess, torch
         from torch.optim import optimizer

@@ -28,7 +28,7 @@ from torch_mhc.connections.stream_head import StreamHead
 from torch_mhc.integrations.deepseek_v4 import column_order, norm_epsilon
 from torch_mhc.integrations.hf.convert import with_no_split
 from torch_mhc.integrations.hf.layers import ConversionError
-from torch_mhc.runtime import optimizer_steps
+from torch_mhc.runtime import param_updates
 
 __all__ = ["accelerate_deepseek_v4", "DeepseekV4Connection", "DeepseekV4StreamHead"]
 
@@ -80,7 +80,7 @@ class DeepseekV4Connection(ManifoldHyperConnection):
         even under inference_mode, so that later calls can use it."""
         fn = self.fn
         try:
-            mark = (fn.data_ptr(), fn._version, optimizer_steps.current())
+            mark = (fn.data_ptr(), fn._version, param_updates.current())
         except RuntimeError:  # an inference tensor has no version: nothing to key a copy by
             return self.map_args(x)
         kept = _PHI_COPIES.get(id(self))

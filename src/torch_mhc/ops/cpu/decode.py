@@ -24,7 +24,7 @@ again in between (`busy`).
 `current(args)` says whether a Decoder still describes the arguments: the same parameter
 objects, over the same storage, at the same version (load_state_dict or any in-place op on
 a parameter bumps the version; `param.data = ...` swaps the storage), no optimizer step
-since it was made (torch's fused optimizers bump no version: runtime.optimizer_steps) and
+since it was made (torch's fused optimizers bump no version: runtime.param_updates) and
 equal options. Not seen: a write into `param.data` (`p.data.copy_(...)`) outside an
 optimizer, which torch does not count; write into the parameter under torch.no_grad()
 instead. The padded parameter tables are copies made once per parameter version and
@@ -54,7 +54,7 @@ from torch_mhc.ops.cpu.ops import (
     use_native,
 )
 from torch_mhc.ops.cpu.variants import variant_tables
-from torch_mhc.runtime import optimizer_steps
+from torch_mhc.runtime import param_updates
 
 __all__ = ["Decoder", "decoder"]
 
@@ -135,7 +135,7 @@ class Decoder:
     def __init__(self, lib: _native.NativeOps, kind: str, args: tuple):
         x, params = args[0], args[1:]
         *lead, n, c = x.shape
-        self.steps = optimizer_steps.current()  # before the tables: a step after is seen
+        self.steps = param_updates.current()  # before the tables: a step after is seen
         self.size, self.dtype, self.a_shape = x.shape, x.dtype, torch.Size((*lead, c))
         # the branch inputs are made by empty_like of this: half the time of torch.empty
         # with a shape and a dtype to parse
@@ -192,7 +192,7 @@ class Decoder:
         """current(args) for an x already known to be a contiguous CPU tensor of the shape
         and dtype this Decoder was built for (Connection found it under that key): inside a
         decoding step every read of a cold tensor attribute costs, and x's were made."""
-        if optimizer_steps.COUNT != self.steps:
+        if param_updates.COUNT != self.steps:
             return False
         for i, base, ptr, version in self.tensor_marks:
             t = args[i]

@@ -57,7 +57,7 @@ from torch_mhc.ops.checks import (
     check_sinkhorn_scalars,
 )
 from torch_mhc.ops.cpu import native as _native
-from torch_mhc.runtime import optimizer_steps
+from torch_mhc.runtime import param_updates
 
 __all__ = ["mhc_maps", "mhc_maps_pre", "hc_maps", "hc_maps_pre", "pre_aggregate", "post_merge",
            "sinkhorn", "use_native", "mhc_tables", "hc_tables", "cached_tables",
@@ -441,9 +441,9 @@ def cached_tables(make, *tensors: torch.Tensor) -> tuple:
     object (a view counts as its base: HC passes s_alpha.view(()) at each call) with the same
     version (an in-place update bumps it, in a view or its base alike) over the same
     storage, and no optimizer has stepped since (a fused one bumps no version:
-    runtime.optimizer_steps)."""
+    runtime.param_updates)."""
     try:  # `param.data = ...` swaps the storage without a new version: both are compared
-        versions = [optimizer_steps.current(), *((t._version, t.data_ptr()) for t in tensors)]
+        versions = [param_updates.current(), *((t._version, t.data_ptr()) for t in tensors)]
     except RuntimeError:  # inference tensors have no version counter: nothing to key on
         return make(*tensors)
     bases = [t if t._base is None else t._base for t in tensors]

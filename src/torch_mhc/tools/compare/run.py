@@ -187,7 +187,19 @@ def compare(out_dir: str | os.PathLike, preset: str = "default", *,
                       eval_batches=1, quiet=True, progress=False), corpus=corpus)
     except TrainingDiverged:  # the measured run stops alike and is reported as stopped
         pass
-    # seed by seed, every kind within a seed: an interrupted comparison holds whole pairs
+    results = _train_runs(configs, kinds, corpus, several_seeds=seeds > 1)
+    report = _report(base, preset_label(preset, base), results, corpus,
+                     time.perf_counter() - t_start)
+    if _rank0():
+        written = write_report(out, report, results)
+        remove_stale(out, kinds, seed_list, written)
+    return report
+
+
+def _train_runs(configs: dict, kinds: tuple[str, ...], corpus, several_seeds: bool
+                ) -> dict[str, list[TrainResult]]:
+    """Each run of configs ({(kind, seed): TrainConfig}, seed by seed, every kind within a
+    seed: an interrupted comparison holds whole pairs); a stopped run is a result too."""
     results: dict[str, list[TrainResult]] = {kind: [] for kind in kinds}
     for (kind, seed), cfg in configs.items():
         try:
@@ -195,17 +207,12 @@ def compare(out_dir: str | os.PathLike, preset: str = "default", *,
         except TrainingDiverged as e:  # a finding, not a failure: report what it reached
             results[kind].append(e.result)
         except RunInterrupted as e:  # the run's own message offers a resume compare lacks
-            which = f"{kind}" + (f", seed {seed}" if seeds > 1 else "")
+            which = kind + (f", seed {seed}" if several_seeds else "")
             raise RunInterrupted(
                 f"interrupted in the {which} run after step {e.step}; a comparison does not "
-                f"resume: run `mhc compare` again to start it over",
+                "resume: run `mhc compare` again to start it over",
                 e.step, e.checkpoint, e.result, e.signum) from None
-    report = _report(base, preset_label(preset, base), results, corpus,
-                     time.perf_counter() - t_start)
-    if _rank0():
-        written = write_report(out, report, results)
-        remove_stale(out, kinds, seed_list, written)
-    return report
+    return results
 
 
 def _rank0() -> bool:

@@ -1,5 +1,5 @@
-"""A count of the optimizer steps taken in this process, for the caches of tables made from
-parameters.
+"""A count of the parameter updates torch's versions miss, for the caches of tables made
+from parameters: the optimizer steps taken in this process, and the caller's word.
 
 The no-autograd paths of the CPU ops keep tables made from a connection's parameters (phi
 padded, the gates in one row) and reuse them while every parameter is the same tensor at
@@ -10,15 +10,16 @@ caches also compare `COUNT`: every `step()` of a `torch.optim.Optimizer` (any su
 changes it, through global step hooks registered the first time a cache asks for the count
 (`current()`), so that importing torch_mhc changes nothing in torch.
 
-A write into `param.data` outside an optimizer is still not counted (torch counts it in no
-version either): write into the parameter under `torch.no_grad()` instead.
+A write into `param.data` outside an optimizer (`p.data -= lr * p.grad`, an EMA written
+that way) is counted in no version either, and no hook sees it: write into the parameter
+under `torch.no_grad()` instead, or call `torch_mhc.parameters_changed()` after such writes.
 """
 
 from __future__ import annotations
 
 import threading
 
-__all__ = ["COUNT", "current"]
+__all__ = ["COUNT", "current", "parameters_changed"]
 
 COUNT = 0  # read directly by the decoding path, where a function call costs
 _hooks: tuple | None = None
@@ -43,3 +44,12 @@ def current() -> int:
                 _hooks = (optimizer.register_optimizer_step_pre_hook(_count),
                           optimizer.register_optimizer_step_post_hook(_count))
     return COUNT
+
+
+def parameters_changed() -> None:
+    """Say that parameters changed in a way torch does not count (a write into `param.data`):
+    every connection's cached tables and prepared decoding calls are made again at their next
+    call. Optimizer steps, load_state_dict and in-place writes under torch.no_grad() need no
+    call."""
+    global COUNT
+    COUNT += 1

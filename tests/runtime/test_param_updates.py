@@ -1,4 +1,4 @@
-"""The optimizer-step count the no-autograd caches compare (runtime.optimizer_steps): torch's
+"""The optimizer-step count the no-autograd caches compare (runtime.param_updates): torch's
 fused optimizers write parameters without bumping their versions, and a connection's
 decoding path must still compute with the values they wrote."""
 
@@ -11,7 +11,7 @@ from torch import nn
 import torch_mhc
 from tests.helpers.op_cases import perturbed
 from torch_mhc.ops.cpu import native
-from torch_mhc.runtime import optimizer_steps
+from torch_mhc.runtime import param_updates
 
 KINDS = [k for k in torch_mhc.CONNECTION_KINDS if k != "residual"]
 
@@ -36,9 +36,9 @@ def test_every_optimizer_step_counts():
     p.grad = torch.ones(3)
     for opt in (torch.optim.AdamW([p], fused=True), torch.optim.SGD([p], lr=0.1, foreach=True),
                 torch.optim.Adam([p], foreach=False), Plain([p], lr=0.1)):
-        before = optimizer_steps.current()
+        before = param_updates.current()
         opt.step()
-        assert optimizer_steps.current() > before, type(opt).__name__
+        assert param_updates.current() > before, type(opt).__name__
 
 
 @pytest.mark.parametrize("tokens", [1, 2 * native.SINGLE_THREAD_TOKENS],
@@ -68,3 +68,24 @@ def test_no_grad_forward_sees_a_fused_optimizer_step(kind, tokens):
     assert (after - before).abs().max() > 1e-3  # the step moved the output
     torch.testing.assert_close(after, with_grad, rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(after, expected, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("kind", ["mhc", "hc"])
+def test_a_write_into_data_is_seen_after_parameters_changed(kind):
+    """`p.data -= ...` bumps no version and runs no optimizer: the decoding path keeps the
+    tables it made until torch_mhc.parameters_changed() says otherwise."""
+    c, n = 24, 4
+    torch.manual_seed(1)
+    conn = perturbed(torch_mhc.make_connection(kind, c, n, layer_index=1,
+                                               branch=nn.Sequential(nn.Linear(c, c), nn.Tanh())))
+    x = torch.randn(1, n, c)
+    with torch.no_grad():
+        before = conn(x)
+    for p in conn.parameters():
+        p.data -= 0.3 * torch.randn_like(p)  # the tutorials' SGD step
+    with_grad = conn(x.clone().requires_grad_()).detach()
+    torch_mhc.parameters_changed()
+    with torch.no_grad():
+        after = conn(x)
+    assert (after - before).abs().max() > 1e-3
+    torch.testing.assert_close(after, with_grad, rtol=2e-6, atol=2e-6)
