@@ -81,5 +81,11 @@ def test_optimal_interval_and_errors():
     with pytest.raises(ValueError, match="int >= 1, got 0"):
         with recompute_streams(0):
             pass
+    # no interval and nothing to choose one from (it took one connection, interval 1)
+    with pytest.raises(ValueError, match="needs an interval, or layers"):
+        with recompute_streams():
+            pass
+    with recompute_streams(streams=4, layers=6) as stats:
+        assert stats is not None
     with pytest.raises(ValueError, match="recompute_interval must be an integer >= 0"):
         ModelConfig(recompute_interval=-1)

@@ -165,14 +165,20 @@ def _unpack(handle):
 
 
 @contextlib.contextmanager
-def recompute_streams(interval: int | None = None, *, streams: int = 4, layers: int = 1):
+def recompute_streams(interval: int | None = None, *, streams: int = 4,
+                      layers: int | None = None):
     """Group the connections called inside into blocks of `interval` and recompute their
-    stream arithmetic in backward. interval=None uses optimal_interval(streams, layers).
+    stream arithmetic in backward. interval=None uses optimal_interval(streams, layers), where
+    layers is the number of connections the forward calls (two per transformer block).
 
     Yields a RecomputeStats that counts the bytes kept for backward.
     """
     global ACTIVE
     if interval is None:
+        if layers is None:
+            raise ValueError("recompute_streams needs an interval, or layers (the connections "
+                             "the forward calls: two per transformer block) to choose "
+                             "optimal_interval(streams, layers)")
         interval = optimal_interval(streams, layers)
     if not isinstance(interval, int) or interval < 1:
         raise ValueError(f"recompute interval must be an int >= 1, got {interval!r}")
