@@ -98,6 +98,14 @@ def test_ready_configs_are_converted():
         (dict(streams=0), ValueError, "streams must be an integer >= 1, got 0"),
         (dict(streams=2.0), ValueError, "streams must be an integer >= 1, got 2.0"),
         (dict(kind="residual"), ValueError, "kind must be one of ('hc', 'mhc')"),
+        # the options, before any model is built (they failed there, naming the class's init)
+        (dict(options={"sinkhorn_iter": 5}), TypeError,
+         "MhcConverter: make_connection: 'mhc' (ManifoldHyperConnection) takes no option(s) "
+         "['sinkhorn_iter'] (sinkhorn_iter: did you mean sinkhorn_iters?)"),
+        (dict(kind="hc", options={"sinkhorn_iters": 5}), TypeError,
+         "'hc' (HyperConnection) takes no option(s) ['sinkhorn_iters']"),
+        (dict(options={"sinkhorn_iters": 0}), ValueError,
+         "MhcConverter: sinkhorn_iters must be >= 1, got 0"),
     ],
 )
 def test_bad_settings_are_refused(kwargs, error, message):

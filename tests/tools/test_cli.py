@@ -390,3 +390,16 @@ def test_python_dash_m(tmp_path):
     assert line.startswith("mhc train: error: ModelConfig.connection must be one of ('residual', "
                            "'hc', 'mhc'")
     assert line.endswith(", got 'dense'")
+
+
+def test_an_interrupt_is_said_by_rank_0_only(monkeypatch, capsys):
+    """Under torchrun every rank stops alike at Ctrl-C: rank 0 says so, the others exit with
+    the same status in silence (their lines ran into one)."""
+    from torch_mhc.lm.train import RunInterrupted
+    from torch_mhc.tools import boundary
+
+    stop = RunInterrupted("interrupted after step 3; checkpoint x", 3, "x")
+    for rank, said in (("1", ""), ("0", "mhc train: interrupted after step 3; checkpoint x\n")):
+        monkeypatch.setenv("RANK", rank)
+        assert boundary.report("mhc train", stop, None) == 130
+        assert capsys.readouterr().err == said

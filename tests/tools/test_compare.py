@@ -335,7 +335,7 @@ def test_interrupted_comparison_says_it_starts_over(tmp_path, capsys, monkeypatc
     def interrupt_hc(cfg, **kwargs):
         if cfg.model.connection == "hc" and cfg.out_dir is not None:
             raise RunInterrupted("interrupted after step 3; checkpoint x, which `mhc train "
-                                 "--resume` (resume=True) continues", 3, "x")
+                                 "--resume` continues", 3, "x")
         return train(cfg, **kwargs)
 
     monkeypatch.setattr(compare_run, "train", interrupt_hc)

@@ -127,7 +127,9 @@ def report(prog: str, e: BaseException, first_signal: int | None) -> int:
     interrupt = _wrapped(e, KeyboardInterrupt)
     if interrupt is not None:  # RunInterrupted says what was saved and which signal it was
         signum = getattr(interrupt, "signum", None) or first_signal or signal.SIGINT
-        return fail(prog, _one_line(interrupt) or "interrupted", 128 + signum)
+        # every rank stops alike: one says it (all at once wrote their lines into one)
+        return fail(prog, _one_line(interrupt) or "interrupted", 128 + signum,
+                    quiet=not rank0())
     if isinstance(e, UsageError):
         return fail(prog, f"error: {_one_line(e)}", 2)
     return _known_error(prog, e)

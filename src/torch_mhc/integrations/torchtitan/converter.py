@@ -27,6 +27,7 @@ from torchtitan.config.override import override
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.protocols.model import ModelConfigConverter
 
+from torch_mhc.connections import make_connection
 from torch_mhc.integrations.torchtitan.adapter import with_connections
 from torch_mhc.integrations.torchtitan.blocks import CONVERTIBLE, HYPER_CONFIGS
 from torch_mhc.integrations.torchtitan.checkpoint import mhc_checkpoint_config
@@ -66,6 +67,10 @@ def check_settings(kind, streams, options) -> None:
         raise ValueError(f"MhcConverter: streams must be an integer >= 1, got {streams!r}")
     if not isinstance(options, dict):
         raise TypeError(f"MhcConverter: options must be a dict, got {type(options).__name__}")
+    try:  # the options' names and values, now rather than when the model is built
+        make_connection(kind, 8, streams, 0, lambda h: h, **options)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"MhcConverter: {e}") from None
 
 
 def convert_model_config(model_config, kind: str = "mhc", streams: int = 4,

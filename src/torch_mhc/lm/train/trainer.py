@@ -490,8 +490,7 @@ class Trainer:
         if self.cfg.out_dir is not None and r.steps > 0 and self.saved_step != r.steps:
             self._checkpoint(r.steps)
         if r.checkpoint:
-            saved = (f"checkpoint {r.checkpoint}, which `mhc train --resume` (resume=True) "
-                     "continues")
+            saved = f"checkpoint {r.checkpoint}, which `mhc train --resume` continues"
         else:
             saved = ("nothing saved (no out_dir, --out-dir)" if self.cfg.out_dir is None
                      else "no checkpoint")
