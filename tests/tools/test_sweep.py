@@ -84,7 +84,9 @@ def test_rerun_with_other_settings_is_refused(smoke, capsys):
     assert len(err) == 1 and "other settings (differing: steps)" in err[0]
 
 
-def test_interrupted_sweep_keeps_finished_cells(tmp_path, corpus, monkeypatch):
+def test_interrupted_sweep_keeps_finished_cells(tmp_path, corpus, monkeypatch, capsys):
+    from torch_mhc.lm.train import RunInterrupted
+
     out = tmp_path / "out"
     argv = [*flags(tmp_path, out), "--preset", "smoke", "--kinds", "residual,mhc",
             "--depths", "1", "--lrs", "0.003,0.03"]
@@ -92,12 +94,17 @@ def test_interrupted_sweep_keeps_finished_cells(tmp_path, corpus, monkeypatch):
 
     def interrupting(cfg, corpus=None):
         calls.append(cfg.out_dir)
-        if len(calls) == 3:
-            raise KeyboardInterrupt("interrupted by SIGINT")
+        if len(calls) == 3:  # as the trainer stops: its message names `mhc train --resume`
+            raise RunInterrupted("interrupted after step 2; checkpoint x, which `mhc train "
+                                 "--resume` continues", 2, "x")
         return real(cfg, corpus)
 
     monkeypatch.setattr(sweep_run, "run_cell", interrupting)
+    capsys.readouterr()
     assert main(argv) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "mhc sweep: interrupted in cell residual-L1-lr0.03-s0 after step 2; run the same "
+        "`mhc sweep` again to finish: it skips the finished cells and resumes this one")
     kept = strict_json(out / "sweep.json")["cells"]
     assert [Cell.of(c).name for c in kept] == [
         "residual-L1-lr0.003-s0", "mhc-L1-lr0.003-s0"]

@@ -149,3 +149,26 @@ def test_report_numbers_that_round_to_zero_carry_no_minus():
     fmt = upcycle_report._fmt
     assert [fmt(-1e-6, "+.4f"), fmt(-1e-6), fmt(-2e-4, "+.4f"), fmt(float("nan"))] == [
         "+0.0000", "0.0000", "-0.0002", "n/a"]
+
+
+def test_interrupt_says_how_to_finish(upcycled, tmp_path, capsys, monkeypatch):
+    """Ctrl-C in one continuation: exit 130 and a line saying to run it again (the
+    trainer's own line names `mhc train --resume`, which would continue that run alone)."""
+    from torch_mhc.lm.train import RunInterrupted
+    from torch_mhc.tools.upcycle import run as upcycle_run
+
+    _, _, argv = upcycled
+    argv = [*argv[:argv.index("--out") + 1], str(tmp_path / "up"),
+            *argv[argv.index("--out") + 2:]]
+
+    def interrupted(cfg, corpus=None):
+        raise RunInterrupted("interrupted after step 1; checkpoint x, which `mhc train "
+                             "--resume` continues", 1, "x")
+
+    monkeypatch.setattr(upcycle_run, "train", interrupted)
+    capsys.readouterr()
+    assert main(argv) == 130
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("mhc upcycle: interrupted in ") and last.endswith(
+        "after step 1; run the same `mhc upcycle` again to finish: it skips the "
+        "finished runs and resumes this one")

@@ -77,7 +77,7 @@ def make_connection(
     so one call serves every kind; an option the kind does not take is a TypeError naming the
     options it does.
     """
-    if kind not in _CLASSES:
+    if not isinstance(kind, str) or kind not in _CLASSES:
         raise ValueError(f"unknown connection kind {kind!r}; expected one of {CONNECTION_KINDS}")
     _check_options(kind, kwargs)
     if kind == "residual":

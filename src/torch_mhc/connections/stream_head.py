@@ -11,10 +11,11 @@ computes H_pre (an RMS-scaled linear map of the flattened streams, then a sigmoi
 
 Parameters: phi [n*C, n], the gate alpha [1], the bias b [n]. Initialisation keeps the
 function of reduce_streams: phi = 0 and sigmoid(b) = 1/n, so out is the mean of the streams
-(for n = 1, sigmoid cannot reach 1: w starts at 0.99, which the final norm absorbs, as for mHC's
-H_pre). DeepSeek-V4 initialises differently (random phi, alpha = 1, b = 0): converting its
-weights (integrations.deepseek_v4.from_deepseek_v4_head) keeps them. eps is DeepSeek-V4's hc_eps
-(0 in the default).
+(for n = 1, sigmoid cannot reach 1: w starts at 0.99, which the final norm absorbs; mHC's
+connections, whose H_pre has the same limit, take n >= 2 instead). DeepSeek-V4 initialises
+differently (random phi, alpha = 1, b = 0): converting its weights
+(integrations.deepseek_v4.from_deepseek_v4_head) keeps them. eps is DeepSeek-V4's hc_eps (0 in
+the default).
 
 The weights are computed in float32 (float64 stays float64) whatever the streams' dtype, like
 the connections' maps; the weighted sum too, and the result is cast back to x's dtype.

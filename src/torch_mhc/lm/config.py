@@ -495,7 +495,7 @@ HELP = {
     "device": "auto | cpu | cuda | cuda:N | mps",
     "compile": "torch.compile the model",
     "threads": "CPU threads for torch (0: torch's default); 1 is steadier on a busy machine",
-    "parallel": "none | ddp | fsdp | pp (under torchrun --nproc-per-node N -m torch_mhc)",
+    "parallel": "none | ddp | fsdp | pp (under torchrun --nproc-per-node N -m torch_mhc train)",
     "pp_schedule": "1f1b | dualpipev: the pipeline schedule (parallel pp)",
     "micro_batches": "pipeline micro-batches per step (parallel pp; >= stages, divides batch)",
     "spike_factor": "stop when the loss exceeds this x its running mean (0: off)",

@@ -49,7 +49,8 @@ def current() -> int:
 def parameters_changed() -> None:
     """Say that parameters changed in a way torch does not count (a write into `param.data`):
     every connection's cached tables and prepared decoding calls are made again at their next
-    call. Optimizer steps, load_state_dict and in-place writes under torch.no_grad() need no
-    call."""
+    call (inside an open `frozen_connections()` block, calls already checked there keep theirs
+    until it ends: the block is the caller's promise that nothing changes). Optimizer steps,
+    load_state_dict and in-place writes under torch.no_grad() need no call."""
     global COUNT
     COUNT += 1

@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import errno
 import os
+import select
 import signal
 import sys
 import threading
@@ -119,7 +120,7 @@ def report(prog: str, e: BaseException, first_signal: int | None) -> int:
     """One line and the exit status of any failure."""
     if isinstance(e, SystemExit):
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    if _wrapped(e, BrokenPipeError) is not None:
+    if _wrapped(e, BrokenPipeError) is not None and _stdout_reader_gone():
         # the reader of the output went away (`mhc ... | head`): nothing failed that a message
         # could reach; the status a command killed by SIGPIPE gets, as Python ignores it
         _silence_stdout()
@@ -133,6 +134,18 @@ def report(prog: str, e: BaseException, first_signal: int | None) -> int:
     if isinstance(e, UsageError):
         return fail(prog, f"error: {_one_line(e)}", 2)
     return _known_error(prog, e)
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (POLLERR on its write end): a
+    broken pipe of anything else (a worker's, a subprocess's) is an error to report."""
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no file under it (a test's capture)
+        return False
 
 
 def _silence_stdout() -> None:

@@ -76,7 +76,8 @@ class DeepseekV4Connection(ManifoldHyperConnection):
         against 24 at C = 32, n = 4, one thread). The copy is kept while fn is the same
         tensor, storage and version and no optimizer has stepped (as the prepared calls' own
         copies are: a fused optimizer bumps no version; a write into `fn.data`, which torch
-        does not count, goes unseen; write under torch.no_grad()), and is an ordinary tensor
+        does not count, goes unseen until torch_mhc.parameters_changed(); or write under
+        torch.no_grad()), and is an ordinary tensor
         even under inference_mode, so that later calls can use it."""
         fn = self.fn
         try:

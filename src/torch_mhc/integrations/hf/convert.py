@@ -127,7 +127,8 @@ def convert(model: nn.Module, kind: str = "mhc", streams: int = 4, **connection_
     """Convert a transformers causal LM in place; returns the model.
 
     kind: any kind torch_mhc.make_connection knows ("residual", "hc", "mhc", ...).
-    streams: n >= 1 (ignored by "residual", which has one stream).
+    streams: n >= 1, n >= 2 for mHC and its successors (ignored by "residual", which has one
+    stream).
     connection_kwargs: passed to every connection (e.g. sinkhorn_iters=20, impl="cpu");
     they must be JSON values, since they are saved in the config.
     The connections take the device and dtype of the layer they are put in.

@@ -39,7 +39,7 @@ class MhcConverter(ModelConfigConverter):
     """Wrap the attention and feed-forward sublayers of every block in HC / mHC connections.
 
     kind: "mhc" (Manifold-Constrained Hyper-Connections) or "hc" (Hyper-Connections);
-    streams: n >= 1; options: keyword arguments of the connection class (e.g.
+    streams: n >= 1 (n >= 2 for mHC); options: keyword arguments of the connection class (e.g.
     sinkhorn_iters, gate_init for mHC; dynamic for HC); fp32: each connection an FSDP unit
     with float32 parameters (blocks.py; set False with torchtitan's per-block compile).
     """

@@ -81,6 +81,11 @@ class RunInterrupted(KeyboardInterrupt):
         self.step, self.checkpoint, self.result = step, checkpoint, result
         self.signum = int(signum)
 
+    def saying(self, message: str) -> RunInterrupted:
+        """The same interruption with another message (a command that runs many trainings
+        says how to go on with all of them, not with this one's checkpoint)."""
+        return RunInterrupted(message, self.step, self.checkpoint, self.result, self.signum)
+
 
 def is_disk_full(error: BaseException) -> bool:
     """True when `error`, or an error it wraps, is a write the storage refused (see

@@ -515,11 +515,16 @@ class Trainer:
     def _say_done(self) -> None:
         r = self.result
         self.printer(
-            f"done: {r.steps} steps, final loss {r.final_loss:.4f} (mean of the last "
-            f"{min(20, len(r.loss_history))} steps), val "
+            f"done: {r.steps} steps, final loss {r.final_loss:.4f} ({_last_steps(r)}), val "
             f"{r.val_loss:.4f} nats = {r.val_bpb:.4f} bits/byte, {r.tokens_per_s:,.0f} tokens/s"
             + (f", checkpoint {r.checkpoint}" if r.checkpoint else "")
         )
+
+
+def _last_steps(r) -> str:
+    """What the done line's final loss is: the mean of the last steps' losses (up to 20)."""
+    k = min(20, len(r.loss_history))
+    return "the last step's" if k == 1 else f"mean of the last {k} steps"
 
 
 def _warn(message: str) -> None:

@@ -26,9 +26,10 @@ objects, over the same storage, at the same version (load_state_dict or any in-p
 a parameter bumps the version; `param.data = ...` swaps the storage), no optimizer step
 since it was made (torch's fused optimizers bump no version: runtime.param_updates) and
 equal options. Not seen: a write into `param.data` (`p.data.copy_(...)`) outside an
-optimizer, which torch does not count; write into the parameter under torch.no_grad()
-instead. The padded parameter tables are copies made once per parameter version and
-optimizer step (ops.cpu.cached_tables), shared by the shapes.
+optimizer, which torch does not count, until `torch_mhc.parameters_changed()` says so; or
+write into the parameter under torch.no_grad() instead. The padded parameter tables are
+copies made once per parameter version and optimizer step (ops.cpu.cached_tables), shared by
+the shapes.
 """
 
 from __future__ import annotations

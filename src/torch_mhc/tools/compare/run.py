@@ -208,10 +208,8 @@ def _train_runs(configs: dict, kinds: tuple[str, ...], corpus, several_seeds: bo
             results[kind].append(e.result)
         except RunInterrupted as e:  # the run's own message offers a resume compare lacks
             which = kind + (f", seed {seed}" if several_seeds else "")
-            raise RunInterrupted(
-                f"interrupted in the {which} run after step {e.step}; a comparison does not "
-                "resume: run `mhc compare` again to start it over",
-                e.step, e.checkpoint, e.result, e.signum) from None
+            raise e.saying(f"interrupted in the {which} run after step {e.step}; a comparison "
+                           "does not resume: run `mhc compare` again to start it over") from None
     return results
 
 

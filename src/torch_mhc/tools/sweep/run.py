@@ -34,6 +34,7 @@ from pathlib import Path
 from torch_mhc.lm.config import ConfigError, TrainConfig
 from torch_mhc.lm.train import (
     CheckpointError,
+    RunInterrupted,
     RunLock,
     TrainingDiverged,
     TrainResult,
@@ -92,7 +93,13 @@ def sweep(out_dir: str | os.PathLike, grid: Grid, config: TrainConfig, *, jobs: 
         try:
             if jobs == 1:
                 for c in todo:
-                    record(c, run_cell(configs[c], corpus))
+                    try:
+                        record(c, run_cell(configs[c], corpus))
+                    except RunInterrupted as e:  # its own message names `mhc train --resume`
+                        raise e.saying(
+                            f"interrupted in cell {c.name} after step {e.step}; run the same "
+                            "`mhc sweep` again to finish: it skips the finished cells and "
+                            "resumes this one") from None
             else:
                 _run_parallel(todo, configs, jobs, record)
         finally:

@@ -32,7 +32,13 @@ from pathlib import Path
 
 from torch_mhc.connections import CONNECTION_KINDS, check_streams
 from torch_mhc.lm.config import SEED_MAX, ConfigError, TrainConfig
-from torch_mhc.lm.train import RunLock, TrainingDiverged, load_training_corpus, train
+from torch_mhc.lm.train import (
+    RunInterrupted,
+    RunLock,
+    TrainingDiverged,
+    load_training_corpus,
+    train,
+)
 from torch_mhc.lm.train.checkpoint import find_checkpoint
 from torch_mhc.runtime.files import atomic_write, remove_tree
 from torch_mhc.tools.upcycle.report import dumps_json, write_outputs
@@ -164,6 +170,10 @@ def _continue(cfg: TrainConfig, src: SourceRun, corpus, reference: float, overwr
         result = train(cfg, corpus=corpus)
     except TrainingDiverged as e:  # a finding, as in `mhc compare`: report what it reached
         result = e.result
+    except RunInterrupted as e:  # its own message names `mhc train --resume`
+        raise e.saying(f"interrupted in {where} after step {e.step}; run the same "
+                       "`mhc upcycle` again to finish: it skips the finished runs and "
+                       "resumes this one") from None
     atomic_write(folder / "result.json", dumps_json({"settings": settings,
                                                  "start_val_loss": start["start_val_loss"],
                                                  "result": result.to_dict()}))
