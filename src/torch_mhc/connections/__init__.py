@@ -10,6 +10,7 @@ from torch_mhc.connections.base import Connection, frozen_connections
 from torch_mhc.connections.factory import (
     CONNECTION_KINDS,
     check_streams,
+    connection_options,
     expand_streams,
     make_connection,
     param_groups,
@@ -33,6 +34,7 @@ __all__ = [
     "Residual",
     "StreamHead",
     "check_streams",
+    "connection_options",
     "expand_streams",
     "frozen_connections",
     "make_connection",

@@ -25,6 +25,7 @@ from torch_mhc.connections.successors import (
 __all__ = [
     "CONNECTION_KINDS",
     "check_streams",
+    "connection_options",
     "expand_streams",
     "make_connection",
     "param_groups",
@@ -89,11 +90,18 @@ def make_connection(
     return make_variant(kind, dim, streams, layer_index, branch, **kwargs)
 
 
+def connection_options(kind: str) -> tuple[str, ...]:
+    """The keyword options make_connection takes for `kind` (one of CONNECTION_KINDS): its
+    class's constructor parameters other than those make_connection passes itself."""
+    params = inspect.signature(_CLASSES[kind].__init__).parameters.values()
+    return tuple(p.name for p in params if p.name not in _POSITIONAL
+                 and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+
+
 def _check_options(kind: str, kwargs: dict) -> None:
     """TypeError unless every option is one the kind's class takes (Python's own message
     names the successors' shared base, MhcResVariant.__init__)."""
-    cls = _CLASSES[kind]
-    takes = [p for p in inspect.signature(cls.__init__).parameters if p not in _POSITIONAL]
+    cls, takes = _CLASSES[kind], connection_options(kind)
     unknown = sorted(set(kwargs) - set(takes))
     if unknown:
         close = {u: difflib.get_close_matches(u, takes, n=1) for u in unknown}

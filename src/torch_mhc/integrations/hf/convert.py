@@ -19,14 +19,13 @@ a config object other models may share.
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 from collections.abc import Iterator
 
 from torch import nn
 
 from torch_mhc import __version__
-from torch_mhc.connections import Connection, make_connection
+from torch_mhc.connections import Connection, connection_options, make_connection
 from torch_mhc.integrations.hf.layers import (
     ConversionError,
     branches,
@@ -100,10 +99,10 @@ def check_options(kind: str, streams: int, options: dict) -> None:
             f"connection options must be JSON values (they are saved in config.json), got "
             f"{options!r}: {e}"
         ) from None
-    # A connection built without options checks kind with make_connection's own error; its
-    # constructor's parameters are the options the kind takes; a second one checks the values.
-    probe = make_connection(kind, 8, streams, 0, lambda h: h)
-    known = _option_names(type(probe))
+    # A connection built without options checks kind with make_connection's own error (and
+    # the streams); a second one, with them, checks their values.
+    make_connection(kind, 8, streams, 0, lambda h: h)
+    known = set(connection_options(kind))
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(
@@ -111,16 +110,6 @@ def check_options(kind: str, streams: int, options: dict) -> None:
             f"{sorted(known) if known else 'none'}"
         )
     make_connection(kind, 8, streams, 0, lambda h: h, **options)
-
-
-def _option_names(cls: type) -> set[str]:
-    """The keyword options a connection class takes: its constructor's named parameters
-    other than the structural ones."""
-    structural = {"self", "dim", "streams", "layer_index", "branch"}
-    return {
-        name for name, p in inspect.signature(cls.__init__).parameters.items()
-        if name not in structural and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
-    }
 
 
 def convert(model: nn.Module, kind: str = "mhc", streams: int = 4, **connection_kwargs):
