@@ -285,13 +285,33 @@ def test_config_round_trip():
     assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
 
 
-def test_threads_setting(tmp_path, tiny_config):
+def test_threads_setting_holds_for_the_run_and_is_restored(tmp_path, tiny_config,
+                                                           monkeypatch):
+    """threads sets torch's thread count while the run trains; afterwards (also after a
+    failure inside the run) the process has the count it had before."""
+    from torch_mhc.lm.train import trainer
+
+    seen = []
+    loop = trainer.Trainer._loop
+
+    def recording_loop(self, start):
+        seen.append(torch.get_num_threads())
+        return loop(self, start)
+
+    monkeypatch.setattr(trainer.Trainer, "_loop", recording_loop)
     before = torch.get_num_threads()
-    try:
-        train(tiny_config("residual", steps=1, threads=1))
-        assert torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(before)
+    other = 2 if before == 1 else 1
+    train(tiny_config("residual", steps=1, threads=other))
+    assert seen == [other] and torch.get_num_threads() == before
+
+    def failing_loop(self, start):
+        seen.append(torch.get_num_threads())
+        raise RuntimeError("inside the run")
+
+    monkeypatch.setattr(trainer.Trainer, "_loop", failing_loop)
+    with pytest.raises(RuntimeError, match="inside the run"):
+        train(tiny_config("residual", steps=1, threads=other))
+    assert seen == [other, other] and torch.get_num_threads() == before
     with pytest.raises(ConfigError, match="threads must be an integer >= 0"):
         tiny_config(threads=-1).validate()
 

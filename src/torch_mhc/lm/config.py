@@ -110,7 +110,7 @@ class TrainConfig:
     dtype: str = "auto"  # "fp32" | "bf16" (autocast) | "auto" (see resolve_dtype)
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N" | "mps"
     compile: bool = False  # torch.compile the model for the training steps
-    threads: int = 0  # torch.set_num_threads for the process; 0 leaves torch's default
+    threads: int = 0  # torch.set_num_threads during the run (restored after); 0: as it is
     # parallelism (under torchrun; see torch_mhc.lm.parallel)
     parallel: str = "none"  # "none" | "ddp" | "fsdp" | "pp"
     pp_schedule: str = "1f1b"  # "1f1b" | "dualpipev" (parallel = "pp")

@@ -158,6 +158,20 @@ def train(cfg: TrainConfig, corpus: _data.Corpus | None = None) -> TrainResult:
     return result
 
 
+@contextlib.contextmanager
+def _threads(threads: int):
+    """torch's CPU threads set to `threads` (0: as they are) for the run, then restored: a
+    library call leaves the process's thread count as it found it."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
 class Trainer:
     """One run of `cfg` on this process (info: its rank in a distributed run, else None)."""
 
@@ -181,29 +195,31 @@ class Trainer:
         with self._out_dir_locked():
             self._prepare_out_dir()
             resume_path, resume_state = self._open_resume()
-            if self.cfg.threads:
-                torch.set_num_threads(self.cfg.threads)
-            self.memory = PeakMemory(self.device)  # from here: model, optimizer, activations
-            self._build()
-            start = self._restore(resume_path, resume_state)
-            self.metrics = MetricsLog(self.cfg, start)
-            self._announce(start, resume_path)
-            self.bar = progress_bar(self.cfg, start)
-            self.printer.bar = self.bar
-            try:
-                with self.interrupt.installed():
-                    self._loop(start)
-                    # a signal during the last step or the final save still ends the run as
-                    # interrupted (its checkpoint is already written)
-                    if self.interrupt.requested(self.info):
-                        raise self._interrupted()
-            finally:
-                self.bar.close()
-                self.printer.bar = None
-                self.metrics.close()
-                self._finish()
+            with _threads(self.cfg.threads):
+                self._train(resume_path, resume_state)
         self._say_done()
         return self.result
+
+    def _train(self, resume_path: Path | None, resume_state: dict | None) -> None:
+        self.memory = PeakMemory(self.device)  # from here: model, optimizer, activations
+        self._build()
+        start = self._restore(resume_path, resume_state)
+        self.metrics = MetricsLog(self.cfg, start)
+        self._announce(start, resume_path)
+        self.bar = progress_bar(self.cfg, start)
+        self.printer.bar = self.bar
+        try:
+            with self.interrupt.installed():
+                self._loop(start)
+                # a signal during the last step or the final save still ends the run as
+                # interrupted (its checkpoint is already written)
+                if self.interrupt.requested(self.info):
+                    raise self._interrupted()
+        finally:
+            self.bar.close()
+            self.printer.bar = None
+            self.metrics.close()
+            self._finish()
 
     def _load_corpus(self) -> _data.Corpus:
         """Rank 0 builds the token cache; the others read it once it is complete."""

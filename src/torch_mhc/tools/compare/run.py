@@ -43,11 +43,11 @@ Presets (`PRESETS`):
   nanoGPT's residual model reaches about 1.88 nats there): 4 layers, 4 heads, width 128,
   context 64, batch 12, 2000 steps, lr 1e-3 cosine to 1e-4 after 100 warmup steps, beta2
   0.99, no dropout, the last 10% of the bytes held out. Bytes are characters for ASCII text.
-"default", "stress" and "shakespeare" run torch on one CPU thread (`threads = 1`;
-`--threads 0` restores torch's default). Their matrices are small: on an idle 2-core machine
-a second thread made a step only 1.3-1.8x faster, while on a machine shared with other work
-a two-thread step stalled whenever either thread lost its core, and whole comparisons took
-2-3x longer (9-17 minutes measured, against 5.6 on one thread).
+Every preset runs torch on one CPU thread (`threads = 1`, for the runs only: the process's
+count is restored after each; `--threads 0` keeps torch's default). Their matrices are small:
+on an idle 2-core machine a second thread made a step only 1.3-1.8x faster, while on a
+machine shared with other work a two-thread step stalled whenever either thread lost its
+core, and whole comparisons took 2-3x longer (9-17 minutes measured, against 5.6 on one thread).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ PRESETS: dict[str, dict] = {
         "dim": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 32,
         "seq_len": 32, "batch_size": 4, "steps": 20, "lr": 3e-3, "min_lr": 3e-4,
         "warmup": 2, "eval_every": 10, "eval_batches": 2, "gain_every": 10,
-        "gain_batch_size": 2, "log_every": 5,
+        "gain_batch_size": 2, "log_every": 5, "threads": 1,
     },
     "default": {
         "dim": 128, "n_layers": 4, "n_heads": 4, "max_seq_len": 128,
@@ -330,7 +330,7 @@ def _report(base: TrainConfig, preset: str, results: dict[str, list[TrainResult]
             "python": platform.python_version(),
             "platform": platform.platform(),
             "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
+            "torch_threads": base.threads or torch.get_num_threads(),  # what the runs used
         },
         "config": config,
         "variants": variants,
