@@ -6,6 +6,8 @@
     ...                                                     # fine-tune (transformers.Trainer)
     torch_mhc.hf.save_pretrained(model, "out/")             # safetensors + config.json
     model = torch_mhc.hf.from_pretrained("out/")            # the same converted model
+    torch_mhc.hf.make_portable("export/", "base/config.json", kind="mhc", streams=4)
+                                                            # another trainer's weights
 
     torch_mhc.hf.accelerate_deepseek_v4(v4_model)           # DeepSeek-V4's mHC on our ops
 
@@ -31,6 +33,7 @@ from torch_mhc.integrations.hf.convert import (
 from torch_mhc.integrations.hf.layers import ConversionError
 from torch_mhc.integrations.hf.portable import TorchMHCConfig
 from torch_mhc.integrations.hf.training import exclude_from_weight_decay
+from torch_mhc.integrations.hf.weights_only import make_portable
 
 __all__ = [
     "CONFIG_KEY",
@@ -40,6 +43,7 @@ __all__ = [
     "convert",
     "exclude_from_weight_decay",
     "from_pretrained",
+    "make_portable",
     "push_to_hub",
     "save_pretrained",
     "train_only_connections",

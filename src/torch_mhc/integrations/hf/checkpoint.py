@@ -245,10 +245,10 @@ def _conversion_record(config, tensors: dict[str, torch.Tensor], path: Path) -> 
         raise ValueError(
             f"{path}: the weights hold connection parameters (e.g. {next(iter(tensors))}) "
             f"but config.json lacks {CONFIG_KEY!r} (kind, streams, options), so the "
-            "conversion cannot be rebuilt; add it to config.json ({\"kind\": ..., "
-            "\"streams\": ..., \"options\": {...}}: for a torchtitan export, "
-            "torch_mhc.integrations.torchtitan.hf_conversion(model_config) gives the kind, "
-            "the streams and, as its other keys, the options)"
+            "conversion cannot be rebuilt; torch_mhc.hf.make_portable(folder, base_config, "
+            "kind=..., streams=..., **options) writes it with the rest of a portable folder "
+            "(for a torchtitan export: "
+            "**torch_mhc.integrations.torchtitan.hf_conversion(model_config))"
         )
     if conversion is None:
         raise ValueError(
@@ -301,7 +301,7 @@ def _connection_tensors(path: Path) -> dict[str, torch.Tensor]:
         except Exception as e:
             raise ValueError(f"{own}: expected a safetensors file, cannot read it: {e}") from e
     out = {}
-    for f in _weight_files(path):
+    for f in weight_files(path):
         with safe_open(str(f), framework="pt") as st:
             for key in st.keys():
                 if is_connection(key):
@@ -309,7 +309,7 @@ def _connection_tensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))

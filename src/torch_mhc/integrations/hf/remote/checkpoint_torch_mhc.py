@@ -71,7 +71,7 @@ def write_folder(model: nn.Module, path, kwargs: dict, layers: dict, code_files:
     tmp = Path(tempfile.mkdtemp(prefix=".mhc-save-", dir=target))
     try:
         _write(model, tmp, kwargs, layers, code_files)
-        _publish(tmp, target)
+        publish_files(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if created and not any(target.iterdir()):
@@ -118,7 +118,7 @@ def _write(model: nn.Module, folder: Path, kwargs: dict, layers: dict,
     # saved twice must be the same bytes (the version is in config.json's mhc_conversion)
     safetensors.torch.save_file(tensors, str(folder / CONNECTIONS_FILE),
                                 metadata={"format": "pt"})
-    _check_written(folder, set(connections))
+    check_written(folder, set(connections))
 
 
 def _written_keys(folder: Path) -> set[str]:
@@ -134,7 +134,7 @@ def _written_keys(folder: Path) -> set[str]:
     return keys
 
 
-def _check_written(folder: Path, expected: set[str]) -> None:
+def check_written(folder: Path, expected: set[str]) -> None:
     """Read back the connection keys that reached the disk: every one must be there."""
     with safe_open(str(folder / CONNECTIONS_FILE), framework="pt") as st:
         written = set(st.keys())
@@ -147,9 +147,9 @@ def _check_written(folder: Path, expected: set[str]) -> None:
         )
 
 
-def _publish(tmp: Path, target: Path) -> None:
-    """Rename every file of the complete checkpoint in tmp into target, then drop stale
-    weight files; each file's bytes are on disk before its name is."""
+def publish_files(tmp: Path, target: Path, drop_stale: bool = True) -> None:
+    """Rename every file of the complete checkpoint in tmp into target, then (drop_stale)
+    remove weight files it does not hold; each file's bytes are on disk before its name is."""
     new = sorted(p for p in tmp.iterdir() if p.is_file())
     umask = os.umask(0)
     os.umask(umask)
@@ -161,7 +161,7 @@ def _publish(tmp: Path, target: Path) -> None:
     for p in new:
         os.replace(p, target / p.name)
     names = {p.name for p in new}
-    for p in target.iterdir():
+    for p in target.iterdir() if drop_stale else ():
         if (p.name not in names and p.is_file()
                 and any(fnmatch.fnmatchcase(p.name, pattern) for pattern in STALE)):
             p.unlink()

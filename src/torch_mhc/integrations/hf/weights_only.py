@@ -1,0 +1,217 @@
+"""A folder of a converted model's weights, written by another tool, made portable in place.
+
+Another trainer's Hugging Face export (torchtitan's, through the connection-keeping adapter
+of torch_mhc.integrations.torchtitan) writes transformers' weight files of the base
+architecture with the connections' tensors among them (`model.layers.<i>.mhc_attn.phi`, ...),
+and nothing else. Put the base model's config.json beside them and plain transformers loads
+the base model, listing the connections as unexpected keys: the wrong function, without an
+error. `make_portable` adds what torch_mhc.hf.save_pretrained writes beside the weights:
+
+    config.json                    the portable config (portable.py): model_type "torch_mhc",
+                                   the base config inside, the conversion, the layers' record
+    mhc_connections.safetensors    the connections' tensors, read from the weight files
+    the remote code                so that transformers alone (trust_remote_code=True) loads
+                                   the converted model, and refuses the folder without it
+
+    torch_mhc.hf.make_portable("outputs/checkpoint/step-1000", "assets/hf/Llama-3.1-8B",
+                               kind="mhc", streams=4)
+
+The weight files are read (their headers, and the connections' tensors), never rewritten.
+Before anything is written, the model that config.json and the conversion describe is built
+on the meta device and compared with the weight files: every connection tensor there and of
+its shape, every other tensor of the base model's shape, none missing but tied copies. The
+new files are written into a hidden folder inside the target first, then each renamed into
+place (a config.json already there is replaced), so a failure leaves the folder as it
+was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from torch_mhc.integrations.hf.checkpoint import weight_files
+from torch_mhc.integrations.hf.convert import check_options, convert
+from torch_mhc.integrations.hf.portable import CODE_FILES, is_portable, layers_record
+from torch_mhc.integrations.hf.remote.checkpoint_torch_mhc import (
+    CONNECTIONS_FILE,
+    check_written,
+    is_connection,
+    publish_files,
+)
+from torch_mhc.integrations.hf.remote.configuration_torch_mhc import portable_config
+
+__all__ = ["make_portable"]
+
+# safetensors' dtype names -> config.json's "dtype"
+_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+def make_portable(folder: str | os.PathLike, base_config, *, kind: str, streams: int,
+                  **options) -> Path:
+    """Make `folder` (weight files of a converted model, the connections among them) a
+    checkpoint that torch_mhc.hf.from_pretrained and transformers (trust_remote_code=True)
+    load as the converted model; returns the folder.
+
+    base_config: the base model's transformers config: a PretrainedConfig, its config.json,
+        or a folder holding one (e.g. torchtitan's hf_assets_path).
+    kind, streams, options: the conversion the weights were trained with, as
+        torch_mhc.hf.convert takes them (for a torchtitan model,
+        `**torch_mhc.integrations.torchtitan.hf_conversion(model_config)`).
+    Raises ValueError (nothing written) where the weights do not match that model.
+    """
+    folder = _weights_folder(folder)
+    config = _base_config(base_config)
+    check_options(kind, streams, options)
+    model = _meta_model(config, kind, streams, options)
+    stored = _stored(folder)
+    _compare(folder, model, stored)
+    tensors = _connection_tensors(folder, stored)
+    record = json.loads(model.config.to_json_string(use_diff=True))
+    record["architectures"] = [type(model).__name__]
+    dtypes = {dtype for key, (_, dtype, _) in stored.items() if not is_connection(key)}
+    if len(dtypes) == 1 and next(iter(dtypes)) in _DTYPES:
+        record["dtype"] = _DTYPES[next(iter(dtypes))]
+    tmp = Path(tempfile.mkdtemp(prefix=".mhc-save-", dir=folder))
+    try:
+        (tmp / "config.json").write_text(
+            json.dumps(portable_config(record, layers_record(model)), indent=2,
+                       sort_keys=True) + "\n")
+        for name, source in CODE_FILES.items():
+            shutil.copyfile(source, tmp / name)
+        import safetensors.torch
+
+        safetensors.torch.save_file(tensors, str(tmp / CONNECTIONS_FILE),
+                                    metadata={"format": "pt"})
+        check_written(tmp, set(tensors))
+        publish_files(tmp, folder, drop_stale=False)  # the weights stay as they were written
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _weights_folder(folder) -> Path:
+    given, path = str(folder), Path(folder)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"{given}: no such folder; make_portable expects a folder of transformers weight "
+            "files (model.safetensors, or shards with model.safetensors.index.json)")
+    if not any((path / name).is_file()
+               for name in ("model.safetensors", "model.safetensors.index.json")):
+        raise FileNotFoundError(
+            f"{given} holds no model.safetensors or model.safetensors.index.json (it holds "
+            f"{sorted(p.name for p in path.iterdir())}); make_portable expects transformers "
+            "weight files")
+    return path
+
+
+def _base_config(base_config):
+    """A PretrainedConfig from a config, a config.json or a folder holding one."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(base_config, PretrainedConfig):
+        return base_config
+    path = Path(base_config)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"{base_config}: expected the base model's config.json or a folder holding one "
+            "(e.g. torchtitan's hf_assets_path), found "
+            + ("a folder without config.json" if path.is_dir() else "no such file"))
+    try:
+        config_dict = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file} cannot be read as JSON: {e}") from None
+    if not isinstance(config_dict, dict) or "model_type" not in config_dict:
+        raise ValueError(f"{file}: expected a transformers config.json (an object with a "
+                         "model_type)")
+    if is_portable(config_dict):
+        raise ValueError(f"{file} is a converted checkpoint's config; expected the base "
+                         "model's")
+    return AutoConfig.from_pretrained(file.parent if file.name == "config.json" else file)
+
+
+def _meta_model(config, kind: str, streams: int, options: dict) -> nn.Module:
+    """The converted model config and conversion describe, on the meta device (no memory)."""
+    import transformers
+
+    names = list(getattr(config, "architectures", None) or [])
+    cls = getattr(transformers, names[0], None) if names else None
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        cls = transformers.AutoModelForCausalLM._model_mapping.get(type(config), None)
+    if cls is None:
+        raise ValueError(
+            f"the base config names no transformers model class (architectures {names!r}, "
+            f"model_type {config.model_type!r}); expected e.g. ['LlamaForCausalLM']")
+    with torch.device("meta"):
+        model = cls(config)
+    return convert(model, kind, streams, **options)
+
+
+def _stored(folder: Path) -> dict[str, tuple[tuple, str, Path]]:
+    """{key: (shape, safetensors dtype, file)} of the folder's weight files (headers only)."""
+    from safetensors import safe_open
+
+
+    out = {}
+    for file in weight_files(folder):
+        with safe_open(str(file), framework="pt") as st:
+            for key in st.keys():
+                piece = st.get_slice(key)
+                out[key] = (tuple(piece.get_shape()), piece.get_dtype(), file)
+    return out
+
+
+def _compare(folder: Path, model: nn.Module, stored: dict) -> None:
+    """Refuse weights that are not the model's: the connections and the base tensors."""
+    conversion = model.config.mhc_conversion
+    what = f"{type(model).__name__} converted with kind={conversion['kind']!r}, " \
+           f"streams={conversion['streams']}"
+    state = model.state_dict(keep_vars=True)
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    problems = []
+    mine = {k for k in shapes if is_connection(k)}
+    theirs = {k for k in stored if is_connection(k)}
+    if not theirs:
+        raise ValueError(
+            f"{folder}: the weight files hold no connection tensors (keys such as "
+            "'model.layers.0.mhc_attn.phi'): an unconverted model's weights, or an export "
+            "that dropped them (torchtitan: use with_connection_checkpoints or "
+            "MhcCheckpointManager)")
+    for key in sorted(mine - theirs)[:3]:
+        problems.append(f"missing {key}")
+    for key in sorted(set(stored) - set(shapes))[:3]:
+        problems.append(f"unexpected {key}")
+    for key in sorted(set(stored) & set(shapes)):
+        if stored[key][0] != shapes[key]:
+            problems.append(f"{key} has shape {stored[key][0]}, expected {shapes[key]}")
+    present = {id(state[k]) for k in stored if k in state}
+    untied = sorted(k for k in set(shapes) - set(stored) - mine if id(state[k]) not in present)
+    problems += [f"missing {key}" for key in untied[:3]]
+    if problems:
+        raise ValueError(
+            f"{folder}: the weight files are not those of {what} (from the base config): "
+            + "; ".join(problems[:6]) + ("; ..." if len(problems) > 6 else "")
+            + ". Pass the base config and the conversion the model was trained with")
+
+
+def _connection_tensors(folder: Path, stored: dict) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    tensors = {}
+    for key, (_, _, file) in stored.items():
+        if is_connection(key):
+            with safe_open(str(file), framework="pt") as st:
+                tensors[key] = st.get_tensor(key).contiguous()
+    bad = sorted(k for k, v in tensors.items()
+                 if not v.is_floating_point() or not bool(torch.isfinite(v).all()))
+    if bad:
+        raise ValueError(f"{folder}: the connection tensors {bad[:4]} are not finite floating "
+                         "point values (a checkpoint of a diverged run?)")
+    return tensors
