@@ -304,18 +304,21 @@ def _saved(tmp_path, name: str, kind: str | None, streams: int = 4):
     return tmp_path / name
 
 
-def _manager(model, load_path, **config):
+def _manager(model, load_path, family: str = "llama3", assets=None, **config):
     """MhcCheckpointManager over `model` with an initial model-only load from load_path: its
-    load() is the trainer's (CheckpointManager._load -> dcp_load)."""
-    from torchtitan.models.llama3 import model_registry
+    load() is the trainer's (CheckpointManager._load -> dcp_load). assets: the HF assets
+    folder (hf_assets_path)."""
+    from torchtitan.models.llama3 import model_registry as llama3
+    from torchtitan.models.qwen3 import model_registry as qwen3
 
     from torch_mhc.integrations.torchtitan import MhcCheckpointManager
 
-    adapter = model_registry("debugmodel").state_dict_adapter
+    adapter = (llama3 if family == "llama3" else qwen3)("debugmodel").state_dict_adapter
     cfg = MhcCheckpointManager.Config(enable=True, folder="none",
                                       initial_load_path=str(load_path), **config)
     return cfg.build(dataloader=None, model_parts=[model], optimizers=None,
-                     lr_schedulers=None, states={}, sd_adapter=adapter(model.config, None),
+                     lr_schedulers=None, states={},
+                     sd_adapter=adapter(model.config, None if assets is None else str(assets)),
                      base_folder=str(load_path.parent))
 
 
@@ -370,14 +373,27 @@ def test_checkpoint_manager_loads_a_matching_checkpoint_and_fresh_connections(tm
     torch.testing.assert_close(got, ref, rtol=0.0, atol=1e-5 * scale)
 
 
+class _Warnings(list):
+    def warning(self, message):
+        self.append(message)
+
+    def info(self, message):
+        pass
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_hf_checkpoints_keep_connections_through_the_checkpoint_manager(tmp_path):
+def test_hf_checkpoints_keep_connections_through_the_checkpoint_manager(tmp_path, monkeypatch):
     """The trainer's HF export (dcp_save to_hf) writes the connections under torch_mhc.hf's
     names; the trainer's HF load (from_hf) restores them; an unconverted model's HF export
-    offered to a converted model is refused in one line."""
+    offered to a converted model is refused in one line. Without a base config.json in the HF
+    assets the export stays weights only, and a warning says how to finish it."""
     pytest.importorskip("safetensors")
     from safetensors import safe_open
 
+    from torch_mhc.integrations.torchtitan import checkpoint
+
+    warnings = _Warnings()
+    monkeypatch.setattr(checkpoint, "logger", warnings)
     source = _perturbed(S.build(S.model_config("llama3", "mhc"), seed=5))
     export = tmp_path / "hf"
     manager = _manager(source, export)
@@ -387,6 +403,11 @@ def test_hf_checkpoints_keep_connections_through_the_checkpoint_manager(tmp_path
     keys = {k for f in files for k in safe_open(str(f), "pt").keys()}
     assert "model.layers.0.mhc_attn.phi" in keys and "model.layers.5.mhc_mlp.b_res" in keys
     assert not any("attention_hc" in k or "ffn_hc" in k for k in keys)
+    assert not (export / "config.json").exists()
+    assert len(warnings) == 1 and re.search(
+        r"holds the weights with the HC / mHC connections but no config\.json: no HF assets "
+        r"folder .*torch_mhc\.hf\.make_portable\('.*hf', '<the base model's config\.json>', "
+        r"\*\*\{'kind': 'mhc', 'streams': 4\}\)", warnings[0]), warnings
 
     target = S.build(S.model_config("llama3", "mhc"))
     assert _manager(target, export, initial_load_in_hf=True).load()
@@ -433,3 +454,72 @@ def test_ready_configs_and_the_override_check_checkpoints():
     apply_overrides(config.override, config)
     assert type(config.checkpoint) is MhcCheckpointManager.Config
     assert not config.checkpoint.fresh_connections
+
+
+# Runs where torch_mhc cannot be imported: transformers alone loads the portable export.
+PORTABLE_WORKER = r"""
+import json, sys
+sys.modules["torch_mhc"] = None
+import torch
+from transformers import AutoModelForCausalLM
+
+folder, ref = sys.argv[1], torch.load(sys.argv[2])
+try:
+    AutoModelForCausalLM.from_pretrained(folder)
+    refused = None
+except ValueError as e:
+    refused = str(e)
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+with torch.no_grad():
+    diff = (model(ref["ids"]).logits - ref["logits"]).abs().max().item()
+layer = type(model.get_submodule("model.layers.0")).__name__
+json.dump({"refused": refused, "diff": diff, "layer": layer}, open(sys.argv[3], "w"))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_hf_export_with_the_base_config_in_the_assets_is_portable(tmp_path, family):
+    """With the base model's config.json in the HF assets folder (where torchtitan keeps it),
+    the manager's HF export is a portable folder: transformers alone (torch_mhc unimportable)
+    refuses it without trust_remote_code and with it computes the torchtitan model's logits
+    (the tolerance of the module docstring; measured: llama3 1.4e-6 against |logits| up to
+    5.0); torch_mhc.hf loads it too; the manager loads it back, every tensor equal."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import torch_mhc.hf
+
+    cfg = S.model_config(family, "mhc")
+    source = _perturbed(S.build(cfg, seed=5))
+    assets = tmp_path / "assets"
+    S.hf_twin(family, cfg).config.save_pretrained(assets)
+    export = tmp_path / "hf"
+    manager = _manager(source, export, family, assets)
+    manager.dcp_save(manager.states["model"].state_dict(), str(export), async_mode="disabled",
+                     to_hf=True)
+    assert json.loads((export / "config.json").read_text())["model_type"] == "torch_mhc"
+    tok, pos = S.tokens(cfg.vocab_size)
+    with torch.no_grad():
+        ref = S.logits(source, tok, pos)
+        library = torch_mhc.hf.from_pretrained(export).eval()(tok).logits
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(library, ref, rtol=0.0, atol=1e-5 * scale)
+
+    torch.save({"ids": tok, "logits": ref}, tmp_path / "ref.pt")
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, "-c", PORTABLE_WORKER, str(export),
+                          str(tmp_path / "ref.pt"), str(tmp_path / "got.json")], env=env,
+                         text=True, capture_output=True, stdin=subprocess.DEVNULL, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads((tmp_path / "got.json").read_text())
+    assert got["refused"] is not None and "trust_remote_code=True" in got["refused"]
+    assert got["layer"].startswith("MHC") and got["diff"] <= 1e-5 * scale, got
+
+    target = S.build(S.model_config(family, "mhc"))
+    assert _manager(target, export, family, assets, initial_load_in_hf=True).load()
+    own, want = target.state_dict(), source.state_dict()
+    assert all(torch.equal(own[k], want[k]) for k in want)

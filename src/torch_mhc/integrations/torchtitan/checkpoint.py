@@ -8,9 +8,12 @@ other stream counts, stop on a missing key or a size mismatch.
 
 `MhcCheckpointManager` is torchtitan's CheckpointManager that compares the connections first
 (kind, streams, layers) and refuses a mismatch with one line, for DCP and HF checkpoints, and
-that exports and imports HF checkpoints with the connections (adapter.py). The ready configs
-(config_registry) use it; `convert_trainer_config` or the `mhc_checkpoint` override put it
-into any other configuration. `check_checkpoint_keys` is the same comparison by hand.
+that exports and imports HF checkpoints with the connections (adapter.py): an HF export
+(`last_save_in_hf`) is made a portable folder (config.json from the HF assets' base config,
+the code, the connections' own file) that transformers loads as the converted model. The
+ready configs (config_registry) use it; `convert_trainer_config` or the `mhc_checkpoint`
+override put it into any other configuration. `check_checkpoint_keys` is the same comparison
+by hand.
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
-from torchtitan.components.checkpoint import OPTIMIZER, CheckpointManager
+from torchtitan.components.checkpoint import OPTIMIZER, AsyncMode, CheckpointManager
 from torchtitan.config.override import override
 from torchtitan.tools.logging import logger
 
 from torch_mhc.integrations.torchtitan.adapter import (
     ConnectionAdapterMixin,
+    hf_conversion,
     hf_to_titan_key,
     with_connections,
 )
@@ -149,6 +153,17 @@ class MhcCheckpointManager(CheckpointManager):
                                                             sd_adapter.hf_assets_path)
         super().__init__(config, sd_adapter=sd_adapter, **kwargs)
 
+    def dcp_save(self, state_dict, checkpoint_id: str, async_mode,
+                 enable_garbage_collection: bool = False, to_hf: bool = False):
+        """torchtitan's save; an HF export (to_hf) of a converted model is then made a
+        portable folder (portable_export)."""
+        result = super().dcp_save(state_dict, checkpoint_id, async_mode,
+                                  enable_garbage_collection=enable_garbage_collection,
+                                  to_hf=to_hf)
+        if to_hf:
+            portable_export(self.sd_adapter, checkpoint_id, async_mode)
+        return result
+
     def dcp_load(self, state_dict, checkpoint_id, from_hf: bool, from_quantized: bool) -> None:
         model = connection_shapes(model_shapes(state_dict))
         stored = self._stored_connections(checkpoint_id, from_hf, from_quantized)
@@ -166,6 +181,58 @@ class MhcCheckpointManager(CheckpointManager):
             shapes = stored_shapes(reader.read_metadata())
             return {hf_to_titan_key(k): s for k, s in shapes.items() if hf_to_titan_key(k)}
         return connection_shapes(stored_shapes(_dcp_metadata(checkpoint_id)))
+
+
+def portable_export(sd_adapter, checkpoint_id: str, async_mode=AsyncMode.DISABLED) -> bool:
+    """Make the HF export in checkpoint_id a folder that transformers loads as the converted
+    model (torch_mhc.hf.make_portable), with the base config.json of the adapter's
+    hf_assets_path; True if it did. Rank 0 writes, every rank waits for it. Where that cannot
+    be done (no config.json there, transformers missing, weights that do not match), the
+    export keeps its weights and a warning says how to finish it by hand."""
+    try:
+        conversion = hf_conversion(sd_adapter.model_config)
+    except ValueError as e:  # blocks converted differently: no HF model matches
+        logger.warning(f"HF export {checkpoint_id} is weights only: {e}")
+        return False
+    if conversion is None:
+        return False
+    dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+    done = False
+    if not dist or torch.distributed.get_rank() == 0:
+        done = _make_portable(sd_adapter, checkpoint_id, async_mode, conversion)
+    if dist:
+        torch.distributed.barrier()
+    return done
+
+
+def _make_portable(sd_adapter, checkpoint_id: str, async_mode, conversion: dict) -> bool:
+    assets = sd_adapter.hf_assets_path
+    config = os.path.join(assets, "config.json") if assets else None
+    by_hand = (f"torch_mhc.hf.make_portable({checkpoint_id!r}, '<the base model's "
+               f"config.json>', **{conversion!r})")
+    if async_mode != AsyncMode.DISABLED:
+        reason = "it was saved asynchronously (its files may not be complete yet)"
+    elif config is None or not os.path.isfile(config):
+        reason = (f"the HF assets folder {assets!r} has no config.json" if assets else
+                  "no HF assets folder (hf_assets_path) gives the base model's config.json")
+    else:
+        try:
+            import torch_mhc.hf
+
+            torch_mhc.hf.make_portable(checkpoint_id, config, **conversion)
+            logger.info(f"HF export {checkpoint_id} is portable: transformers loads it with "
+                        "its connections (trust_remote_code=True), torch_mhc.hf."
+                        "from_pretrained too")
+            return True
+        except ImportError as e:
+            reason = f"{e}"
+        except (OSError, ValueError, TypeError) as e:
+            reason = f"{type(e).__name__}: {e}"
+    logger.warning(
+        f"HF export {checkpoint_id} holds the weights with the HC / mHC connections but no "
+        f"config.json: {reason}. A base model's config.json put beside them would load in "
+        f"transformers without the connections. To make it load with them: {by_hand}")
+    return False
 
 
 def mhc_checkpoint_config(config, fresh_connections: bool | None = None):
