@@ -99,6 +99,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
     _require_extra("train")
     from torch_mhc.lm.train import TrainConfig, train
+    from torch_mhc.tools.out_dirs import check_out_dir
 
     flags = _config.flag_overrides(args)
     base = TrainConfig()
@@ -108,6 +109,8 @@ def _run_train(args: argparse.Namespace) -> int:
     if (wanted.resume is True and wanted.out_dir) or isinstance(wanted.resume, str):
         base = _saved_settings(wanted) or base
     cfg = _config.build_config(base, args.config, flags)
+    if cfg.out_dir:
+        check_out_dir(cfg.out_dir, "mhc train", "--out-dir")
     _warn_warmup(cfg, "mhc train")
     train(cfg)
     return 0

@@ -79,6 +79,7 @@ from torch_mhc.lm.train import (
 )
 from torch_mhc.tools.compare import seeds as compare_stats
 from torch_mhc.tools.compare.report import write_report
+from torch_mhc.tools.out_dirs import check_out_dir
 
 __all__ = ["DEFAULT_KINDS", "KINDS", "PRESETS", "compare", "preset_config"]
 
@@ -136,9 +137,7 @@ def compare(out_dir: str | os.PathLike, preset: str = "default", *,
     Returns the report dict that report.json holds.
     """
     t_start = time.perf_counter()
-    out = Path(out_dir).expanduser()
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} exists and is a file, expected a folder (or nothing)")
+    out = check_out_dir(out_dir, "mhc compare")
     base = config if config is not None else preset_config(preset)
     base = base.updated(overrides)
     kinds = tuple(kinds)

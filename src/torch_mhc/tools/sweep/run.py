@@ -42,6 +42,7 @@ from torch_mhc.lm.train import (
     train,
 )
 from torch_mhc.runtime.files import atomic_write
+from torch_mhc.tools.out_dirs import check_out_dir
 from torch_mhc.tools.sweep.grid import SWEPT, Cell, Grid, cell_config
 from torch_mhc.tools.sweep.report import write_report
 
@@ -59,9 +60,7 @@ def sweep(out_dir: str | os.PathLike, grid: Grid, config: TrainConfig, *, jobs: 
     """Run every cell of `grid` not yet in out_dir/sweep.json, then write report.md and the
     heatmaps. Returns {"cells": every recorded cell, "ran", "skipped", "wall_time_s"}."""
     t0 = time.perf_counter()
-    out = Path(out_dir).expanduser()
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} exists and is a file, expected a folder (or nothing)")
+    out = check_out_dir(out_dir, "mhc sweep")
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ConfigError(f"jobs must be an integer >= 1, got {jobs!r}")
     grid.check(config.model.streams, config.seed)

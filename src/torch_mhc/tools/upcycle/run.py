@@ -41,6 +41,7 @@ from torch_mhc.lm.train import (
 )
 from torch_mhc.lm.train.checkpoint import find_checkpoint
 from torch_mhc.runtime.files import atomic_write, remove_tree
+from torch_mhc.tools.out_dirs import check_out_dir
 from torch_mhc.tools.upcycle.report import dumps_json, write_outputs
 from torch_mhc.tools.upcycle.source import SourceRun, read_source, start_loss, write_start
 
@@ -119,9 +120,7 @@ def upcycle(source: str, out: str, *, kinds: tuple[str, ...] = ("hc", "mhc"), st
     _check_int("--seeds", seeds)
     if streams is not None:
         _check_int("--streams", streams)
-    out_dir = Path(out).expanduser()
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ConfigError(f"--out {out_dir} exists and is a file, expected a folder")
+    out_dir = check_out_dir(out, "mhc upcycle")
     src = read_source(source)
     streams = src.model.cfg.streams if streams is None else streams
     kinds = check_kinds(tuple(kinds), streams)

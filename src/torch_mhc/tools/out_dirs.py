@@ -1,0 +1,39 @@
+"""The folder a command writes into: a folder or nothing, and none of another command's files.
+
+`mhc train`, `compare`, `sweep` and `upcycle` each write files of their own at the top of
+--out (a checkpoint and metrics, report.json, sweep.json, upcycle.json) and resume or replace
+what they find there by name. Pointed at a folder another command wrote, one would put its
+files beside the other's (a comparison's report beside a training run's checkpoint, and its
+runs in folders next to it): each refuses such a folder instead, naming the file it found.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from torch_mhc.lm.train import ConfigError
+
+# a file or folder at the top of --out: the command that wrote it
+MARKERS = {
+    "ckpt": "mhc train",
+    "ckpt.prev": "mhc train",
+    "metrics.jsonl": "mhc train",
+    "report.json": "mhc compare",
+    "sweep.json": "mhc sweep",
+    "upcycle.json": "mhc upcycle",
+}
+
+
+def check_out_dir(out: str | os.PathLike, command: str, flag: str = "--out") -> Path:
+    """out (with ~ expanded) if `command` ("mhc compare", ...) may write there; else a
+    ConfigError that says what is there (naming the folder as `flag`)."""
+    path = Path(out).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{flag} {path} exists and is a file, expected a folder (or nothing)")
+    for name, writer in MARKERS.items():
+        if writer != command and (path / name).exists():
+            raise ConfigError(
+                f"{flag} {path} holds {name}, written by {writer}: {command} would write its "
+                f"own files beside it; choose another folder for the {command} run")
+    return path

@@ -1,0 +1,67 @@
+"""Each `mhc` command refuses a folder another command wrote, before writing anything there.
+
+A real training run's folder is offered to `mhc compare`, `sweep` and `upcycle`, and each
+other command's own file is put into a folder offered to the rest: every command that did not
+write it stops with one line naming the file and its writer, and the folder is unchanged.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.cli import assert_one_line_error, run_cli
+from torch_mhc.tools.out_dirs import MARKERS
+
+COMMANDS = ("train", "compare", "sweep", "upcycle")
+
+
+def _argv(command: str, out, tiny_flags, source) -> list:
+    data = tiny_flags[tiny_flags.index("--data"):tiny_flags.index("--data") + 4]
+    if command == "train":
+        return ["train", *tiny_flags, "--out-dir", out]
+    if command == "compare":
+        return ["compare", "--preset", "tiny", *data, "--out", out]
+    if command == "sweep":
+        return ["sweep", *data, "--out", out, "--no-progress"]
+    return ["upcycle", "--from", source, "--kinds", "mhc", "--steps", "2", "--out", out]
+
+
+def _listing(folder) -> dict:
+    return {p.relative_to(folder).as_posix(): p.stat().st_mtime_ns
+            for p in sorted(folder.rglob("*"))}
+
+
+@pytest.fixture(scope="module")
+def train_run(tmp_path_factory, tiny_config_under):
+    from torch_mhc.lm.train import train
+
+    root = tmp_path_factory.mktemp("out_dirs")
+    train(tiny_config_under(root, "residual", steps=2, out_dir=str(root / "run")))
+    return root / "run"
+
+
+@pytest.mark.parametrize("command", ["compare", "sweep", "upcycle"])
+def test_a_training_run_folder_is_refused_by_the_other_commands(command, train_run,
+                                                                 tiny_flags, capsys):
+    before = _listing(train_run)
+    code, _, err = run_cli(_argv(command, train_run, tiny_flags, train_run), capsys)
+    assert_one_line_error(code, err, f"holds ckpt, written by mhc train: mhc {command} would "
+                                     "write its own files beside it; choose another folder")
+    assert _listing(train_run) == before
+
+
+@pytest.mark.parametrize("command, marker", [
+    (command, marker) for command in COMMANDS
+    for marker in ("report.json", "sweep.json", "upcycle.json")
+    if MARKERS[marker] != f"mhc {command}"])
+def test_another_commands_file_is_refused(command, marker, tmp_path, train_run, tiny_flags,
+                                          capsys):
+    writer = MARKERS[marker]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / marker).write_text("{}")
+    before = _listing(out)
+    code, _, err = run_cli(_argv(command, out, tiny_flags, train_run), capsys)
+    flag = "--out-dir" if command == "train" else "--out"
+    assert_one_line_error(code, err, f"{flag} {out} holds {marker}, written by {writer}")
+    assert _listing(out) == before
