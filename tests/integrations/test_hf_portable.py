@@ -289,3 +289,31 @@ def test_bad_folders_are_refused_by_the_library(tmp_path, name):
             load(folder)
         assert "\n" not in str(info.value)
     assert _digest(folder) == before
+
+
+@pytest.mark.parametrize("kind", ["residual", "hc", "mhc", "mhc-lite", "kromhc",
+                                  "mhc-static-res"])
+def test_the_folders_connections_check_the_branch_output_when_asked(kind, tmp_path,
+                                                                    monkeypatch):
+    """The folder's own connections (remote/connections.py, imported from the code a folder
+    carries) honour check_finite as the library's do, the residual's included: a NaN in F
+    stops the forward with the kind's name; without the option it flows through."""
+    import importlib
+
+    from torch_mhc.integrations.hf.portable import CODE_FILES
+
+    package = tmp_path / "folder_code"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    for name, source in CODE_FILES.items():
+        shutil.copyfile(source, package / name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    remote = importlib.import_module("folder_code.connections")
+    n = 1 if kind == "residual" else 2
+    x = torch.randn(3, n, 4)
+    nan_branch = lambda h: torch.full_like(h, float("nan"))  # noqa: E731
+    checked = remote.make_connection(kind, 4, n, 0, {"check_finite": True}, nan_branch)
+    with pytest.raises(FloatingPointError, match=r": F holds NaN or Inf"):
+        checked(x)
+    unchecked = remote.make_connection(kind, 4, n, 0, {}, nan_branch)
+    assert torch.isnan(unchecked(x)).all()

@@ -61,7 +61,10 @@ class Residual(Connection):
 
     def forward(self, x: torch.Tensor, *args, branch=None, **kwargs) -> torch.Tensor:
         branch = self.branch if branch is None else branch
-        return x + branch(x.squeeze(-2), *args, **kwargs).unsqueeze(-2)
+        f = branch(x.squeeze(-2), *args, **kwargs)  # [..., C]
+        if self.check_finite and not bool(torch.isfinite(f).all()):
+            raise FloatingPointError(f"{type(self).__name__}: F holds NaN or Inf")
+        return x + f.unsqueeze(-2)
 
 
 class HyperConnection(Connection):
