@@ -103,7 +103,9 @@ BAD = {
     "other streams": (dict(kind="mhc", streams=4), None,
                       r"not those of LlamaForCausalLM converted with kind='mhc', streams=4 "
                       r"\(from the base config\): model\.layers\.0\.mhc_attn\.b_post has "
-                      r"shape \(3,\), expected \(4,\)"),
+                      r"shape \(3,\), expected \(4,\); .* \(and 10 more\); the weights' "
+                      r"model\.layers\.0\.mhc_attn holds alpha \(3,\), b_post \(3,\), "
+                      r"b_pre \(3,\), b_res \(3, 3\), phi \(96, 15\)\. Pass the base"),
     "other kind": (dict(kind="hc", streams=3), None,
                    r"kind='hc'.*missing model\.layers\.0\.mhc_attn\.s_alpha"),
     "other base": (dict(kind="mhc", streams=3), {"num_hidden_layers": 1},
@@ -137,6 +139,12 @@ def test_bad_paths_are_named(tmp_path):
     folder = _weights_only(model, tmp_path / "export")
     with pytest.raises(FileNotFoundError, match=r"nope: no such folder; make_portable expects"):
         mhc_hf.make_portable(tmp_path / "nope", tmp_path, kind="mhc", streams=3)
+    with pytest.raises(NotADirectoryError, match=r"model\.safetensors is a file; make_portable "
+                                                 r"expects the folder"):
+        mhc_hf.make_portable(folder / "model.safetensors", tmp_path, kind="mhc", streams=3)
+    with pytest.raises(TypeError, match=r"base_config must be a transformers PretrainedConfig, "
+                                        r"the path .*; got dict"):
+        mhc_hf.make_portable(folder, {"model_type": "llama"}, kind="mhc", streams=3)
     with pytest.raises(FileNotFoundError, match=r"a folder without config\.json"):
         mhc_hf.make_portable(folder, tmp_path, kind="mhc", streams=3)
     (tmp_path / "empty").mkdir()

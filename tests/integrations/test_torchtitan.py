@@ -404,10 +404,22 @@ def test_hf_checkpoints_keep_connections_through_the_checkpoint_manager(tmp_path
     assert "model.layers.0.mhc_attn.phi" in keys and "model.layers.5.mhc_mlp.b_res" in keys
     assert not any("attention_hc" in k or "ffn_hc" in k for k in keys)
     assert not (export / "config.json").exists()
-    assert len(warnings) == 1 and re.search(
-        r"holds the weights with the HC / mHC connections but no config\.json: no HF assets "
-        r"folder .*torch_mhc\.hf\.make_portable\('.*hf', '<the base model's config\.json>', "
-        r"\*\*\{'kind': 'mhc', 'streams': 4\}\)", warnings[0]), warnings
+    call = re.search(r"holds the weights with the HC / mHC connections but was not made "
+                     r"portable, no HF assets folder .* To make it load with them: "
+                     r"(torch_mhc\.hf\.make_portable\(.*\))$", warnings[0]) if len(
+                         warnings) == 1 else None
+    assert call is not None, warnings
+    # the call it gives, pasted with a base config's path, makes the export portable
+    import torch_mhc.hf
+
+    cfg = S.model_config("llama3", "mhc")
+    S.hf_twin("llama3", cfg).config.save_pretrained(tmp_path / "base")
+    exec(call[1].replace("path/to/the/base/config.json", str(tmp_path / "base/config.json")))
+    tok, pos = S.tokens(cfg.vocab_size)
+    with torch.no_grad():
+        ref = S.logits(source, tok, pos)
+        got = torch_mhc.hf.from_pretrained(export).eval()(tok).logits
+    torch.testing.assert_close(got, ref, rtol=0.0, atol=1e-5 * ref.abs().max().item())
 
     target = S.build(S.model_config("llama3", "mhc"))
     assert _manager(target, export, initial_load_in_hf=True).load()

@@ -91,7 +91,7 @@ def check_options(kind: str, streams: int, options: dict) -> None:
     """Raise a ValueError or TypeError unless convert(model, kind, streams, **options) would
     build its connections (every constructor check, on a probe of width 8)."""
     if not isinstance(streams, int) or isinstance(streams, bool) or streams < 1:
-        raise ValueError(f"convert expects streams >= 1 (an int), got {streams!r}")
+        raise ValueError(f"streams must be an int >= 1, got {streams!r}")
     try:
         json.dumps(options)
     except TypeError as e:

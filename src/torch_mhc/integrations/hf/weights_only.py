@@ -98,6 +98,9 @@ def make_portable(folder: str | os.PathLike, base_config, *, kind: str, streams:
 
 def _weights_folder(folder) -> Path:
     given, path = str(folder), Path(folder)
+    if path.is_file():
+        raise NotADirectoryError(f"{given} is a file; make_portable expects the folder of "
+                                 "transformers weight files it belongs to")
     if not path.is_dir():
         raise FileNotFoundError(
             f"{given}: no such folder; make_portable expects a folder of transformers weight "
@@ -117,6 +120,10 @@ def _base_config(base_config):
 
     if isinstance(base_config, PretrainedConfig):
         return base_config
+    if not isinstance(base_config, str | os.PathLike):
+        raise TypeError(
+            f"base_config must be a transformers PretrainedConfig, the path of the base "
+            f"model's config.json or of a folder holding one; got {type(base_config).__name__}")
     path = Path(base_config)
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
@@ -175,7 +182,6 @@ def _compare(folder: Path, model: nn.Module, stored: dict) -> None:
            f"streams={conversion['streams']}"
     state = model.state_dict(keep_vars=True)
     shapes = {k: tuple(v.shape) for k, v in state.items()}
-    problems = []
     mine = {k for k in shapes if is_connection(k)}
     theirs = {k for k in stored if is_connection(k)}
     if not theirs:
@@ -184,21 +190,24 @@ def _compare(folder: Path, model: nn.Module, stored: dict) -> None:
             "'model.layers.0.mhc_attn.phi'): an unconverted model's weights, or an export "
             "that dropped them (torchtitan: use with_connection_checkpoints or "
             "MhcCheckpointManager)")
-    for key in sorted(mine - theirs)[:3]:
-        problems.append(f"missing {key}")
-    for key in sorted(set(stored) - set(shapes))[:3]:
-        problems.append(f"unexpected {key}")
-    for key in sorted(set(stored) & set(shapes)):
-        if stored[key][0] != shapes[key]:
-            problems.append(f"{key} has shape {stored[key][0]}, expected {shapes[key]}")
     present = {id(state[k]) for k in stored if k in state}
-    untied = sorted(k for k in set(shapes) - set(stored) - mine if id(state[k]) not in present)
-    problems += [f"missing {key}" for key in untied[:3]]
+    untied = {k for k in set(shapes) - set(stored) if id(state[k]) not in present}
+    problems = [f"missing {key}" for key in sorted(mine - theirs)]
+    problems += [f"unexpected {key}" for key in sorted(set(stored) - set(shapes))]
+    problems += [f"{key} has shape {stored[key][0]}, expected {shapes[key]}"
+                 for key in sorted(set(stored) & set(shapes)) if stored[key][0] != shapes[key]]
+    problems += [f"missing {key}" for key in sorted(untied - mine)]
     if problems:
+        first = min(theirs)
+        module = first.rsplit(".", 1)[0]
+        held = ", ".join(f"{k.rsplit('.', 1)[1]} {stored[k][0]}" for k in sorted(theirs)
+                         if k.rsplit(".", 1)[0] == module)
         raise ValueError(
             f"{folder}: the weight files are not those of {what} (from the base config): "
-            + "; ".join(problems[:6]) + ("; ..." if len(problems) > 6 else "")
-            + ". Pass the base config and the conversion the model was trained with")
+            + "; ".join(problems[:6])
+            + (f" (and {len(problems) - 6} more)" if len(problems) > 6 else "")
+            + f"; the weights' {module} holds {held}. Pass the base config and the conversion "
+            "the model was trained with")
 
 
 def _connection_tensors(folder: Path, stored: dict) -> dict[str, torch.Tensor]:

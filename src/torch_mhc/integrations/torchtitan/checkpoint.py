@@ -208,13 +208,14 @@ def portable_export(sd_adapter, checkpoint_id: str, async_mode=AsyncMode.DISABLE
 def _make_portable(sd_adapter, checkpoint_id: str, async_mode, conversion: dict) -> bool:
     assets = sd_adapter.hf_assets_path
     config = os.path.join(assets, "config.json") if assets else None
-    by_hand = (f"torch_mhc.hf.make_portable({checkpoint_id!r}, '<the base model's "
-               f"config.json>', **{conversion!r})")
+    arguments = ", ".join(f"{k}={v!r}" for k, v in conversion.items())
+    by_hand = (f'torch_mhc.hf.make_portable("{os.path.abspath(checkpoint_id)}", '
+               f'"path/to/the/base/config.json", {arguments})')
     if async_mode != AsyncMode.DISABLED:
         reason = "it was saved asynchronously (its files may not be complete yet)"
     elif config is None or not os.path.isfile(config):
-        reason = (f"the HF assets folder {assets!r} has no config.json" if assets else
-                  "no HF assets folder (hf_assets_path) gives the base model's config.json")
+        reason = (f"the HF assets folder {assets!r} has no config.json of the base model" if assets
+                  else "no HF assets folder (hf_assets_path) gives the base model's config.json")
     else:
         try:
             import torch_mhc.hf
@@ -227,11 +228,11 @@ def _make_portable(sd_adapter, checkpoint_id: str, async_mode, conversion: dict)
         except ImportError as e:
             reason = f"{e}"
         except (OSError, ValueError, TypeError) as e:
-            reason = f"{type(e).__name__}: {e}"
+            reason = f"with the base config {config}: {type(e).__name__}: {e}"
     logger.warning(
-        f"HF export {checkpoint_id} holds the weights with the HC / mHC connections but no "
-        f"config.json: {reason}. A base model's config.json put beside them would load in "
-        f"transformers without the connections. To make it load with them: {by_hand}")
+        f"HF export {checkpoint_id} holds the weights with the HC / mHC connections but was not "
+        f"made portable, {reason}. A base model's config.json put beside the weights would "
+        f"load in transformers without the connections. To make it load with them: {by_hand}")
     return False
 
 
