@@ -457,8 +457,8 @@ def test_connection_tensors_must_be_finite_floats_of_the_right_shape(tmp_path, e
      r"norm_eps to be a float, got '1e-6'"),
     ({"kind": "hc", "streams": 3, "options": {"dynamic": "false"}},
      r"dynamic to be True or False, got 'false'"),
-    ({"kind": "mhc", "streams": True, "options": {}}, r"streams >= 1 \(an int\), got True"),
-    ({"kind": "mhc", "streams": 0, "options": {}}, r"streams >= 1 \(an int\), got 0"),
+    ({"kind": "mhc", "streams": True, "options": {}}, r"streams must be an int >= 1, got True"),
+    ({"kind": "mhc", "streams": 0, "options": {}}, r"streams must be an int >= 1, got 0"),
     ({"kind": "mhcc", "streams": 3, "options": {}}, r"unknown connection kind 'mhcc'"),
     ({"kind": "mhc", "streams": 3, "options": {"norm": 1}}, r"unknown connection option"),
 ])

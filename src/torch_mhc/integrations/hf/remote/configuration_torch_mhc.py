@@ -31,11 +31,24 @@ AUTO_MAP = {
 }
 
 
+# The base architecture's own class reads the folder's base_config: transformers' config
+# classes adopt a nested dict of their model_type (PEFT reads the base vocabulary so), and
+# LlamaForCausalLM.from_pretrained(folder) then built the base model and loaded the weights
+# without their connections, only listing their keys as unexpected. This attention
+# implementation, which no model accepts, stops that build with a ValueError that quotes it;
+# TorchMHCConfig.base() drops it. (An attn_implementation passed to the call replaces it.)
+NOT_THE_BASE_MODEL = ("refused by torch-mhc: this folder holds a converted model; load it with "
+                      "AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True) or "
+                      "torch_mhc.hf.from_pretrained(folder), not with its base class")
+ATTN_KEY = "attn_implementation"
+
+
 def portable_config(base: dict, layers: dict) -> dict:
     """config.json of a converted model from its base model's config.json as transformers
     writes it (with the conversion recorded, under CONVERSION_KEY) and the layers' record
     (mhc_layers)."""
     base = dict(base)
+    base.setdefault(ATTN_KEY, NOT_THE_BASE_MODEL)
     conversion = base.pop(CONVERSION_KEY)
     config = {
         "model_type": MODEL_TYPE,
@@ -110,7 +123,9 @@ class TorchMHCConfig(PretrainedConfig):
                 f"{self.base_model_type!r} and {type(self.base_config).__name__}"
             )
         config_class = CONFIG_MAPPING[self.base_model_type]
-        config, unused = config_class.from_dict(dict(self.base_config), return_unused_kwargs=True,
+        base = {k: v for k, v in self.base_config.items()
+                if not (k == ATTN_KEY and v == NOT_THE_BASE_MODEL)}
+        config, unused = config_class.from_dict(base, return_unused_kwargs=True,
                                                 **{**self.passed_on(), **kwargs})
         config.mhc_conversion = self.mhc_conversion
         return config, unused
