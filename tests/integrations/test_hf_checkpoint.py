@@ -172,6 +172,23 @@ def test_save_checks_the_keys_written(tmp_path, monkeypatch):
     assert _files(folder) == before
 
 
+def test_a_state_dict_without_the_connections_is_refused(tmp_path):
+    """save_pretrained(state_dict=...) of a converted model must hold its connections: without
+    them the folder saved would not load (its connections' file empty)."""
+    model = _converted()
+    folder = mhc_hf.save_pretrained(model, tmp_path / "ckpt")
+    before = _files(folder)
+    state = {k: v for k, v in model.state_dict().items() if ".mhc_mlp." not in k}
+    for save in (model.save_pretrained, lambda path, **kw: mhc_hf.save_pretrained(model, path,
+                                                                                  **kw)):
+        with pytest.raises(ValueError, match=r"the state_dict passed to save_pretrained lacks "
+                                             r"10 of the model's 20 connection tensors \(e\.g\. "
+                                             r"model\.layers\.0\.mhc_mlp\.alpha\); .*nothing "
+                                             r"was saved"):
+            save(folder, state_dict=state)
+        assert _files(folder) == before
+
+
 # ------------------------------------------------------------------------------------------
 # The connections' own file
 

@@ -156,3 +156,21 @@ def test_bad_paths_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"is a converted checkpoint's config; expected the "
                                          r"base model's"):
         mhc_hf.make_portable(folder, portable / "config.json", kind="mhc", streams=3)
+
+
+def test_a_folder_recording_another_conversion_is_refused(tmp_path):
+    """A portable folder records its conversion, options included, which the weights cannot
+    show (sinkhorn_iters): made portable again, it takes the same conversion only."""
+    model = _converted(sinkhorn_iters=7)
+    folder = mhc_hf.save_pretrained(model, tmp_path / "saved")
+    config = _base_config(model, tmp_path / "base")
+    before = _digest(folder)
+    with pytest.raises(ValueError, match=r"config\.json already records the conversion "
+                                         r"\{.*'sinkhorn_iters': 7.*\}; got \{'kind': 'mhc', "
+                                         r"'streams': 3, 'options': \{\}\}"):
+        mhc_hf.make_portable(folder, config, kind="mhc", streams=3)
+    assert _digest(folder) == before
+    mhc_hf.make_portable(folder, config, kind="mhc", streams=3, sinkhorn_iters=7)
+    ids, mask = batch()
+    assert torch.equal(logits(mhc_hf.from_pretrained(folder), ids, mask),
+                       logits(model, ids, mask))

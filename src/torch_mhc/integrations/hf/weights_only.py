@@ -45,7 +45,10 @@ from torch_mhc.integrations.hf.remote.checkpoint_torch_mhc import (
     is_connection,
     publish_files,
 )
-from torch_mhc.integrations.hf.remote.configuration_torch_mhc import portable_config
+from torch_mhc.integrations.hf.remote.configuration_torch_mhc import (
+    CONVERSION_KEY,
+    portable_config,
+)
 
 __all__ = ["make_portable"]
 
@@ -69,6 +72,7 @@ def make_portable(folder: str | os.PathLike, base_config, *, kind: str, streams:
     folder = _weights_folder(folder)
     config = _base_config(base_config)
     check_options(kind, streams, options)
+    _check_recorded(folder, kind, streams, options)
     model = _meta_model(config, kind, streams, options)
     stored = _stored(folder)
     _compare(folder, model, stored)
@@ -112,6 +116,24 @@ def _weights_folder(folder) -> Path:
             f"{sorted(p.name for p in path.iterdir())}); make_portable expects transformers "
             "weight files")
     return path
+
+
+def _check_recorded(folder: Path, kind: str, streams: int, options: dict) -> None:
+    """A folder already portable records the conversion it was saved with: refuse another
+    (its options, such as sinkhorn_iters, are not in the weights to be checked)."""
+    try:
+        record = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # none, or not JSON: replaced
+    if not (isinstance(record, dict) and is_portable(record)):
+        return
+    recorded = record.get(CONVERSION_KEY) or {}
+    given = {"kind": kind, "streams": streams, "options": dict(options)}
+    if {k: recorded.get(k, {} if k == "options" else None) for k in given} != given:
+        raise ValueError(
+            f"{folder}/config.json already records the conversion {recorded!r}; got "
+            f"{given!r}: pass the recorded kind, streams and options (or remove config.json "
+            "if it is wrong)")
 
 
 def _base_config(base_config):

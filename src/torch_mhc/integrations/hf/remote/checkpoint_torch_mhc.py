@@ -86,6 +86,13 @@ def _write(model: nn.Module, folder: Path, kwargs: dict, layers: dict,
     state = kwargs.pop("state_dict", None)
     state = model.state_dict() if state is None else state
     connections = {k: v for k, v in state.items() if is_connection(k)}
+    own = sorted(k for k in model.state_dict() if is_connection(k))
+    missing = [k for k in own if k not in connections]
+    if missing:  # a state_dict= without them: the folder would not load
+        raise ValueError(
+            f"the state_dict passed to save_pretrained lacks {len(missing)} of the model's "
+            f"{len(own)} connection tensors (e.g. {missing[0]}); expected the converted "
+            "model's whole state dict; nothing was saved")
     offloaded = [k for k, v in connections.items() if v.device.type == "meta"]
     if offloaded:
         raise ValueError(
