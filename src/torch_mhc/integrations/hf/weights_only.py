@@ -187,7 +187,6 @@ def _stored(folder: Path) -> dict[str, tuple[tuple, str, Path]]:
     """{key: (shape, safetensors dtype, file)} of the folder's weight files (headers only)."""
     from safetensors import safe_open
 
-
     out = {}
     for file in weight_files(folder):
         with safe_open(str(file), framework="pt") as st:
