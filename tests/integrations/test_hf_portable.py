@@ -329,6 +329,12 @@ def test_the_folders_connections_check_the_branch_output_when_asked(kind, tmp_pa
         shutil.copyfile(source, package / name)
     monkeypatch.syspath_prepend(str(tmp_path))
     remote = importlib.import_module("folder_code.connections")
+    modeling = importlib.import_module("folder_code.modeling_torch_mhc")
+    n = 1 if kind == "residual" else 2
+    # the folder's loader takes the options the library's make_connection takes for the kind
+    options = {"check_finite": True, "impl": "cpu"}
+    assert modeling.check_conversion({"kind": kind, "streams": n, "options": options}) == (
+        kind, n, options)
     n = 1 if kind == "residual" else 2
     x = torch.randn(3, n, 4)
     nan_branch = lambda h: torch.full_like(h, float("nan"))  # noqa: E731

@@ -60,7 +60,7 @@ _CHECKS = {
 _COMMON = {"norm_eps": "positive", "check_finite": "flag", "impl": "impl"}
 _SUCCESSOR = {"gate_init": "real", **_COMMON}
 OPTIONS = {
-    "residual": {},
+    "residual": {"check_finite": "flag", "impl": "impl"},
     "hc": {"dynamic": "flag", **_COMMON},
     "mhc": {"sinkhorn_iters": "count", "gate_init": "real", "res_init_diag": "diag",
             "pre_eps": "nonneg", "sinkhorn_eps": "nonneg", **_COMMON},
