@@ -174,3 +174,16 @@ def test_a_folder_recording_another_conversion_is_refused(tmp_path):
     ids, mask = batch()
     assert torch.equal(logits(mhc_hf.from_pretrained(folder), ids, mask),
                        logits(model, ids, mask))
+
+
+def test_the_residual_kind_has_no_connection_tensors_to_find(tmp_path):
+    """A model converted to the residual kind (one stream, no parameters) is made portable
+    as well: its connections' file is empty, as save_pretrained writes it."""
+    model = _converted(kind="residual", streams=1, check_finite=True)
+    folder = _weights_only(model, tmp_path / "export")
+    mhc_hf.make_portable(folder, _base_config(model, tmp_path / "base"), kind="residual",
+                         streams=1, check_finite=True)
+    ids, mask = batch()
+    loaded = mhc_hf.from_pretrained(folder)
+    assert loaded.config.mhc_conversion["options"] == {"check_finite": True}
+    assert torch.equal(logits(loaded, ids, mask), logits(model, ids, mask))

@@ -291,7 +291,6 @@ def _model_class(config, path: Path) -> type:
 def _connection_tensors(path: Path) -> dict[str, torch.Tensor]:
     """The connections' tensors: from their own file, or (earlier format) from the
     transformers weight files, where they were stored under the same keys."""
-    from safetensors import safe_open
     from safetensors.torch import load_file
 
     own = path / CONNECTIONS_FILE
@@ -300,6 +299,13 @@ def _connection_tensors(path: Path) -> dict[str, torch.Tensor]:
             return load_file(str(own))
         except Exception as e:
             raise ValueError(f"{own}: expected a safetensors file, cannot read it: {e}") from e
+    return weight_file_connections(path)
+
+
+def weight_file_connections(path: Path) -> dict[str, torch.Tensor]:
+    """The connections' tensors stored in the folder's transformers weight files."""
+    from safetensors import safe_open
+
     out = {}
     for f in weight_files(path):
         with safe_open(str(f), framework="pt") as st:

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from torch_mhc.integrations.hf.checkpoint import weight_files
+from torch_mhc.integrations.hf.checkpoint import weight_file_connections, weight_files
 from torch_mhc.integrations.hf.convert import check_options, convert
 from torch_mhc.integrations.hf.portable import CODE_FILES, is_portable, layers_record
 from torch_mhc.integrations.hf.remote.checkpoint_torch_mhc import (
@@ -67,16 +67,19 @@ def make_portable(folder: str | os.PathLike, base_config, *, kind: str, streams:
     kind, streams, options: the conversion the weights were trained with, as
         torch_mhc.hf.convert takes them (for a torchtitan model,
         `**torch_mhc.integrations.torchtitan.hf_conversion(model_config)`).
-    Raises ValueError (nothing written) where the weights do not match that model.
+    Raises (nothing written) ValueError where the weights do not match that model or the
+    folder records another conversion, FileNotFoundError / NotADirectoryError for a path
+    that is not a folder of weight files or a config, TypeError for a base_config of
+    another type.
     """
     folder = _weights_folder(folder)
     config = _base_config(base_config)
     check_options(kind, streams, options)
-    _check_recorded(folder, kind, streams, options)
     model = _meta_model(config, kind, streams, options)
+    _check_recorded(folder, model.config.mhc_conversion)
     stored = _stored(folder)
     _compare(folder, model, stored)
-    tensors = _connection_tensors(folder, stored)
+    tensors = _connection_tensors(folder)
     record = json.loads(model.config.to_json_string(use_diff=True))
     record["architectures"] = [type(model).__name__]
     dtypes = {dtype for key, (_, dtype, _) in stored.items() if not is_connection(key)}
@@ -118,9 +121,10 @@ def _weights_folder(folder) -> Path:
     return path
 
 
-def _check_recorded(folder: Path, kind: str, streams: int, options: dict) -> None:
+def _check_recorded(folder: Path, conversion: dict) -> None:
     """A folder already portable records the conversion it was saved with: refuse another
-    (its options, such as sinkhorn_iters, are not in the weights to be checked)."""
+    (its options, such as sinkhorn_iters, are not in the weights to be checked).
+    conversion: what convert records for the arguments given."""
     try:
         record = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
@@ -128,12 +132,12 @@ def _check_recorded(folder: Path, kind: str, streams: int, options: dict) -> Non
     if not (isinstance(record, dict) and is_portable(record)):
         return
     recorded = record.get(CONVERSION_KEY) or {}
-    given = {"kind": kind, "streams": streams, "options": dict(options)}
-    if {k: recorded.get(k, {} if k == "options" else None) for k in given} != given:
+    keys = ("kind", "streams", "options")
+    if [recorded.get(k) for k in keys] != [conversion[k] for k in keys]:
         raise ValueError(
             f"{folder}/config.json already records the conversion {recorded!r}; got "
-            f"{given!r}: pass the recorded kind, streams and options (or remove config.json "
-            "if it is wrong)")
+            f"{ {k: conversion[k] for k in keys}!r}: pass the recorded kind, streams and "
+            "options (or remove config.json if it is wrong)")
 
 
 def _base_config(base_config):
@@ -172,14 +176,17 @@ def _meta_model(config, kind: str, streams: int, options: dict) -> nn.Module:
 
     names = list(getattr(config, "architectures", None) or [])
     cls = getattr(transformers, names[0], None) if names else None
-    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
-        cls = transformers.AutoModelForCausalLM._model_mapping.get(type(config), None)
-    if cls is None:
-        raise ValueError(
-            f"the base config names no transformers model class (architectures {names!r}, "
-            f"model_type {config.model_type!r}); expected e.g. ['LlamaForCausalLM']")
     with torch.device("meta"):
-        model = cls(config)
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+            model = cls(config)
+        else:  # a config.json without architectures: the causal LM of its model type
+            try:
+                model = transformers.AutoModelForCausalLM.from_config(config)
+            except ValueError as e:
+                raise ValueError(
+                    f"the base config names no transformers model class (architectures "
+                    f"{names!r}) and its model_type {config.model_type!r} has no causal LM: "
+                    f"{e}") from None
     return convert(model, kind, streams, **options)
 
 
@@ -205,7 +212,7 @@ def _compare(folder: Path, model: nn.Module, stored: dict) -> None:
     shapes = {k: tuple(v.shape) for k, v in state.items()}
     mine = {k for k in shapes if is_connection(k)}
     theirs = {k for k in stored if is_connection(k)}
-    if not theirs:
+    if mine and not theirs:
         raise ValueError(
             f"{folder}: the weight files hold no connection tensors (keys such as "
             "'model.layers.0.mhc_attn.phi'): an unconverted model's weights, or an export "
@@ -219,26 +226,21 @@ def _compare(folder: Path, model: nn.Module, stored: dict) -> None:
                  for key in sorted(set(stored) & set(shapes)) if stored[key][0] != shapes[key]]
     problems += [f"missing {key}" for key in sorted(untied - mine)]
     if problems:
-        first = min(theirs)
-        module = first.rsplit(".", 1)[0]
-        held = ", ".join(f"{k.rsplit('.', 1)[1]} {stored[k][0]}" for k in sorted(theirs)
-                         if k.rsplit(".", 1)[0] == module)
+        held = ""
+        if theirs:
+            module = min(theirs).rsplit(".", 1)[0]
+            held = "; the weights' {} holds {}".format(module, ", ".join(
+                f"{k.rsplit('.', 1)[1]} {stored[k][0]}" for k in sorted(theirs)
+                if k.rsplit(".", 1)[0] == module))
         raise ValueError(
             f"{folder}: the weight files are not those of {what} (from the base config): "
             + "; ".join(problems[:6])
             + (f" (and {len(problems) - 6} more)" if len(problems) > 6 else "")
-            + f"; the weights' {module} holds {held}. Pass the base config and the conversion "
-            "the model was trained with")
+            + f"{held}. Pass the base config and the conversion the model was trained with")
 
 
-def _connection_tensors(folder: Path, stored: dict) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    tensors = {}
-    for key, (_, _, file) in stored.items():
-        if is_connection(key):
-            with safe_open(str(file), framework="pt") as st:
-                tensors[key] = st.get_tensor(key).contiguous()
+def _connection_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    tensors = {k: v.contiguous() for k, v in weight_file_connections(folder).items()}
     bad = sorted(k for k, v in tensors.items()
                  if not v.is_floating_point() or not bool(torch.isfinite(v).all()))
     if bad:
