@@ -83,16 +83,11 @@ def write_folder(model: nn.Module, path, kwargs: dict, layers: dict, code_files:
 
 def _write(model: nn.Module, folder: Path, kwargs: dict, layers: dict,
            code_files: dict) -> None:
-    state = kwargs.pop("state_dict", None)
-    state = model.state_dict() if state is None else state
+    given = kwargs.pop("state_dict", None)
+    state = model.state_dict() if given is None else given
     connections = {k: v for k, v in state.items() if is_connection(k)}
-    own = sorted(k for k in model.state_dict() if is_connection(k))
-    missing = [k for k in own if k not in connections]
-    if missing:  # a state_dict= without them: the folder would not load
-        raise ValueError(
-            f"the state_dict passed to save_pretrained lacks {len(missing)} of the model's "
-            f"{len(own)} connection tensors (e.g. {missing[0]}); expected the converted "
-            "model's whole state dict; nothing was saved")
+    if given is not None:
+        _check_given_state(model, connections)
     offloaded = [k for k, v in connections.items() if v.device.type == "meta"]
     if offloaded:
         raise ValueError(
@@ -126,6 +121,32 @@ def _write(model: nn.Module, folder: Path, kwargs: dict, layers: dict,
     safetensors.torch.save_file(tensors, str(folder / CONNECTIONS_FILE),
                                 metadata={"format": "pt"})
     check_written(folder, set(connections))
+
+
+# wrappers whose names appear in module paths but not in a saved state dict's keys (DDP's
+# "module." as a prefix only)
+_WRAPPERS = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def _check_given_state(model: nn.Module, connections: dict) -> None:
+    """A state_dict= given to save_pretrained must hold every connection that has
+    parameters (else the folder saved would not load). Read from the module tree, not from
+    model.state_dict(): under FSDP that gathers across processes, and only the main process
+    saves."""
+    names = []
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in CONNECTION_MODULES and any(True for _ in
+                                                                  module.parameters()):
+            for wrapper in _WRAPPERS:
+                name = name.replace(wrapper, "")
+            names.append(name.removeprefix("module."))
+    held = {key.rsplit(".", 1)[0] for key in connections}
+    missing = [name for name in names if name not in held]
+    if missing:
+        raise ValueError(
+            f"the state_dict passed to save_pretrained holds none of the tensors of "
+            f"{len(missing)} of the model's {len(names)} connections (e.g. {missing[0]}); "
+            "expected the converted model's whole state dict; nothing was saved")
 
 
 def _written_keys(folder: Path) -> set[str]:
