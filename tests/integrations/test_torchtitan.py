@@ -535,3 +535,32 @@ def test_hf_export_with_the_base_config_in_the_assets_is_portable(tmp_path, fami
     assert _manager(target, export, family, assets, initial_load_in_hf=True).load()
     own, want = target.state_dict(), source.state_dict()
     assert all(torch.equal(own[k], want[k]) for k in want)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_hf_export_with_another_base_config_stays_weights_only(tmp_path, monkeypatch):
+    """A base config.json in the assets that is not the model's (here its rotary base, which
+    the weights' shapes do not show) leaves the export weights only, with a warning naming
+    the difference."""
+    import json
+
+    from torch_mhc.integrations.torchtitan import checkpoint
+
+    warnings = _Warnings()
+    monkeypatch.setattr(checkpoint, "logger", warnings)
+    cfg = S.model_config("llama3", "mhc")
+    source = S.build(cfg)
+    assets = tmp_path / "assets"
+    S.hf_twin("llama3", cfg).config.save_pretrained(assets)
+    config = json.loads((assets / "config.json").read_text())
+    config["rope_parameters"]["rope_theta"] = 10000.0
+    (assets / "config.json").write_text(json.dumps(config))
+    export = tmp_path / "hf"
+    manager = _manager(source, export, "llama3", assets)
+    manager.dcp_save(manager.states["model"].state_dict(), str(export), async_mode="disabled",
+                     to_hf=True)
+    assert not (export / "config.json").exists()
+    assert len(warnings) == 1 and re.search(
+        r"was not made portable, with the base config .*config\.json: ValueError: its rope "
+        r"theta is 10000\.0, the torchtitan model's 500000\. A base model's", warnings[0]), \
+        warnings

@@ -209,8 +209,8 @@ def _make_portable(sd_adapter, checkpoint_id: str, async_mode, conversion: dict)
     assets = sd_adapter.hf_assets_path
     config = os.path.join(assets, "config.json") if assets else None
     arguments = ", ".join(f"{k}={v!r}" for k, v in conversion.items())
-    by_hand = (f'torch_mhc.hf.make_portable("{os.path.abspath(checkpoint_id)}", '
-               f'"path/to/the/base/config.json", {arguments})')
+    by_hand = (f"torch_mhc.hf.make_portable({os.path.abspath(checkpoint_id)!r}, "
+               f"'path/to/the/base/config.json', {arguments})")
     if async_mode != AsyncMode.DISABLED:
         reason = "it was saved asynchronously (its files may not be complete yet)"
     elif config is None or not os.path.isfile(config):
@@ -220,6 +220,7 @@ def _make_portable(sd_adapter, checkpoint_id: str, async_mode, conversion: dict)
         try:
             import torch_mhc.hf
 
+            _check_scalars(sd_adapter.model_config, config)
             torch_mhc.hf.make_portable(checkpoint_id, config, **conversion)
             logger.info(f"HF export {checkpoint_id} is portable: transformers loads it with "
                         "its connections (trust_remote_code=True), torch_mhc.hf."
@@ -234,6 +235,23 @@ def _make_portable(sd_adapter, checkpoint_id: str, async_mode, conversion: dict)
         f"made portable, {reason}. A base model's config.json put beside the weights would "
         f"load in transformers without the connections. To make it load with them: {by_hand}")
     return False
+
+
+def _check_scalars(model_config, config_file: str) -> None:
+    """The base config.json against the torchtitan model on what the weights' shapes do not
+    show (the rotary base, the norm's epsilon): a ValueError naming the first difference."""
+    import json
+
+    with open(config_file) as f:
+        hf = json.load(f)
+    rope = getattr(getattr(model_config.layers[0], "attention", None), "rope", None)
+    norm = getattr(model_config, "norm", None)
+    theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta"))
+    pairs = [("rope theta", getattr(rope, "theta", None), theta),
+             ("norm eps", getattr(norm, "eps", None), hf.get("rms_norm_eps"))]
+    for what, titan, base in pairs:
+        if titan is not None and base is not None and float(titan) != float(base):
+            raise ValueError(f"its {what} is {base}, the torchtitan model's {titan}")
 
 
 def mhc_checkpoint_config(config, fresh_connections: bool | None = None):
