@@ -5,6 +5,7 @@
 what they find there by name. Pointed at a folder another command wrote, one would put its
 files beside the other's (a comparison's report beside a training run's checkpoint, and its
 runs in folders next to it): each refuses such a folder instead, naming the file it found.
+(A comparison writes report.json when it ends: one interrupted before is not recognised.)
 """
 
 from __future__ import annotations
@@ -12,13 +13,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from torch_mhc.lm.train import ConfigError
+from torch_mhc.lm.train import METRICS_FILE, ConfigError
+from torch_mhc.lm.train.checkpoint import CANDIDATES
 
 # a file or folder at the top of --out: the command that wrote it
 MARKERS = {
-    "ckpt": "mhc train",
-    "ckpt.prev": "mhc train",
-    "metrics.jsonl": "mhc train",
+    **{name: "mhc train" for name in (*CANDIDATES, METRICS_FILE)},
     "report.json": "mhc compare",
     "sweep.json": "mhc sweep",
     "upcycle.json": "mhc upcycle",

@@ -63,7 +63,13 @@ from torch_mhc.lm.train.steps import (
     seed_everything,
     train_step,
 )
-from torch_mhc.lm.train.trainer import Trainer, TrainResult, load_training_corpus, train
+from torch_mhc.lm.train.trainer import (
+    Trainer,
+    TrainResult,
+    load_training_corpus,
+    torch_threads,
+    train,
+)
 from torch_mhc.runtime.files import atomic_write
 
 atomic_write_bytes = atomic_write  # the name the single-file train module exported
@@ -102,6 +108,7 @@ __all__ = [
     "resolve_dtype",
     "save_checkpoint",
     "seed_everything",
+    "torch_threads",
     "train",
     "train_step",
 ]

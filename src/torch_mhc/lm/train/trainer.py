@@ -159,7 +159,7 @@ def train(cfg: TrainConfig, corpus: _data.Corpus | None = None) -> TrainResult:
 
 
 @contextlib.contextmanager
-def _threads(threads: int):
+def torch_threads(threads: int):
     """torch's CPU threads set to `threads` (0: as they are) for the run, then restored: a
     library call leaves the process's thread count as it found it."""
     before = torch.get_num_threads()
@@ -195,7 +195,7 @@ class Trainer:
         with self._out_dir_locked():
             self._prepare_out_dir()
             resume_path, resume_state = self._open_resume()
-            with _threads(self.cfg.threads):
+            with torch_threads(self.cfg.threads):
                 self._train(resume_path, resume_state)
         self._say_done()
         return self.result

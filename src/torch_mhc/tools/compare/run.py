@@ -75,6 +75,7 @@ from torch_mhc.lm.train import (
     TrainingDiverged,
     TrainResult,
     load_training_corpus,
+    torch_threads,
     train,
 )
 from torch_mhc.tools.compare import seeds as compare_stats
@@ -180,13 +181,16 @@ def compare(out_dir: str | os.PathLike, preset: str = "default", *,
     # initialisation, lazily loaded libraries) land in none of the measured runs; and every
     # page of the memory-mapped corpus read once, so that no run's peak RSS is charged for
     # the pages its random batches happen to fault in first.
+    # The thread count is set once for all of them (each run's own setting is then the count
+    # it finds), so that no run starts by resizing torch's thread pool.
     int(np.asarray(corpus.tokens[::4096], dtype=np.int64).sum())
-    try:
-        train(replace(configs[kinds[0], seed_list[0]], steps=1, warmup=0, out_dir=None,
-                      eval_batches=1, quiet=True, progress=False), corpus=corpus)
-    except TrainingDiverged:  # the measured run stops alike and is reported as stopped
-        pass
-    results = _train_runs(configs, kinds, corpus, several_seeds=seeds > 1)
+    with torch_threads(base.threads):
+        try:
+            train(replace(configs[kinds[0], seed_list[0]], steps=1, warmup=0, out_dir=None,
+                          eval_batches=1, quiet=True, progress=False), corpus=corpus)
+        except TrainingDiverged:  # the measured run stops alike and is reported as stopped
+            pass
+        results = _train_runs(configs, kinds, corpus, several_seeds=seeds > 1)
     report = _report(base, preset_label(preset, base), results, corpus,
                      time.perf_counter() - t_start)
     if _rank0():
