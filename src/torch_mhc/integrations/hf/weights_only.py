@@ -21,8 +21,9 @@ Before anything is written, the model that config.json and the conversion descri
 on the meta device and compared with the weight files: every connection tensor there and of
 its shape, every other tensor of the base model's shape, none missing but tied copies. The
 new files are written into a hidden folder inside the target first, then each renamed into
-place (a config.json already there is replaced), so a failure leaves the folder as it
-was.
+place, so a failure leaves the folder as it was. A config.json already there is replaced,
+unless it is a portable one recording another conversion (the options, which the weights
+cannot show, would change): that is refused.
 """
 
 from __future__ import annotations
