@@ -564,3 +564,25 @@ def test_hf_export_with_another_base_config_stays_weights_only(tmp_path, monkeyp
         r"was not made portable, with the base config .*config\.json: ValueError: its rope "
         r"theta is 10000\.0, the torchtitan model's 500000\. A base model's", warnings[0]), \
         warnings
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_type": "default"}, r"its rope type is 'default', the torchtitan model's rotary "
+                               r"scaling 'llama' is transformers' 'llama3'"),
+    ({"factor": 16.0}, r"its rope factor is 16\.0, the torchtitan model's 8\.0"),
+])
+def test_the_base_configs_rope_scaling_is_compared(tmp_path, change, message):
+    """The llama3 models' rotary scaling (type and parameters), which the weights' shapes do
+    not show, must be the base config's."""
+    import json
+
+    from torch_mhc.integrations.torchtitan.checkpoint import _check_scalars
+
+    cfg = S.model_config("llama3", "mhc")
+    S.hf_twin("llama3", cfg).config.save_pretrained(tmp_path)
+    _check_scalars(cfg, str(tmp_path / "config.json"))  # the model's own: no difference
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rope_parameters"].update(change)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        _check_scalars(cfg, str(tmp_path / "config.json"))

@@ -237,18 +237,35 @@ def _make_portable(sd_adapter, checkpoint_id: str, async_mode, conversion: dict)
     return False
 
 
+# torchtitan's rotary scaling -> transformers' rope_type, and the parameters both name
+_ROPE_TYPES = {"none": "default", "llama": "llama3", "yarn": "yarn"}
+_LLAMA3_ROPE = (("scaling_factor", "factor"), ("low_freq_factor", "low_freq_factor"),
+                ("high_freq_factor", "high_freq_factor"),
+                ("original_max_position_embeddings", "original_max_position_embeddings"))
+
+
 def _check_scalars(model_config, config_file: str) -> None:
     """The base config.json against the torchtitan model on what the weights' shapes do not
-    show (the rotary base, the norm's epsilon): a ValueError naming the first difference."""
+    show (the rotary base, its scaling, the final norm's epsilon): a ValueError naming the
+    first difference. Values one side does not give are not compared."""
     import json
 
     with open(config_file) as f:
         hf = json.load(f)
     rope = getattr(getattr(model_config.layers[0], "attention", None), "rope", None)
     norm = getattr(model_config, "norm", None)
-    theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta"))
-    pairs = [("rope theta", getattr(rope, "theta", None), theta),
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    titan_type = _ROPE_TYPES.get(getattr(rope, "scaling", None))
+    pairs = [("rope theta", getattr(rope, "theta", None), params.get("rope_theta",
+                                                                      hf.get("rope_theta"))),
              ("norm eps", getattr(norm, "eps", None), hf.get("rms_norm_eps"))]
+    if titan_type is not None and titan_type != rope_type:
+        raise ValueError(f"its rope type is {rope_type!r}, the torchtitan model's rotary "
+                         f"scaling {rope.scaling!r} is transformers' {titan_type!r}")
+    if titan_type == "llama3":
+        pairs += [(f"rope {hf_name}", getattr(rope, titan_name, None), params.get(hf_name))
+                  for titan_name, hf_name in _LLAMA3_ROPE]
     for what, titan, base in pairs:
         if titan is not None and base is not None and float(titan) != float(base):
             raise ValueError(f"its {what} is {base}, the torchtitan model's {titan}")
