@@ -172,21 +172,35 @@ def test_save_checks_the_keys_written(tmp_path, monkeypatch):
     assert _files(folder) == before
 
 
-def test_a_state_dict_without_the_connections_is_refused(tmp_path):
-    """save_pretrained(state_dict=...) of a converted model must hold its connections: without
-    them the folder saved would not load (its connections' file empty)."""
+def test_a_state_dict_without_the_connections_is_refused(tmp_path, monkeypatch):
+    """save_pretrained(state_dict=...) of a converted model must hold its connections'
+    tensors, each of them: without them the folder saved would not load (its connections'
+    file empty or short). The check does not call model.state_dict() (under FSDP that
+    gathers, and only the main process saves)."""
     model = _converted()
     folder = mhc_hf.save_pretrained(model, tmp_path / "ckpt")
     before = _files(folder)
-    state = {k: v for k, v in model.state_dict().items() if ".mhc_mlp." not in k}
-    for save in (model.save_pretrained, lambda path, **kw: mhc_hf.save_pretrained(model, path,
-                                                                                  **kw)):
-        with pytest.raises(ValueError, match=r"the state_dict passed to save_pretrained holds "
-                                             r"none of the tensors of 2 of the model's 4 "
-                                             r"connections \(e\.g\. model\.layers\.0\.mhc_mlp\)"
-                                             r"; .*nothing was saved"):
-            save(folder, state_dict=state)
-        assert _files(folder) == before
+    full = model.state_dict()
+    monkeypatch.setattr(model, "state_dict", lambda *a, **k: pytest.fail("state_dict called"))
+    cases = {
+        r"10 of 20 missing \(e\.g\. \['model\.layers\.0\.mhc_mlp\.alpha', ": {
+            k: v for k, v in full.items() if ".mhc_mlp." not in k},
+        r"4 of 20 missing \(e\.g\. \['model\.layers\.0\.mhc_attn\.alpha', ": {
+            k: v for k, v in full.items() if not k.endswith(".alpha")},
+        r"0 of 20 missing \(e\.g\. \[\]\), 1 not the model's \(e\.g\. \['model\.layers\."
+        r"0\.mhc_attn\.extra'\]\)": {**full, "model.layers.0.mhc_attn.extra": full[
+            "model.layers.0.mhc_attn.alpha"]},
+    }
+    for message, state in cases.items():
+        for save in (model.save_pretrained,
+                     lambda path, **kw: mhc_hf.save_pretrained(model, path, **kw)):
+            with pytest.raises(ValueError, match=r"the state_dict passed to save_pretrained "
+                                                 r"does not hold the model's connection "
+                                                 r"tensors: " + message + r".*nothing was saved"):
+                save(folder, state_dict=state)
+            assert _files(folder) == before
+    # the whole state dict given: saved, without calling model.state_dict()
+    model.save_pretrained(folder, state_dict=full)
 
 
 # ------------------------------------------------------------------------------------------

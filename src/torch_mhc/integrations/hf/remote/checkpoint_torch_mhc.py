@@ -129,24 +129,27 @@ _WRAPPERS = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.
 
 
 def _check_given_state(model: nn.Module, connections: dict) -> None:
-    """A state_dict= given to save_pretrained must hold every connection that has
-    parameters (else the folder saved would not load). Read from the module tree, not from
-    model.state_dict(): under FSDP that gathers across processes, and only the main process
-    saves."""
-    names = []
+    """A state_dict= given to save_pretrained must hold every tensor of every connection, and
+    no other under a connection's name (else the folder saved would not load). Read from the
+    module tree, not from model.state_dict(): under FSDP that gathers across processes, and
+    only the main process saves."""
+    expected = set()
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in CONNECTION_MODULES and any(True for _ in
-                                                                  module.parameters()):
-            for wrapper in _WRAPPERS:
-                name = name.replace(wrapper, "")
-            names.append(name.removeprefix("module."))
-    held = {key.rsplit(".", 1)[0] for key in connections}
-    missing = [name for name in names if name not in held]
-    if missing:
+        if name.rsplit(".", 1)[-1] not in CONNECTION_MODULES:
+            continue
+        for wrapper in _WRAPPERS:
+            name = name.replace(wrapper, "")
+        skip = getattr(module, "_non_persistent_buffers_set", set())
+        tensors = [*module.named_parameters(), *((k, b) for k, b in module.named_buffers()
+                                                 if k.rsplit(".", 1)[-1] not in skip)]
+        expected.update(f"{name.removeprefix('module.')}.{k}" for k, _ in tensors)
+    missing, extra = sorted(expected - set(connections)), sorted(set(connections) - expected)
+    if missing or extra:
         raise ValueError(
-            f"the state_dict passed to save_pretrained holds none of the tensors of "
-            f"{len(missing)} of the model's {len(names)} connections (e.g. {missing[0]}); "
-            "expected the converted model's whole state dict; nothing was saved")
+            f"the state_dict passed to save_pretrained does not hold the model's connection "
+            f"tensors: {len(missing)} of {len(expected)} missing (e.g. {missing[:2]}), "
+            f"{len(extra)} not the model's (e.g. {extra[:2]}); expected the converted model's "
+            "whole state dict; nothing was saved")
 
 
 def _written_keys(folder: Path) -> set[str]:
