@@ -311,6 +311,32 @@ def test_bad_folders_are_refused_by_the_library(tmp_path, name):
     assert _digest(folder) == before
 
 
+def _folder_code(tmp_path, monkeypatch, module: str):
+    """A module of the code a folder carries, imported from a copy of it (as a package)."""
+    import importlib
+
+    from torch_mhc.integrations.hf.portable import CODE_FILES
+
+    package = tmp_path / "folder_code"
+    package.mkdir(exist_ok=True)
+    (package / "__init__.py").write_text("")
+    for name, source in CODE_FILES.items():
+        shutil.copyfile(source, package / name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return importlib.import_module(f"folder_code.{module}")
+
+
+@pytest.mark.parametrize("kind", ["residual", "hc", "mhc", "mhc-lite", "kromhc",
+                                  "mhc-static-res"])
+def test_the_folders_loader_takes_the_options_the_library_takes(kind, tmp_path, monkeypatch):
+    """The folder's loader checks a conversion's options against a table of its own: it
+    must name exactly the options the library's make_connection takes for the kind."""
+    from torch_mhc.connections import connection_options
+
+    modeling = _folder_code(tmp_path, monkeypatch, "modeling_torch_mhc")
+    assert set(modeling.OPTIONS[kind]) == set(connection_options(kind))
+
+
 @pytest.mark.parametrize("kind", ["residual", "hc", "mhc", "mhc-lite", "kromhc",
                                   "mhc-static-res"])
 def test_the_folders_connections_check_the_branch_output_when_asked(kind, tmp_path,
@@ -318,23 +344,7 @@ def test_the_folders_connections_check_the_branch_output_when_asked(kind, tmp_pa
     """The folder's own connections (remote/connections.py, imported from the code a folder
     carries) honour check_finite as the library's do, the residual's included: a NaN in F
     stops the forward with the kind's name; without the option it flows through."""
-    import importlib
-
-    from torch_mhc.integrations.hf.portable import CODE_FILES
-
-    package = tmp_path / "folder_code"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    for name, source in CODE_FILES.items():
-        shutil.copyfile(source, package / name)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    remote = importlib.import_module("folder_code.connections")
-    modeling = importlib.import_module("folder_code.modeling_torch_mhc")
-    n = 1 if kind == "residual" else 2
-    # the folder's loader takes the options the library's make_connection takes for the kind
-    options = {"check_finite": True, "impl": "cpu"}
-    assert modeling.check_conversion({"kind": kind, "streams": n, "options": options}) == (
-        kind, n, options)
+    remote = _folder_code(tmp_path, monkeypatch, "connections")
     n = 1 if kind == "residual" else 2
     x = torch.randn(3, n, 4)
     nan_branch = lambda h: torch.full_like(h, float("nan"))  # noqa: E731

@@ -43,8 +43,8 @@ Presets (`PRESETS`):
   nanoGPT's residual model reaches about 1.88 nats there): 4 layers, 4 heads, width 128,
   context 64, batch 12, 2000 steps, lr 1e-3 cosine to 1e-4 after 100 warmup steps, beta2
   0.99, no dropout, the last 10% of the bytes held out. Bytes are characters for ASCII text.
-Every preset runs torch on one CPU thread (`threads = 1`, for the runs only: the process's
-count is restored after each; `--threads 0` keeps torch's default). Their matrices are small:
+Every preset runs torch on one CPU thread (`threads = 1`, set around the comparison's runs
+and restored after them; `--threads 0` keeps torch's default). Their matrices are small:
 on an idle 2-core machine a second thread made a step only 1.3-1.8x faster, while on a
 machine shared with other work a two-thread step stalled whenever either thread lost its
 core, and whole comparisons took 2-3x longer (9-17 minutes measured, against 5.6 on one thread).
