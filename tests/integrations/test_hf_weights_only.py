@@ -159,8 +159,9 @@ def test_bad_paths_are_named(tmp_path):
 
 
 def test_a_folder_recording_another_conversion_is_refused(tmp_path):
-    """A portable folder records its conversion, options included, which the weights cannot
-    show (sinkhorn_iters): made portable again, it takes the same conversion only."""
+    """A portable folder records its conversion, options included, and its base config,
+    which the weights cannot show (sinkhorn_iters, the rotary base): made portable again, it
+    takes the same ones only."""
     model = _converted(sinkhorn_iters=7)
     folder = mhc_hf.save_pretrained(model, tmp_path / "saved")
     config = _base_config(model, tmp_path / "base")
@@ -169,6 +170,16 @@ def test_a_folder_recording_another_conversion_is_refused(tmp_path):
                                          r"\{.*'sinkhorn_iters': 7.*\}; got \{'kind': 'mhc', "
                                          r"'streams': 3, 'options': \{\}\}"):
         mhc_hf.make_portable(folder, config, kind="mhc", streams=3)
+    assert _digest(folder) == before
+    other = json.loads(config.read_text())
+    other["rope_parameters"]["rope_theta"] = 500.0
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other/config.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match=r"config\.json already records another base config: "
+                                         r"rope_parameters is \{.*'rope_theta': 10000\.0.*\} "
+                                         r"there, \{.*'rope_theta': 500\.0.*\} in the one given"):
+        mhc_hf.make_portable(folder, tmp_path / "other", kind="mhc", streams=3,
+                             sinkhorn_iters=7)
     assert _digest(folder) == before
     mhc_hf.make_portable(folder, config, kind="mhc", streams=3, sinkhorn_iters=7)
     ids, mask = batch()

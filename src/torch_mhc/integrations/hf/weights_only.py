@@ -77,12 +77,12 @@ def make_portable(folder: str | os.PathLike, base_config, *, kind: str, streams:
     config = _base_config(base_config)
     check_options(kind, streams, options)
     model = _meta_model(config, kind, streams, options)
-    _check_recorded(folder, model.config.mhc_conversion)
+    record = json.loads(model.config.to_json_string(use_diff=True))
+    record["architectures"] = [type(model).__name__]
+    _check_recorded(folder, model.config.mhc_conversion, record)
     stored = _stored(folder)
     _compare(folder, model, stored)
     tensors = _connection_tensors(folder)
-    record = json.loads(model.config.to_json_string(use_diff=True))
-    record["architectures"] = [type(model).__name__]
     dtypes = {dtype for key, (_, dtype, _) in stored.items() if not is_connection(key)}
     if len(dtypes) == 1 and next(iter(dtypes)) in _DTYPES:
         record["dtype"] = _DTYPES[next(iter(dtypes))]
@@ -122,10 +122,16 @@ def _weights_folder(folder) -> Path:
     return path
 
 
-def _check_recorded(folder: Path, conversion: dict) -> None:
-    """A folder already portable records the conversion it was saved with: refuse another
-    (its options, such as sinkhorn_iters, are not in the weights to be checked).
-    conversion: what convert records for the arguments given."""
+# base config keys that differ between two saves of one model (not its function)
+_VOLATILE = {"attn_implementation", "transformers_version", "dtype", "torch_dtype",
+             "architectures", "_name_or_path", "model_type"}
+
+
+def _check_recorded(folder: Path, conversion: dict, base: dict) -> None:
+    """A folder already portable records the conversion and base config it was saved with:
+    refuse others (the options, such as sinkhorn_iters, and settings such as the rotary
+    base are not in the weights to be checked).
+    conversion, base: what convert records for the arguments given, and the base config."""
     try:
         record = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
@@ -139,6 +145,15 @@ def _check_recorded(folder: Path, conversion: dict) -> None:
             f"{folder}/config.json already records the conversion {recorded!r}; got "
             f"{ {k: conversion[k] for k in keys}!r}: pass the recorded kind, streams and "
             "options (or remove config.json if it is wrong)")
+    old = record.get("base_config") or {}
+    differ = sorted(k for k in set(old) & set(base) - _VOLATILE - {CONVERSION_KEY}
+                    if old[k] != base[k])
+    if differ:
+        raise ValueError(
+            f"{folder}/config.json already records another base config: {differ[0]} is "
+            f"{old[differ[0]]!r} there, {base[differ[0]]!r} in the one given"
+            f"{f' (and {len(differ) - 1} more)' if len(differ) > 1 else ''}; pass the "
+            "recorded base config (or remove config.json if it is wrong)")
 
 
 def _base_config(base_config):
