@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -41,15 +39,11 @@ from torch_mhc.integrations.hf.checkpoint import weight_file_connections, weight
 from torch_mhc.integrations.hf.convert import check_options, convert
 from torch_mhc.integrations.hf.portable import CODE_FILES, is_portable, layers_record
 from torch_mhc.integrations.hf.remote.checkpoint_torch_mhc import (
-    CONNECTIONS_FILE,
-    check_written,
     is_connection,
-    publish_files,
+    write_beside_weights,
+    write_staged,
 )
-from torch_mhc.integrations.hf.remote.configuration_torch_mhc import (
-    CONVERSION_KEY,
-    portable_config,
-)
+from torch_mhc.integrations.hf.remote.configuration_torch_mhc import CONVERSION_KEY
 
 __all__ = ["make_portable"]
 
@@ -86,21 +80,10 @@ def make_portable(folder: str | os.PathLike, base_config, *, kind: str, streams:
     dtypes = {dtype for key, (_, dtype, _) in stored.items() if not is_connection(key)}
     if len(dtypes) == 1 and next(iter(dtypes)) in _DTYPES:
         record["dtype"] = _DTYPES[next(iter(dtypes))]
-    tmp = Path(tempfile.mkdtemp(prefix=".mhc-save-", dir=folder))
-    try:
-        (tmp / "config.json").write_text(
-            json.dumps(portable_config(record, layers_record(model)), indent=2,
-                       sort_keys=True) + "\n")
-        for name, source in CODE_FILES.items():
-            shutil.copyfile(source, tmp / name)
-        import safetensors.torch
-
-        safetensors.torch.save_file(tensors, str(tmp / CONNECTIONS_FILE),
-                                    metadata={"format": "pt"})
-        check_written(tmp, set(tensors))
-        publish_files(tmp, folder, drop_stale=False)  # the weights stay as they were written
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    layers = layers_record(model)
+    # the weight files stay as they were written
+    write_staged(folder, lambda tmp: write_beside_weights(tmp, record, layers, CODE_FILES,
+                                                          tensors), drop_stale=False)
     return folder
 
 
@@ -256,7 +239,7 @@ def _compare(folder: Path, model: nn.Module, stored: dict) -> None:
 
 
 def _connection_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    tensors = {k: v.contiguous() for k, v in weight_file_connections(folder).items()}
+    tensors = weight_file_connections(folder)
     bad = sorted(k for k, v in tensors.items()
                  if not v.is_floating_point() or not bool(torch.isfinite(v).all()))
     if bad:

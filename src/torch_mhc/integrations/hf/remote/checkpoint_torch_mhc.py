@@ -66,19 +66,26 @@ def write_folder(model: nn.Module, path, kwargs: dict, layers: dict, code_files:
         raise FileExistsError(f"save_pretrained expects a folder path, {target} is a file")
     created = not target.exists()
     target.mkdir(parents=True, exist_ok=True)  # permissions from the umask, as os.makedirs
-    # Inside the target, not beside it: the renames stay on one file system even when the
-    # target is a mount point, and only the target needs to be writable (e.g. ".").
-    tmp = Path(tempfile.mkdtemp(prefix=".mhc-save-", dir=target))
     try:
-        _write(model, tmp, kwargs, layers, code_files)
-        publish_files(tmp, target)
+        write_staged(target, lambda tmp: _write(model, tmp, kwargs, layers, code_files))
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
         if created and not any(target.iterdir()):
             target.rmdir()
         raise
-    shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def write_staged(target: Path, write, drop_stale: bool = True) -> None:
+    """write(tmp) into a hidden temporary folder inside target, then publish_files(tmp,
+    target, drop_stale); the temporary folder is removed whatever happens. Inside the target,
+    not beside it: the renames stay on one file system even when the target is a mount
+    point, and only the target needs to be writable (e.g. ".")."""
+    tmp = Path(tempfile.mkdtemp(prefix=".mhc-save-", dir=target))
+    try:
+        write(tmp)
+        publish_files(tmp, target, drop_stale)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _write(model: nn.Module, folder: Path, kwargs: dict, layers: dict,
@@ -110,9 +117,17 @@ def _write(model: nn.Module, folder: Path, kwargs: dict, layers: dict,
                 f.unlink()
         save(model, folder, state_dict={k: v for k, v in state.items()
                                         if k not in connections}, **kwargs)
-    config = folder / "config.json"
-    config.write_text(json.dumps(portable_config(json.loads(config.read_text()), layers),
-                                 indent=2, sort_keys=True) + "\n")
+    base = json.loads((folder / "config.json").read_text())
+    write_beside_weights(folder, base, layers, code_files, connections)
+
+
+def write_beside_weights(folder: Path, base: dict, layers: dict, code_files: dict,
+                         connections: dict) -> None:
+    """What a portable folder holds beside its weight files: config.json from the base
+    model's (the conversion recorded) and the layers' record, the code, and the connections'
+    own file, its keys read back."""
+    (folder / "config.json").write_text(
+        json.dumps(portable_config(base, layers), indent=2, sort_keys=True) + "\n")
     for name, source in code_files.items():
         shutil.copyfile(source, folder / name)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in connections.items()}
