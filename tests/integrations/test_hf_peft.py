@@ -99,3 +99,55 @@ def test_lora_alone_leaves_the_connections_frozen():
     assert names and all(".lora_" in n for n in names)
     model.train()
     _train(model, ids, mask, steps=2)
+
+
+def test_auto_peft_refuses_an_adapter_whose_base_was_converted_in_process(tmp_path):
+    """PEFT records the model's name_or_path as the adapter's base; after a conversion in the
+    process that named the plain checkpoint, which AutoPeftModelForCausalLM loaded without the
+    connections. The converted model's name says so instead; a folder saved by torch-mhc names
+    itself, and AutoPeft then builds the converted base and the trained adapter on it."""
+    ids, mask = _batch()
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)).save_pretrained(
+        tmp_path / "plain")
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain")
+    assert plain.name_or_path == str(tmp_path / "plain")
+    model = mhc_hf.convert(plain, "mhc", streams=4)
+    assert model.name_or_path.startswith("refused by torch-mhc: ")
+    assert str(tmp_path / "plain") in model.name_or_path  # what it was converted from
+    assert model.config._name_or_path == str(tmp_path / "plain")  # model cards keep it
+    mhc_hf.save_pretrained(model, tmp_path / "base")  # before PEFT wraps its connections
+    peft_model = peft.get_peft_model(model, _lora_config())
+    peft_model.save_pretrained(tmp_path / "adapter")
+    with pytest.raises(OSError, match="refused by torch-mhc: .* converted to mhc with 4 "
+                       "streams in this process; no folder holds it: save it with "
+                       "torch_mhc.hf.save_pretrained"):
+        peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter")
+
+    # the documented way: the converted base saved, loaded from its folder, then trained
+    base = mhc_hf.from_pretrained(tmp_path / "base")
+    assert base.name_or_path == str(tmp_path / "base")
+    tuned = peft.get_peft_model(base, peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+        modules_to_save=["mhc_attn", "mhc_mlp"], task_type="CAUSAL_LM"))
+    tuned.train()
+    _train(tuned, ids, mask, steps=2)
+    tuned.eval()
+    tuned.save_pretrained(tmp_path / "adapter2")
+    loaded = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter2",
+                                                           trust_remote_code=True).eval()
+    assert torch.equal(_logits(loaded, ids, mask), _logits(tuned, ids, mask))
+
+
+def test_the_library_save_refuses_a_model_whose_connections_peft_wrapped(tmp_path):
+    """get_peft_model wraps the connections named in modules_to_save inside the model it is
+    given; saving that model wrote their tensors under the wrapper's names, a folder that no
+    load accepts. The save refuses it, naming the wrapped module and the two ways that work."""
+    model = _converted()
+    peft.get_peft_model(model, _lora_config())
+    with pytest.raises(ValueError, match=r"got ModulesToSaveWrapper at "
+                       r"model\.layers\.0\.mhc_attn \(PEFT's modules_to_save .*merge_and_unload"):
+        mhc_hf.save_pretrained(model, tmp_path / "m")
+    with pytest.raises(ValueError, match="ModulesToSaveWrapper"):
+        model.save_pretrained(tmp_path / "m")  # the model's own save (Trainer's path)
+    assert not (tmp_path / "m").exists()

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from torch_mhc.connections import Connection
 from torch_mhc.integrations.hf.convert import (
     CONFIG_KEY,
     ON_CONVERT,
@@ -128,6 +129,19 @@ def _check_saveable(model: nn.Module) -> None:
             "its layers are plain (a config object shared with a model that was converted?); "
             "expected a model converted with torch_mhc.hf.convert"
         )
+    # get_peft_model(model, LoraConfig(modules_to_save=[...])) wraps the connections in
+    # place: their tensors would be saved under the wrapper's names, which no load accepts
+    wrapped = [f"{name}.{attr}" for name, m in model.named_modules() if is_converted(m)
+               for attr in ("mhc_attn", "mhc_mlp")
+               if not isinstance(getattr(m, attr, None), Connection)]
+    if wrapped:
+        raise ValueError(
+            f"torch_mhc.hf.save_pretrained expects a converted model whose connections are "
+            f"torch-mhc connections, got {type(model.get_submodule(wrapped[0])).__name__} at "
+            f"{wrapped[0]} (PEFT's modules_to_save wraps them in the model it was given): save "
+            "the adapter with the PeftModel's save_pretrained, or merge it "
+            "(peft_model.merge_and_unload()) and save the merged model here"
+        )
 
 
 # ------------------------------------------------------------------------------------------
@@ -186,7 +200,9 @@ def from_pretrained(path: str | os.PathLike, **kwargs) -> nn.Module:
         model = cls.from_pretrained(path, **kwargs)
     _check_not_dispatched(model, kwargs.get("device_map"))
     delattr(model.config, CONFIG_KEY)  # the plain model is converted now; convert() records it
+    name = model.name_or_path  # the folder, which holds the converted model: kept
     convert(model, conversion["kind"], conversion["streams"], **conversion.get("options", {}))
+    model.name_or_path = name
     _load_connections(model, tensors, path)
     return model
 

@@ -33,7 +33,7 @@ from torch_mhc.integrations.hf.layers import (
     find_decoder_layers,
     is_converted,
 )
-from torch_mhc.integrations.hf.remote.configuration_torch_mhc import CONVERSION_KEY
+from torch_mhc.integrations.hf.remote.configuration_torch_mhc import CONVERSION_KEY, REFUSED
 
 __all__ = ["convert", "connection_parameters", "train_only_connections", "CONFIG_KEY"]
 
@@ -142,6 +142,7 @@ def convert(model: nn.Module, kind: str = "mhc", streams: int = 4, **connection_
     for name in sorted({type(layer).__name__ for layer in layers}):
         model._no_split_modules = with_no_split(model, name)
     _own_config(model)
+    _mark_unsaved(model, kind, n)
     setattr(model.config, CONFIG_KEY, {
         "kind": kind, "streams": n, "options": dict(connection_kwargs),
         "torch_mhc_version": __version__,
@@ -169,6 +170,26 @@ def _own_config(model: nn.Module) -> None:
             if isinstance(value, PretrainedConfig) and id(value) in memo:
                 setattr(module, name, memo[id(value)])
     model.config = new
+
+
+def _mark_unsaved(model: nn.Module, kind: str, n: int) -> None:
+    """Make the model's name_or_path a sentence that no loader accepts, saying how to load it.
+
+    transformers sets name_or_path to what from_pretrained loaded, and PEFT records it in an
+    adapter's config as the base model (`base_model_name_or_path`), from which
+    AutoPeftModelForCausalLM builds the base: after a conversion in this process that is the
+    plain checkpoint, and the adapter's connections would be dropped without a word. With the
+    sentence it stops on "Repo id must use alphanumeric chars ...: 'refused by torch-mhc: ...'".
+    The config's `_name_or_path` (model cards, pipelines' tokenizers) stays. from_pretrained
+    of a converted folder sets the folder back: that folder holds the converted model.
+    """
+    name = vars(model).get("name_or_path")
+    if not isinstance(name, str) or not name:
+        return  # not a transformers model, or built from a config: nothing to load instead
+    model.name_or_path = (
+        f"{REFUSED} {name} converted to {kind} with {n} streams in this process; "
+        "no folder holds it: save it with torch_mhc.hf.save_pretrained and load that folder"
+    )
 
 
 def with_no_split(model: nn.Module, name: str):
