@@ -576,6 +576,19 @@ def test_connection_triton_equals_reference_and_compiles_fullgraph():
 
 
 @kernel_test
+def test_the_kernels_backwards_refuse_to_build_a_graph():
+    """Second derivatives through the kernels would be wrong (their results are constants to
+    autograd): a backward with create_graph=True is refused, naming the reference."""
+    c, n = 20, 4
+    _, conn_tri = reference_and("triton", c, n, sinkhorn_iters=5)
+    conn_tri.to(DEVICE)
+    x = torch.randn(2, 7, n, c, device=DEVICE, requires_grad=True)
+    with pytest.raises(RuntimeError, match="torch_mhc's 'triton' ops compute first "
+                       "derivatives only"):
+        torch.autograd.grad(conn_tri(x).square().sum(), x, create_graph=True)
+
+
+@kernel_test
 def test_auto_picks_triton_for_cuda_tensors(monkeypatch):
     monkeypatch.delenv(ops.ENV_VAR, raising=False)
     assert ops.get_impl("auto", "cuda", torch.bfloat16).mhc_maps is tri.mhc_maps

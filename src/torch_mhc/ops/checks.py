@@ -7,15 +7,40 @@ does not). The epsilons enter a square root, a sum or a denominator: a negative 
 one gives NaN maps or Sinkhorn denominators that are no longer positive. The parameters'
 shapes are checked against the streams for the same reason: the native loops and the kernels
 index phi (or W) by n and C without bounds, so a misshapen one would be read past its end.
+The fused backwards compute first derivatives only (first_derivatives_only).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
+import torch
+
 __all__ = ["check_hc_scalars", "check_hc_shapes", "check_maps_scalars", "check_mhc_shapes",
-           "check_sinkhorn_scalars"]
+           "check_sinkhorn_scalars", "first_derivatives_only"]
+
+
+def first_derivatives_only(impl: str):
+    """A fused backward (autograd.Function.backward, or an op's registered autograd) that
+    refuses to run where autograd builds a graph of it (grad mode on inside a backward:
+    create_graph=True). Its kernels' results are constants to autograd, so a second derivative
+    taken through them (double backward: gradient penalties, Hessian-vector products) would
+    come out wrong without a word, or fail later on "does not require grad"."""
+    def decorate(backward):
+        @functools.wraps(backward)
+        def checked(*args, **kwargs):
+            if torch.is_grad_enabled():
+                raise RuntimeError(
+                    f"torch_mhc's {impl!r} ops compute first derivatives only: a backward "
+                    "with create_graph=True (double backward: gradient penalties, "
+                    "Hessian-vector products) needs the connections built with "
+                    "impl=\"reference\" (or TORCH_MHC_IMPL=reference for impl=\"auto\")"
+                )
+            return backward(*args, **kwargs)
+        return checked
+    return decorate
 
 
 def _number(op: str, name: str, value) -> None:

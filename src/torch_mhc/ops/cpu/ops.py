@@ -55,6 +55,7 @@ from torch_mhc.ops.checks import (
     check_maps_scalars,
     check_mhc_shapes,
     check_sinkhorn_scalars,
+    first_derivatives_only,
 )
 from torch_mhc.ops.cpu import native as _native
 from torch_mhc.runtime import param_updates
@@ -65,6 +66,9 @@ __all__ = ["mhc_maps", "mhc_maps_pre", "hc_maps", "hc_maps_pre", "pre_aggregate"
 
 # mhc_maps_pre(..., fused_dx=True) and post_merge(..., fused_dx=True) exist; see ops/__init__
 FUSED_DX = True
+
+# the fused backwards: first derivatives only (checks.first_derivatives_only)
+_first_order = first_derivatives_only("cpu")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,6 +108,7 @@ class _Sinkhorn(torch.autograd.Function):
         return out.reshape(logits.shape).to(logits.dtype)
 
     @staticmethod
+    @_first_order
     @_no_autocast
     def backward(ctx, grad):
         (h,) = ctx.saved_tensors
@@ -168,6 +173,7 @@ class _MhcMaps(torch.autograd.Function):
         return (*outs, x.view_as(x)) if fused_dx else outs
 
     @staticmethod
+    @_first_order
     @_no_autocast
     def backward(ctx, g_pre, g_post, g_res, *more):
         g_a = more[0] if ctx.with_pre else None
@@ -496,6 +502,7 @@ class _HcMaps(torch.autograd.Function):
         return maps
 
     @staticmethod
+    @_first_order
     @_no_autocast
     def backward(ctx, g_pre, g_post, g_res):
         x, w, s_alpha, s_beta, r, u, d = ctx.saved_tensors
@@ -603,6 +610,7 @@ class _HcMapsPre(torch.autograd.Function):
         return (*maps, x.view_as(x)) if fused_dx else maps
 
     @staticmethod
+    @_first_order
     @_no_autocast
     def backward(ctx, g_pre, g_post, g_res, g_a, g_merge=None):
         x, w, s_alpha, s_beta, r, u, d, h_pre, h_res = ctx.saved_tensors
@@ -698,6 +706,7 @@ class _PreAggregate(torch.autograd.Function):
         return torch.bmm(h3, x).squeeze(-2)  # [T, C]
 
     @staticmethod
+    @_first_order
     @_no_autocast
     def backward(ctx, grad):
         x, h3 = ctx.saved_tensors
@@ -731,6 +740,7 @@ class _PostMerge(torch.autograd.Function):
         return torch.bmm(h_res, x).addcmul_(h_post.unsqueeze(-1), f.unsqueeze(-2))
 
     @staticmethod
+    @_first_order
     @_no_autocast
     def backward(ctx, g):
         if g is None:
@@ -846,6 +856,7 @@ def _native_pre_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
+@_first_order
 def _native_pre_backward(ctx, da):
     x, h = ctx.saved_tensors
     return torch.ops.torch_mhc.cpu_pre_aggregate_bwd(x, h, da.to(x.dtype).contiguous())

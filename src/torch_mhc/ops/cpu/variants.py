@@ -23,6 +23,7 @@ import torch
 
 from torch_mhc.functional import successors as _ref
 from torch_mhc.functional.sinkhorn import compute_dtype
+from torch_mhc.ops.checks import first_derivatives_only
 from torch_mhc.ops.cpu import native
 from torch_mhc.ops.cpu.ops import (  # (and the torch_mhc::cpu_* ops)
     cached_tables,
@@ -33,6 +34,8 @@ from torch_mhc.ops.cpu.ops import (  # (and the torch_mhc::cpu_* ops)
 )
 
 __all__ = ["takes_native", "variant_maps", "variant_maps_pre", "variant_tables"]
+
+_first_order = first_derivatives_only("cpu")  # (ops.cpu's fused backwards are the same)
 
 
 def _no_autocast(fn):
@@ -152,6 +155,7 @@ class _VariantMaps(torch.autograd.Function):
         return (*outs, x.view_as(x)) if fused_dx else outs
 
     @staticmethod
+    @_first_order
     @_no_autocast
     def backward(ctx, g_pre, g_post, g_res, *more):
         g_a = more[0] if ctx.with_pre else None

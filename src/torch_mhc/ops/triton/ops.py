@@ -69,6 +69,7 @@ from torch_mhc.ops.checks import (
     check_maps_scalars,
     check_mhc_shapes,
     check_sinkhorn_scalars,
+    first_derivatives_only,
 )
 from torch_mhc.ops.triton import kernels as _k
 
@@ -84,6 +85,7 @@ def hc_maps(x, w, s_alpha, s_beta, static_pre, static_post, static_res, norm_eps
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _F32 = torch.float32
+_first_order = first_derivatives_only("triton")  # the kernels' backwards (checks.py)
 
 
 # Decided when triton.kernels was imported; a constant, so torch.compile never traces a
@@ -578,6 +580,7 @@ def _dense_map_grads(x: Tensor, g_pre, g_post, g_res) -> tuple[Tensor, Tensor, T
     return dense(g_pre, (t, n)), dense(g_post, (t, n)), dense(g_res, (t, n, n))
 
 
+@_first_order
 def _maps_backward(ctx, g_pre, g_post, g_res, _g_logits, _g_r):
     x, phi, alpha, b_pre, b_post, b_res, logits, r = ctx.saved_tensors
     g_pre, g_post, g_res = _dense_map_grads(x, g_pre, g_post, g_res)
@@ -701,6 +704,7 @@ def _pre_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
+@_first_order
 def _pre_backward(ctx, da):
     x, h = ctx.saved_tensors
     return torch.ops.torch_mhc.pre_aggregate_bwd(x, h, da.to(x.dtype).contiguous())
@@ -785,6 +789,7 @@ def _merge_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
+@_first_order
 def _merge_backward(ctx, g):
     x, f, h_post, h_res = ctx.saved_tensors
     return torch.ops.torch_mhc.post_merge_bwd(x, f, h_post, h_res, g.to(x.dtype).contiguous())
@@ -863,6 +868,7 @@ def _sinkhorn_setup(ctx, inputs, output):
     ctx.iters, ctx.eps = iters, eps
 
 
+@_first_order
 def _sinkhorn_backward(ctx, g):
     (logits,) = ctx.saved_tensors
     dlogits = torch.ops.torch_mhc.sinkhorn_bwd(
@@ -1057,6 +1063,7 @@ def _variant_setup(ctx, inputs, output):
     ctx.save_for_backward(x, phi, alpha, b_pre, b_post, b_res, logits, r)
 
 
+@_first_order
 def _variant_backward(ctx, g_pre, g_post, g_res, _g_logits, _g_r):
     x, phi, alpha, b_pre, b_post, b_res, logits, r = ctx.saved_tensors
     g_pre, g_post, g_res = _dense_map_grads(x, g_pre, g_post, g_res)
