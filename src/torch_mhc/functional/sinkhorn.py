@@ -169,15 +169,21 @@ def _log_backward(h, g, iters, dims):
     return g, out
 
 
+def _data_free(t: torch.Tensor) -> bool:
+    """Whether to compute without data-dependent branches or shapes: under torch.compile,
+    and where the data cannot be read (meta tensors, FakeTensorMode's fakes, other
+    subclasses); every matrix then runs both domains and the mask picks."""
+    return torch.compiler.is_compiling() or type(t) is not torch.Tensor or t.is_meta
+
+
 def _far(h: torch.Tensor, eps: float, dims: Dims) -> torch.Tensor | None:
     """Mask of the matrices to iterate in the log domain (size 1 along dims), or None
-    when all take the linear domain. Under torch.compile always a mask (no data-dependent
-    branch)."""
+    when all take the linear domain; always a mask where _data_free."""
     if eps:
         return None
     spread = h.amax(dim=dims, keepdim=True) - h.amin(dim=dims, keepdim=True)
     far = ~(spread <= LINEAR_RANGE)  # NaN logits count as far
-    if torch.compiler.is_compiling() or bool(far.any()):
+    if _data_free(far) or bool(far.any()):
         return far
     return None
 
@@ -206,13 +212,13 @@ def sinkhorn_forward(h: torch.Tensor, iters: int, eps: float = 0.0,
     """Eq. 9 on the matrices of h (compute dtype) along dims, each in its domain (module
     docstring). No autograd: pair with sinkhorn_backward. The far matrices enter the linear
     loop as zeros (the uniform matrix: no 0 / 0) and their log-domain values replace them;
-    eager runs the log domain on those matrices only, a compiled graph on all (no
-    data-dependent shapes)."""
+    eager runs the log domain on those matrices only, a compiled graph (and meta or fake
+    tensors) on all (no data-dependent shapes)."""
     far = _far(h, eps, dims)
     if far is None:
         return _linear_iterates(h, iters, eps, dims, keep=False)[0]
     out = _linear_iterates(torch.where(far, 0.0, h), iters, eps, dims, keep=False)[0]
-    if torch.compiler.is_compiling():
+    if _data_free(far):
         log_out = _log_iterates(torch.where(far, h, 0.0), iters, dims, keep=False)[0]
         return torch.where(far, log_out, out)
     index = _far_index(far, dims)
@@ -228,7 +234,7 @@ def sinkhorn_backward(h: torch.Tensor, g: torch.Tensor, iters: int, eps: float =
     far = _far(h, eps, dims)
     if far is None:
         grad, out = _linear_backward(h, g, iters, eps, dims)
-    elif torch.compiler.is_compiling():
+    elif _data_free(far):
         grad, out = _linear_backward(torch.where(far, 0.0, h), g, iters, eps, dims)
         log_grad, log_out = _log_backward(torch.where(far, h, 0.0), g, iters, dims)
         grad, out = torch.where(far, log_grad, grad), torch.where(far, log_out, out)

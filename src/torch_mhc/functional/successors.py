@@ -55,7 +55,7 @@ def kronecker_pattern(n: int, dtype: torch.dtype = torch.float32) -> torch.Tenso
 def mhc_lite_res(z: torch.Tensor, perms: torch.Tensor) -> torch.Tensor:
     """sum_k softmax(z)_k P_k: z [..., n!], perms [n!, n, n] -> [..., n, n]."""
     a = torch.softmax(z, dim=-1)
-    return (a @ perms.to(a.dtype).flatten(-2)).unflatten(-1, perms.shape[-2:])
+    return (a @ perms.to(a.device, a.dtype).flatten(-2)).unflatten(-1, perms.shape[-2:])
 
 
 def kromhc_res(z: torch.Tensor, same: torch.Tensor) -> torch.Tensor:
@@ -63,7 +63,7 @@ def kromhc_res(z: torch.Tensor, same: torch.Tensor) -> torch.Tensor:
     same [m, n, n] (kronecker_pattern) -> [..., n, n]. Entry (i, j) is the product over k of
     a_k where bit k of i and j agree and 1 - a_k where they differ."""
     a = torch.sigmoid(z)[..., :, None, None]  # [..., m, 1, 1]
-    s = same.to(a.dtype)
+    s = same.to(a.device, a.dtype)
     factors = s * a + (1.0 - s) * (1.0 - a)  # [..., m, n, n]
     if factors.shape[-3] == 0:  # n = 1: the empty product
         return torch.ones(*z.shape[:-1], 1, 1, dtype=z.dtype, device=z.device)

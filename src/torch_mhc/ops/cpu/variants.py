@@ -88,7 +88,7 @@ def _res_forward(kind: str, z: torch.Tensor, n: int):
     zw = z.to(torch.float64)
     if kind == "mhc-lite":
         a = torch.softmax(zw, dim=-1)
-        perms = _ref.permutation_matrices(n, torch.float64)  # [R, n, n]
+        perms = _ref.permutation_matrices(n, torch.float64).to(zw.device)  # [R, n, n]
         h = (a @ perms.flatten(-2)).unflatten(-1, (n, n))  # mhc_lite_res's sum, from a
     else:
         a = torch.sigmoid(zw)
@@ -101,10 +101,10 @@ def _res_backward(kind: str, a: torch.Tensor, g: torch.Tensor, n: int) -> torch.
     forward's float64 weights a [T, R] (softmax(z) or sigmoid(z))."""
     g = g.to(torch.float64)
     if kind == "mhc-lite":
-        perms = _ref.permutation_matrices(n, torch.float64).flatten(-2)  # [R, n n]
+        perms = _ref.permutation_matrices(n, torch.float64).to(g.device).flatten(-2)
         da = g.flatten(-2) @ perms.t()  # [T, R]: <g, P_k>
         return a * (da - (a * da).sum(dim=-1, keepdim=True))
-    same = _ref.kronecker_pattern(n, torch.float64)  # [m, n, n]
+    same = _ref.kronecker_pattern(n, torch.float64).to(g.device)  # [m, n, n]
     aa = a[..., None, None]
     factors = same * aa + (1.0 - same) * (1.0 - aa)  # [T, m, n, n]
     m = same.shape[0]
