@@ -200,9 +200,29 @@ def test_refusals_leave_everything_as_it_was(runs, tmp_path, capsys):
     code, _, err = run(["export-hf", runs["mhc"], out], capsys)
     assert_one_line_error(code, err, "exists and is not empty; pass --overwrite")
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    # --overwrite replaces an earlier export only: not a user's file, nor a training run
     code, _, err = run(["export-hf", runs["mhc"], out, "--overwrite"], capsys)
+    assert_one_line_error(code, err, "is not an earlier export (no config.json of model_type "
+                                     "'torch_mhc_lm'); --overwrite replaces only an export")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    live = tmp_path / "live"
+    shutil.copytree(runs["hc"], live)
+    before = sorted(p.name for p in live.iterdir())
+    code, _, err = run(["export-hf", runs["mhc"], live, "--overwrite"], capsys)
+    assert_one_line_error(code, err, "is not an earlier export")
+    assert sorted(p.name for p in live.iterdir()) == before
+    (out / "keep.txt").unlink()
+    code, _, err = run(["export-hf", runs["mhc"], out], capsys)
     assert code == 0, err
+    code, _, err = run(["export-hf", runs["hc"], out, "--overwrite"], capsys)
+    assert code == 0, err  # an export replaced by another
     assert {p.name for p in out.iterdir()} == FILES
+    (out / "notes.txt").write_text("mine")  # beside an export: it would be lost
+    code, _, err = run(["export-hf", runs["mhc"], out, "--overwrite"], capsys)
+    assert_one_line_error(code, err, "holds notes.txt, which an export does not write")
+    assert {p.name for p in out.iterdir()} == FILES | {"notes.txt"}
+    (out / "notes.txt").unlink()
+    shutil.rmtree(live)
     code, _, err = run(["export-hf", tmp_path / "nowhere", tmp_path / "x"], capsys)
     assert_one_line_error(code, err, "no run at", "does not exist")
     code, _, err = run(["export-hf", tmp_path / "out", tmp_path / "x"], capsys)

@@ -26,7 +26,9 @@ flag transformers asks on a terminal whether to run it):
 The folder is built in a temporary sibling of OUT_DIR, its model is loaded from there with
 its own code and its logits are compared with the run's model (`torch_mhc.lm.load_model`);
 only then is it renamed to OUT_DIR. An existing non-empty OUT_DIR is refused unless
---overwrite.
+--overwrite, which replaces an earlier export only: a folder whose config.json is an export's
+and which holds no file the new export does not write (a training run's checkpoint and lock,
+a user's notes) would lose nothing but the export it replaces.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import argparse
 import ast
 import contextlib
 import importlib
+import json
 import os
 import shutil
 import sys
@@ -175,8 +178,23 @@ def _check_out_dir(given: Path, out: Path, run: Path, overwrite: bool) -> None:
     if target == here or target in here.parents:  # it would be moved away from under us
         raise UsageError(f"{given} is the current folder or holds it, which the export would "
                          "replace; name another folder (e.g. a new one inside it)")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise UsageError(f"{given} exists and is not empty; pass --overwrite to replace it")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise UsageError(f"{given} exists and is not empty; pass --overwrite to replace it")
+        if not _is_export(out):
+            raise UsageError(
+                f"{given} is not an earlier export (no config.json of model_type "
+                f"{MODEL_TYPE!r}); --overwrite replaces only an export, so that no run or "
+                "other file is lost: name another folder")
+
+
+def _is_export(folder: Path) -> bool:
+    """Whether folder's config.json is one export-hf writes."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("model_type") == MODEL_TYPE
 
 
 def _require_modules() -> None:
@@ -199,6 +217,14 @@ def _install(tmp: Path, out: Path, overwrite: bool) -> None:
         return
     if not overwrite and any(out.iterdir()):  # filled since the first check
         raise UsageError(f"{out} exists and is not empty; pass --overwrite to replace it")
+    present = {p.name for p in out.iterdir()}
+    extra = sorted(present - {p.name for p in tmp.iterdir()})
+    if present and (extra or not _is_export(out)):  # it would delete more than an export
+        raise UsageError(
+            f"{out} holds {', '.join(extra[:5]) or 'a config.json'}"
+            f"{' ...' if len(extra) > 5 else ''}, which an export does not write; "
+            "--overwrite replaces only an earlier export, so that no run or other file is "
+            "lost: name another folder")
     old = out.with_name(f".{out.name}.replaced-{uuid.uuid4().hex[:8]}")
     os.rename(out, old)
     os.rename(tmp, out)
