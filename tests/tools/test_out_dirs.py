@@ -65,3 +65,24 @@ def test_another_commands_file_is_refused(command, marker, tmp_path, train_run, 
     flag = "--out-dir" if command == "train" else "--out"
     assert_one_line_error(code, err, f"{flag} {out} holds {marker}, written by {writer}")
     assert _listing(out) == before
+
+
+@pytest.mark.parametrize("command, marker, below", [
+    ("train", "report.json", "mhc"), ("train", "report.json", "mhc/seed0"),
+    ("train", "upcycle.json", "hc/seed1"), ("compare", "upcycle.json", "mhc"),
+    ("sweep", "report.json", "hc")])
+def test_a_folder_among_another_commands_runs_is_refused(command, marker, below, tmp_path,
+                                                         train_run, tiny_flags, capsys):
+    """A comparison's and an upcycling's runs live in <kind>/ and <kind>/seed<S>/: a training
+    run put there by hand sat among them (export-hf --kind exported it as the comparison's)."""
+    root = tmp_path / "theirs"
+    root.mkdir()
+    (root / marker).write_text("{}")
+    out = root / below
+    before = _listing(root)
+    code, _, err = run_cli(_argv(command, out, tiny_flags, train_run), capsys)
+    flag = "--out-dir" if command == "train" else "--out"
+    assert_one_line_error(code, err, f"{flag} {out} lies inside ",
+                          f"a folder of {MARKERS[marker]} (it holds {marker}), among that "
+                          "command's runs")
+    assert _listing(root) == before

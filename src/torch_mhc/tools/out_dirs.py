@@ -5,6 +5,9 @@
 what they find there by name. Pointed at a folder another command wrote, one would put its
 files beside the other's (a comparison's report beside a training run's checkpoint, and its
 runs in folders next to it): each refuses such a folder instead, naming the file it found.
+So too one and two levels down: a comparison's and an upcycling's runs live in `<kind>/` and
+`<kind>/seed<S>/`, where a training run put by hand would sit among them (and `mhc export-hf
+--kind` would export it as the comparison's).
 (A comparison writes report.json when it ends: one interrupted before is not recognised.)
 """
 
@@ -36,4 +39,11 @@ def check_out_dir(out: str | os.PathLike, command: str, flag: str = "--out") -> 
             raise ConfigError(
                 f"{flag} {path} holds {name}, written by {writer}: {command} would write its "
                 f"own files beside it; choose another folder for the {command} run")
+    for above in (path.parent, path.parent.parent):
+        for name, writer in MARKERS.items():
+            if writer not in (command, "mhc train") and (above / name).exists():
+                raise ConfigError(
+                    f"{flag} {path} lies inside {above}, a folder of {writer} (it holds "
+                    f"{name}), among that command's runs: choose a folder outside it for the "
+                    f"{command} run")
     return path
