@@ -358,3 +358,18 @@ def test_summary_table_without_a_residual_run_writes_n_a(tiny_report):
     assert rows and all(row.split(" | ")[10] == "n/a" for row in rows)
     rows = summary_table(report).splitlines()[2:]
     assert all(row.split(" | ")[10].endswith("x") for row in rows)
+
+
+def test_an_earlier_comparisons_runs_are_removed_and_named(tmp_path):
+    """Another comparison into the same folder replaces the earlier one: the runs of kinds
+    it does not train and of other seed counts go, and compare names each on stderr."""
+    from torch_mhc.tools.compare.run import remove_stale
+
+    for folder in ("hc/seed0", "hc/seed1", "mhc/seed0", "mhc/seed1", "mhc/seed2", "residual"):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "residual" / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "notes.txt").write_text("mine")
+    removed = remove_stale(tmp_path, ("residual", "mhc"), [0, 1], written=[])
+    assert removed == ["residual/metrics.jsonl", "hc/", "mhc/seed2/"]
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+        "mhc", "mhc/seed0", "mhc/seed1", "notes.txt", "residual"]

@@ -57,6 +57,7 @@ import os
 import platform
 import re
 import shutil
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -195,7 +196,11 @@ def compare(out_dir: str | os.PathLike, preset: str = "default", *,
                      time.perf_counter() - t_start)
     if _rank0():
         written = write_report(out, report, results)
-        remove_stale(out, kinds, seed_list, written)
+        removed = remove_stale(out, kinds, seed_list, written)
+        if removed:  # an earlier comparison's runs, gone with it: say so
+            print(f"mhc compare: note: removed {', '.join(removed)} from {out}, left by an "
+                  "earlier comparison into this folder (this one replaces it)",
+                  file=sys.stderr, flush=True)
     return report
 
 
@@ -227,20 +232,23 @@ def _rank0() -> bool:
 
 
 def remove_stale(out: Path, kinds: tuple[str, ...], seed_list: list[int],
-                 written: list[str]) -> None:
+                 written: list[str]) -> list[str]:
     """Remove what an earlier comparison left in out that this one did not write: figures it
     did not draw, folders of kinds it did not train, and in the kinds' folders the seed<S>
     folders of other seeds (with one seed: every seed folder; with several: the files of a
-    single-seed run). Only names compare writes are touched."""
+    single-seed run). Only names compare writes are touched. Returns the runs' folders and
+    files removed (relative to out; the figures left out)."""
     for name in FIGURES:
         if name not in written:
             (out / name).unlink(missing_ok=True)
+    removed = []
     for kind in KINDS:
         folder = out / kind
         if not folder.is_dir():
             continue
         if kind not in kinds:
             shutil.rmtree(folder)
+            removed.append(f"{kind}/")
             continue
         keep = {f"seed{s}" for s in seed_list} if len(seed_list) > 1 else set()
         for entry in folder.iterdir():
@@ -251,6 +259,8 @@ def remove_stale(out: Path, kinds: tuple[str, ...], seed_list: list[int],
                     shutil.rmtree(entry)
                 else:
                     entry.unlink()
+                removed.append(f"{kind}/{entry.name}{'/' if stale_seed else ''}")
+    return removed
 
 
 def preset_label(preset: str, base: TrainConfig) -> str:
