@@ -170,6 +170,30 @@ def test_resume_refuses_another_model(tmp_path, tiny_config):
     assert _folder_bytes(out / "ckpt") == before
 
 
+def test_resume_refuses_another_batch_shape_without_falling_back(tmp_path, tiny_config,
+                                                                  capsys):
+    """Another batch size is the launch's setting, not a damaged checkpoint: one error that
+    says what the run was trained on, and no fallback to ckpt.prev (which cannot fit
+    either)."""
+    out = tmp_path / "run"
+    cfg = tiny_config("mhc", out_dir=str(out), steps=2)
+    train(cfg)
+    def files():  # (the run's lock is taken and released by every launch)
+        return {p.relative_to(out): p.stat().st_mtime_ns for p in out.rglob("*")
+                if p.name != ".lock"}
+
+    before = files()
+    capsys.readouterr()
+    with pytest.raises(ConfigError, match=(
+            f"ckpt was trained on batches of {cfg.batch_size} x {cfg.seq_len} tokens from "
+            "[0-9,]+ training tokens; this launch has batches of 1 x "
+            f"{cfg.seq_len} tokens from [0-9,]+ training tokens: a resumed run keeps its "
+            "batch size, sequence length and data")):
+        train(tiny_config("mhc", out_dir=str(out), steps=4, resume=True, batch_size=1))
+    assert "ckpt.prev" not in capsys.readouterr().err
+    assert files() == before
+
+
 # ---------------------------------------------------------------------------------------------
 # Spike policy
 

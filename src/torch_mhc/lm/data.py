@@ -98,6 +98,7 @@ __all__ = [
     "SEPARATOR",
     "VOCAB_SIZE",
     "BatchSampler",
+    "BatchShapeChanged",
     "Corpus",
     "bits_per_byte",
     "decode",
@@ -663,17 +664,35 @@ class BatchSampler:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state`; the data and batch shape must match those it was saved with,
-        else the batches would silently differ from an uninterrupted run's."""
+        else the batches would silently differ from an uninterrupted run's
+        (BatchShapeChanged)."""
         mine = {"batch_size": self.batch_size, "seq_len": self.seq_len,
                 "n_tokens": len(self.tokens)}
         theirs = {k: state.get(k) for k in mine}
         if mine != theirs:
-            raise ValueError(f"sampler state was saved for {theirs}, this sampler has {mine}")
+            raise BatchShapeChanged(theirs, mine)
         rng = np.random.default_rng()
         rng.bit_generator.state = state["rng"]
         self._rng = rng
         self.seed = state["seed"]
         self.step = state["step"]
+
+
+class BatchShapeChanged(ValueError):
+    """A sampler's state loaded into a sampler of another batch size, sequence length or
+    data: `saved` and `now`, {"batch_size", "seq_len", "n_tokens"} each."""
+
+    def __init__(self, saved: dict, now: dict):
+        self.saved, self.now = saved, now
+        super().__init__(f"sampler state was saved for {saved}, this sampler has {now}")
+
+    def describe(self) -> str:
+        """The two as words: batches of B x T tokens from N training tokens."""
+        def words(d):
+            n = d["n_tokens"]
+            return (f"batches of {d['batch_size']} x {d['seq_len']} tokens from "
+                    f"{n:,} training tokens" if isinstance(n, int) else f"{d}")
+        return f"{words(self.saved)}; this launch has {words(self.now)}"
 
 
 def val_batches(tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int,

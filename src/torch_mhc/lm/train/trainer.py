@@ -352,6 +352,12 @@ class Trainer:
         ckpt.restore(path, self.saved_model, self.optimizer)
         try:
             self.sampler.load_state_dict(state["sampler"])
+        except _data.BatchShapeChanged as e:  # the launch's settings, not a damaged checkpoint
+            raise ConfigError(
+                f"{path} was trained on {e.describe()}: a resumed run keeps its batch size, "
+                "sequence length and data (they fix the order of its batches); resume with "
+                "the run's own, or start a new run") from None
+        try:
             self.ctx.guard.load_state_dict(state["spike"])
             set_rng_state(state["rng"])
             histories = {key: list(state["history"].get(key, [])) for key in _HISTORIES}
