@@ -2,6 +2,7 @@
 
 import copy
 import math
+import re
 import warnings
 
 import numpy as np
@@ -22,6 +23,7 @@ from torch_mhc import (
     param_groups,
     reduce_streams,
 )
+from torch_mhc.runtime.recompute import recompute_streams
 
 # The core kinds and mHC's successors: every one starts as the Pre-Norm residual network.
 ALL_KINDS = ["hc", "mhc", "mhc-lite", "kromhc", "mhc-static-res"]
@@ -322,6 +324,29 @@ def test_a_branch_must_return_a_tensor(make):
     x = torch.randn(2, conn.streams, 8)
     with pytest.raises(TypeError, match="branch must return a tensor .*got tuple"):
         conn(x)
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
+@pytest.mark.parametrize("kind", ["residual", "hc", "mhc", "kromhc"])
+def test_a_branch_output_of_another_shape_is_refused(kind, impl):
+    """The torch merge broadcast a [..., 1] (or [C]) branch output onto every channel and
+    token without a word, the native one refused it: every kind and implementation now
+    refuses it, also under recomputation, and names both shapes; the input's NaN is named
+    as the input's, the residual's too."""
+    n = 1 if kind == "residual" else 4
+    x = torch.randn(2, 3, n, 8)
+    for branch in (lambda h: h.sum(-1, keepdim=True), lambda h: h[0, 0]):
+        conn = make_connection(kind, 8, n, 0, branch, impl=impl)
+        got = tuple(branch(torch.zeros(2, 3, 8)).shape)
+        with pytest.raises(ValueError, match=re.escape(
+                f"the branch must return a tensor of its input's shape (2, 3, 8), got {got}")):
+            conn(x)
+        with recompute_streams(2), pytest.raises(ValueError, match="input's shape"):
+            conn(x.requires_grad_())
+        x = x.detach()
+    conn = make_connection(kind, 8, n, 0, nn.Identity(), impl=impl, check_finite=True)
+    with pytest.raises(FloatingPointError, match="the input streams contains NaN or Inf"):
+        conn(torch.full((2, 3, n, 8), float("nan")))
 
 
 def test_constructor_counts_are_ints_not_bools():

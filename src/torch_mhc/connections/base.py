@@ -247,11 +247,19 @@ class Connection(nn.Module):
                 f"{what} contains NaN or Inf"
             )
 
-    def _check_branch_output(self, f) -> None:
+    def _check_branch_output(self, f, h_in: torch.Tensor | None = None) -> None:
+        """f must be a tensor of the branch input's shape h_in [..., C]: the merge would
+        broadcast another (a [..., 1] output onto every channel) in the torch
+        implementations, silently."""
         if not isinstance(f, torch.Tensor):
             raise TypeError(
                 f"{type(self).__name__}: the branch must return a tensor [..., {self.dim}], "
                 f"got {type(f).__name__}"
+            )
+        if h_in is not None and f.shape != h_in.shape:
+            raise ValueError(
+                f"{type(self).__name__}: the branch must return a tensor of its input's shape "
+                f"{tuple(h_in.shape)}, got {tuple(f.shape)}"
             )
         if self.check_finite:
             self._check_finite("the branch output", f)
@@ -283,7 +291,7 @@ class Connection(nn.Module):
             return _recompute.ACTIVE.run(self, x, args, kwargs)
         h_in, state = self.mix_in(x)
         f = self.branch(h_in, *args, **kwargs)
-        self._check_branch_output(f)
+        self._check_branch_output(f, h_in)
         return self.mix_out(x, f, state)
 
     def _prepared_decoder(self, x):

@@ -14,9 +14,9 @@ __all__ = ["Residual"]
 class Residual(Connection):
     """The plain residual x + F(x) on a single stream: x [..., 1, C].
 
-    check_finite checks the branch output, as every kind's does; impl is taken so that one
-    make_connection call serves every kind (the residual has no maps whose ops it would
-    choose)."""
+    check_finite checks the input and the branch output, as every kind's does; impl is taken
+    so that one make_connection call serves every kind (the residual has no maps whose ops it
+    would choose)."""
 
     kind = "residual"
 
@@ -37,6 +37,9 @@ class Residual(Connection):
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         self.check_input(x)
-        f = self.branch(x.squeeze(-2), *args, **kwargs)
-        self._check_branch_output(f)
+        if self.check_finite:
+            self._check_finite("the input streams", x)
+        h = x.squeeze(-2)
+        f = self.branch(h, *args, **kwargs)
+        self._check_branch_output(f, h)
         return x + f.unsqueeze(-2)
