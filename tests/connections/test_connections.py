@@ -382,6 +382,25 @@ def test_stream_head_resets_to_the_mean_after_a_meta_build():
         torch_mhc.StreamHead(8, 4, gate_init=float("nan"))
 
 
+def test_param_groups_extra_no_decay_names_parameters():
+    """extra_no_decay takes full parameter names, a tied weight's second name too; a name of
+    nothing (a module's name, a typo) is an error, not an exemption of nothing."""
+    emb = nn.Embedding(10, 8)
+    head = nn.Linear(8, 10, bias=False)
+    head.weight = emb.weight  # tied
+    model = nn.ModuleDict({"wte": emb, "wpe": nn.Embedding(4, 8), "head": head,
+                           "conn": ManifoldHyperConnection(8, 4, 0, nn.Linear(8, 8))})
+    decay, no_decay = param_groups(model, extra_no_decay=["wpe.weight", "head.weight"])
+    exempt = {id(p) for p in no_decay["params"]}
+    assert id(model["wpe"].weight) in exempt and id(emb.weight) in exempt
+    assert id(model["conn"].phi) in {id(p) for p in decay["params"]}
+    with pytest.raises(ValueError, match=r"extra_no_decay names no parameter of the model: "
+                                         r"\['wpe'\]; expected full names .* 'wte.weight'"):
+        param_groups(model, extra_no_decay=["wpe"])
+    with pytest.raises(TypeError, match="a list of parameter names, got the string"):
+        param_groups(model, extra_no_decay="wpe.weight")
+
+
 def test_param_groups_wants_a_module():
     conn = ManifoldHyperConnection(8, 4, 0, nn.Linear(8, 8))
     with pytest.raises(TypeError, match="param_groups expects an nn.Module .* got list"):

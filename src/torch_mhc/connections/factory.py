@@ -125,7 +125,9 @@ def param_groups(
     """AdamW parameter groups: connection static maps and gates without weight decay.
 
     Also exempt (the usual practice for transformers): every parameter with fewer than two
-    dimensions (biases, norm weights) and names listed in extra_no_decay.
+    dimensions (biases, norm weights) and the parameters extra_no_decay names, by their full
+    names in model.named_parameters() ("wpe.weight"); a name that is none of them is a
+    ValueError (it would exempt nothing, silently).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -137,12 +139,23 @@ def param_groups(
         if isinstance(module, Connection):
             for name in module.no_weight_decay():
                 no_decay_ids.add(id(getattr(module, name)))
+    if isinstance(extra_no_decay, str):
+        raise TypeError(f"param_groups expects extra_no_decay to be a list of parameter names, "
+                        f"got the string {extra_no_decay!r}")
     extra = set(extra_no_decay)
+    named = list(model.named_parameters(remove_duplicate=False))  # a tied weight's every name
+    extra_ids = {id(p) for name, p in named if name in extra}
+    unknown = extra - {name for name, _ in named}
+    if unknown:
+        raise ValueError(
+            f"param_groups: extra_no_decay names no parameter of the model: "
+            f"{sorted(unknown)}; expected full names from model.named_parameters(), e.g. "
+            f"{next((n for n, _ in model.named_parameters()), 'none')!r}")
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for p in model.parameters():
         if not p.requires_grad:
             continue
-        if id(p) in no_decay_ids or p.dim() < 2 or name in extra:
+        if id(p) in no_decay_ids or p.dim() < 2 or id(p) in extra_ids:
             no_decay.append(p)
         else:
             decay.append(p)
