@@ -176,6 +176,13 @@ def test_generate_temperature_must_be_finite(tmp_path, capsys, value):
                           f"number >= 0, got {float(value)}")
 
 
+@pytest.mark.parametrize("value", ["-3", str(2**32)])
+def test_generate_seed_lies_where_trains_does(tmp_path, capsys, value):
+    code, _, err = run(["generate", "--checkpoint", tmp_path, "--seed", value], capsys)
+    assert_one_line_error(code, err, f"mhc generate: error: --seed must lie in [0, {2**32 - 1}]"
+                          f", got {value}")
+
+
 def test_bench_checks_json_path_before_running(tmp_path, capsys):
     code, out, err = run(["bench", "--quick", "--json", tmp_path], capsys)
     assert_one_line_error(code, err, "mhc bench: error:", f"--json {tmp_path} is a folder")

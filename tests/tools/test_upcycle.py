@@ -143,6 +143,17 @@ def test_bad_input_is_one_line_and_exit_2(upcycled, capsys):
     assert not (root / "bad").exists()  # refused before anything was written
 
 
+def test_a_warmup_past_the_steps_is_warned_of(upcycled, capsys):
+    """As mhc train and compare warn: the learning rate would never reach its peak."""
+    root, _, _ = upcycled
+    capsys.readouterr()
+    assert main(["upcycle", "--from", str(root / "res"), "--kinds", "hc", "--steps", str(STEPS),
+                 "--warmup", str(STEPS), "--out", str(root / "warm"), "--eval-every", "0"]) == 0
+    err = capsys.readouterr().err
+    assert (f"mhc upcycle: warning: warmup ({STEPS}) >= steps ({STEPS}): the learning rate "
+            "rises for the whole run") in err
+
+
 def test_report_numbers_that_round_to_zero_carry_no_minus():
     from torch_mhc.tools.upcycle import report as upcycle_report
 

@@ -297,6 +297,10 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    from torch_mhc.lm.config import SEED_MAX
+
+    if not 0 <= args.seed <= SEED_MAX:  # as train's and upcycle's seeds
+        raise UsageError(f"--seed must lie in [0, {SEED_MAX}], got {args.seed}")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise UsageError(f"--temperature must be a finite number >= 0, got {args.temperature}")
     if not args.prompt:

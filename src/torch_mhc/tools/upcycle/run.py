@@ -125,6 +125,10 @@ def upcycle(source: str, out: str, *, kinds: tuple[str, ...] = ("hc", "mhc"), st
     streams = src.model.cfg.streams if streams is None else streams
     kinds = check_kinds(tuple(kinds), streams)
     base = continuation_config(src, steps, lr, warmup, eval_every, verbose)
+    if base.warmup >= base.steps:  # as mhc train warns
+        print(f"mhc upcycle: warning: warmup ({base.warmup}) >= steps ({base.steps}): the "
+              "learning rate rises for the whole run and never reaches its peak",
+              file=sys.stderr, flush=True)
     first = base.seed + 1 if seed is None else seed
     _check_int("--seed", first, lo=0)
     if first + seeds - 1 > SEED_MAX:
