@@ -206,6 +206,12 @@ def test_resume_continues_to_more_steps(tmp_path, tiny_flags, capsys):
     assert code == 0, err
     assert load_checkpoint(out)["step"] == 6
     assert load_checkpoint(out / "ckpt.prev")["step"] == 4
+    # resumed once more, finished: nothing to run, and the done line says so (not nan)
+    loud = [flag for flag in tiny_flags if flag != "--quiet"]
+    code, printed, err = run(["train", *loud, "--out", out, "--resume", "--steps", "6"], capsys)
+    assert code == 0, err
+    done = next(line for line in printed.splitlines() if line.startswith("done: 6 steps"))
+    assert "no step in this launch" in done and "nan" not in done
 
 
 def test_resume_takes_the_runs_own_settings(tmp_path, tiny_flags, capsys, monkeypatch):

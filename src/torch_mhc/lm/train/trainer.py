@@ -536,9 +536,11 @@ class Trainer:
 
     def _say_done(self) -> None:
         r = self.result
+        speed = (f"{r.tokens_per_s:,.0f} tokens/s" if math.isfinite(r.tokens_per_s)
+                 else "no step in this launch")  # a finished run resumed
         self.printer(
             f"done: {r.steps} steps, final loss {r.final_loss:.4f} ({_last_steps(r)}), val "
-            f"{r.val_loss:.4f} nats = {r.val_bpb:.4f} bits/byte, {r.tokens_per_s:,.0f} tokens/s"
+            f"{r.val_loss:.4f} nats = {r.val_bpb:.4f} bits/byte, {speed}"
             + (f", checkpoint {r.checkpoint}" if r.checkpoint else "")
         )
 
