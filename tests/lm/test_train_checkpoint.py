@@ -150,6 +150,23 @@ def test_corrupt_last_falls_back_to_prev(trained, tiny_config, capsys):
     assert [x["step"] for x in lines if x["kind"] == "train"] == [2, 4, 6]
 
 
+@pytest.mark.parametrize("sampler", [
+    {"rng": {"bit_generator": "not a generator"}},  # a generator state numpy refuses
+    {"batch_size": None},  # no batch shape: damaged, not another launch's setting
+])
+def test_damaged_sampler_state_falls_back_to_prev(trained, tiny_config, reseal, capsys,
+                                                  sampler):
+    extra = torch.load(trained / "ckpt" / "extra.pt", weights_only=True)
+    extra["sampler"] = {**extra["sampler"], **sampler}
+    torch.save(extra, trained / "ckpt" / "extra.pt")
+    reseal(trained / "ckpt")
+    r = train(tiny_config("mhc", out_dir=str(trained), steps=6, checkpoint_every=2,
+                          resume=True))
+    err = capsys.readouterr().err
+    assert "does not fit this run" in err and "resuming from the previous checkpoint" in err
+    assert r.steps == 6 and load_checkpoint(trained)["step"] == 6
+
+
 def test_another_model_is_refused_before_any_tensor_is_read(trained, tiny_config, monkeypatch):
     def no_tensors(*args, **kwargs):
         raise AssertionError("tensors read before the configuration was checked")

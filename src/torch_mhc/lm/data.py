@@ -670,6 +670,8 @@ class BatchSampler:
                 "n_tokens": len(self.tokens)}
         theirs = {k: state.get(k) for k in mine}
         if mine != theirs:
+            if not all(isinstance(v, int) for v in theirs.values()):  # damaged, not changed
+                raise ValueError(f"sampler state holds no batch shape: {theirs}")
             raise BatchShapeChanged(theirs, mine)
         rng = np.random.default_rng()
         rng.bit_generator.state = state["rng"]
@@ -689,9 +691,8 @@ class BatchShapeChanged(ValueError):
     def describe(self) -> str:
         """The two as words: batches of B x T tokens from N training tokens."""
         def words(d):
-            n = d["n_tokens"]
             return (f"batches of {d['batch_size']} x {d['seq_len']} tokens from "
-                    f"{n:,} training tokens" if isinstance(n, int) else f"{d}")
+                    f"{d['n_tokens']:,} training tokens")
         return f"{words(self.saved)}; this launch has {words(self.now)}"
 
 

@@ -352,18 +352,17 @@ class Trainer:
         ckpt.restore(path, self.saved_model, self.optimizer)
         try:
             self.sampler.load_state_dict(state["sampler"])
-        except _data.BatchShapeChanged as e:  # the launch's settings, not a damaged checkpoint
-            raise ConfigError(
-                f"{path} was trained on {e.describe()}: a resumed run keeps its batch size, "
-                "sequence length and data (they fix the order of its batches); resume with "
-                "the run's own, or start a new run") from None
-        try:
             self.ctx.guard.load_state_dict(state["spike"])
             set_rng_state(state["rng"])
             histories = {key: list(state["history"].get(key, [])) for key in _HISTORIES}
             last_val = histories["val_history"][-1] if histories["val_history"] else None
             if last_val is not None:
                 val_loss, val_bpb = float(last_val["val_loss"]), float(last_val["val_bpb"])
+        except _data.BatchShapeChanged as e:  # the launch's settings, not a damaged checkpoint
+            raise ConfigError(
+                f"{path} was trained on {e.describe()}: a resumed run keeps its batch size, "
+                "sequence length and data (they fix the order of its batches); resume with "
+                "the run's own, or start a new run") from None
         except (ValueError, KeyError, TypeError, RuntimeError, AttributeError,
                 IndexError) as e:
             raise ckpt.CheckpointError(f"checkpoint {path} does not fit this run: {e}") from None
