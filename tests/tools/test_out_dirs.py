@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.cli import assert_one_line_error, run_cli
-from torch_mhc.tools.out_dirs import MARKERS
+from torch_mhc.lm.train import ConfigError
+from torch_mhc.tools.out_dirs import MARKERS, check_out_dir
 
 COMMANDS = ("train", "compare", "sweep", "upcycle")
 
@@ -70,11 +71,12 @@ def test_another_commands_file_is_refused(command, marker, tmp_path, train_run, 
 @pytest.mark.parametrize("command, marker, below", [
     ("train", "report.json", "mhc"), ("train", "report.json", "mhc/seed0"),
     ("train", "upcycle.json", "hc/seed1"), ("compare", "upcycle.json", "mhc"),
-    ("sweep", "report.json", "hc")])
+    ("sweep", "report.json", "hc"), ("train", "sweep.json", "cells/mhc-L2-lr0.01-s0")])
 def test_a_folder_among_another_commands_runs_is_refused(command, marker, below, tmp_path,
                                                          train_run, tiny_flags, capsys):
-    """A comparison's and an upcycling's runs live in <kind>/ and <kind>/seed<S>/: a training
-    run put there by hand sat among them (export-hf --kind exported it as the comparison's)."""
+    """A comparison's and an upcycling's runs live in <kind>/ and <kind>/seed<S>/, a sweep's
+    in cells/<cell>/: a training run put there by hand would sit among them (and export-hf
+    --kind would export it as the comparison's)."""
     root = tmp_path / "theirs"
     root.mkdir()
     (root / marker).write_text("{}")
@@ -86,3 +88,25 @@ def test_a_folder_among_another_commands_runs_is_refused(command, marker, below,
                           f"a folder of {MARKERS[marker]} (it holds {marker}), among that "
                           "command's runs")
     assert _listing(root) == before
+
+
+@pytest.mark.parametrize("below", ["notes", "mhc/plots", "mhc/seed0/x", "cells"])
+def test_other_folders_beside_another_commands_files_are_the_users(below, tmp_path):
+    """Only the folders a command keeps its runs in are refused: a folder that merely holds a
+    report.json (a common name) takes any other folder below it."""
+    (tmp_path / "report.json").write_text("{}")
+    assert check_out_dir(tmp_path / below, "mhc train") == tmp_path / below
+
+
+def test_a_relative_folder_is_placed_where_it_lies(tmp_path, monkeypatch):
+    """'../x' from inside a comparison lies beside it, not inside it; 'mhc' there lies
+    among its runs."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "report.json").write_text("{}")
+    monkeypatch.chdir(theirs)
+    check_out_dir("../other", "mhc train")
+    check_out_dir("../other/mhc", "mhc train")
+    with pytest.raises(ConfigError, match="--out mhc lies inside .*theirs, a folder of mhc "
+                                          "compare"):
+        check_out_dir("mhc", "mhc train")

@@ -5,17 +5,20 @@
 what they find there by name. Pointed at a folder another command wrote, one would put its
 files beside the other's (a comparison's report beside a training run's checkpoint, and its
 runs in folders next to it): each refuses such a folder instead, naming the file it found.
-So too one and two levels down: a comparison's and an upcycling's runs live in `<kind>/` and
-`<kind>/seed<S>/`, where a training run put by hand would sit among them (and `mhc export-hf
---kind` would export it as the comparison's).
+So too the folders such a command keeps its runs in: a comparison's and an upcycling's
+`<kind>/` and `<kind>/seed<S>/`, a sweep's `cells/` and `cells/<cell>/`, where a training run
+put by hand would sit among them (and `mhc export-hf --kind` would export it as the
+comparison's). Other folders beside or below their files are the user's own.
 (A comparison writes report.json when it ends: one interrupted before is not recognised.)
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
+from torch_mhc.connections import CONNECTION_KINDS
 from torch_mhc.lm.train import METRICS_FILE, ConfigError
 from torch_mhc.lm.train.checkpoint import CANDIDATES
 
@@ -25,6 +28,13 @@ MARKERS = {
     "report.json": "mhc compare",
     "sweep.json": "mhc sweep",
     "upcycle.json": "mhc upcycle",
+}
+_KIND = "|".join(re.escape(k) for k in CONNECTION_KINDS)
+# where each command that holds runs keeps them: a path below its --out, one or two levels
+RUN_FOLDERS = {
+    "mhc compare": re.compile(rf"(?:{_KIND})(?:/seed\d+)?"),
+    "mhc upcycle": re.compile(rf"(?:{_KIND})(?:/seed\d+)?"),
+    "mhc sweep": re.compile(r"cells(?:/[^/]+)?"),
 }
 
 
@@ -39,9 +49,12 @@ def check_out_dir(out: str | os.PathLike, command: str, flag: str = "--out") -> 
             raise ConfigError(
                 f"{flag} {path} holds {name}, written by {writer}: {command} would write its "
                 f"own files beside it; choose another folder for the {command} run")
-    for above in (path.parent, path.parent.parent):
+    full = Path(os.path.abspath(path))  # "../x" lies in the parent's parent, not in "."
+    for above in (full.parent, full.parent.parent):
+        below = full.relative_to(above).as_posix()
         for name, writer in MARKERS.items():
-            if writer not in (command, "mhc train") and (above / name).exists():
+            if writer != command and writer in RUN_FOLDERS \
+                    and RUN_FOLDERS[writer].fullmatch(below) and (above / name).exists():
                 raise ConfigError(
                     f"{flag} {path} lies inside {above}, a folder of {writer} (it holds "
                     f"{name}), among that command's runs: choose a folder outside it for the "
