@@ -116,6 +116,22 @@ def test_bad_settings_are_refused(kwargs, error, message):
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize("kind", ["mhc", "hc"])
+def test_a_branch_output_of_another_shape_is_refused(kind):
+    """The merge would broadcast a [B, T, 1] output onto every channel without a word."""
+    from torch_mhc.integrations.torchtitan.connection import (
+        TitanHyperConnection,
+        TitanManifoldHyperConnection,
+    )
+
+    cls = TitanManifoldHyperConnection if kind == "mhc" else TitanHyperConnection
+    conn = cls(8, 2, 0)
+    x = torch.randn(2, 3, 2, 8)
+    with pytest.raises(ValueError, match=r"the branch must return a tensor of its input's "
+                                         r"shape \(2, 3, 8\), got \(2, 3, 1\)"):
+        conn(x, lambda h: h[..., :1])
+
+
 def test_converting_twice_is_refused():
     cfg = S.model_config("llama3", "mhc")
     from torch_mhc.integrations.torchtitan import convert_model_config

@@ -365,11 +365,25 @@ def test_an_earlier_comparisons_runs_are_removed_and_named(tmp_path):
     it does not train and of other seed counts go, and compare names each on stderr."""
     from torch_mhc.tools.compare.run import remove_stale
 
-    for folder in ("hc/seed0", "hc/seed1", "mhc/seed0", "mhc/seed1", "mhc/seed2", "residual"):
+    for folder in ("hc/seed0", "hc/seed1", "mhc/seed0", "mhc/seed1", "mhc/seed2", "residual",
+                   "residual/ckpt", "mhc/seed3"):
         (tmp_path / folder).mkdir(parents=True)
     (tmp_path / "residual" / "metrics.jsonl").write_text("{}\n")
     (tmp_path / "notes.txt").write_text("mine")
     removed = remove_stale(tmp_path, ("residual", "mhc"), [0, 1], written=[])
-    assert removed == ["residual/metrics.jsonl", "hc/", "mhc/seed2/"]
+    assert removed == ["residual/ckpt/", "residual/metrics.jsonl", "hc/", "mhc/seed2/",
+                       "mhc/seed3/"]
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
         "mhc", "mhc/seed0", "mhc/seed1", "notes.txt", "residual"]
+
+
+def test_compare_says_which_earlier_runs_it_removed(tmp_path, corpus, capsys):
+    out = tmp_path / "out"
+    (out / "hc" / "seed0").mkdir(parents=True)  # an earlier two-seed comparison's HC run
+    compare(out, preset="tiny", kinds=("residual", "mhc"), steps=2, eval_every=2,
+            gain_every=2, data=str(corpus), cache_dir=str(tmp_path / "cache"),
+            val_fraction=0.1, quiet=True, progress=False, tensorboard=False, device="cpu",
+            dtype="fp32")
+    err = capsys.readouterr().err
+    assert f"mhc compare: note: removed hc/ from {out}, left by an earlier comparison" in err
+    assert not (out / "hc").exists() and (out / "mhc" / "metrics.jsonl").is_file()

@@ -247,7 +247,7 @@ class Connection(nn.Module):
                 f"{what} contains NaN or Inf"
             )
 
-    def _check_branch_output(self, f, h_in: torch.Tensor | None = None) -> None:
+    def check_branch_output(self, f, h_in: torch.Tensor | None = None) -> None:
         """f must be a tensor of the branch input's shape h_in [..., C]: the merge would
         broadcast another (a [..., 1] output onto every channel) in the torch
         implementations, silently."""
@@ -283,7 +283,7 @@ class Connection(nn.Module):
             try:
                 f = self.branch(dec.mix_in(x), *args, **kwargs)
                 if type(f) is not torch.Tensor:  # (no check_finite where a decoder runs)
-                    self._check_branch_output(f)
+                    self.check_branch_output(f)
                 return dec.mix_out(x, f)
             finally:
                 dec.busy = False
@@ -291,7 +291,7 @@ class Connection(nn.Module):
             return _recompute.ACTIVE.run(self, x, args, kwargs)
         h_in, state = self.mix_in(x)
         f = self.branch(h_in, *args, **kwargs)
-        self._check_branch_output(f, h_in)
+        self.check_branch_output(f, h_in)
         return self.mix_out(x, f, state)
 
     def _prepared_decoder(self, x):

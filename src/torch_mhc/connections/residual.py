@@ -41,5 +41,5 @@ class Residual(Connection):
             self._check_finite("the input streams", x)
         h = x.squeeze(-2)
         f = self.branch(h, *args, **kwargs)
-        self._check_branch_output(f, h)
+        self.check_branch_output(f, h)
         return x + f.unsqueeze(-2)

@@ -119,7 +119,7 @@ class _Controller:
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             h_in, state = conn.mix_in(x)
         f = conn.branch(h_in, *args, **kwargs)  # the block saves what it always saves
-        conn._check_branch_output(f, h_in)
+        conn.check_branch_output(f, h_in)
         layer.f, layer.f_requires_grad = f.detach(), f.requires_grad
         self.stats.branch_outputs += f.numel() * f.element_size()
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):

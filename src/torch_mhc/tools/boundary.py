@@ -18,7 +18,7 @@ import threading
 from torch_mhc.tools.errors import UsageError
 
 __all__ = ["EXIT_INTERNAL", "EXIT_STATUS", "RaisingParser", "Signals", "fail", "parse",
-           "parse_error", "positive_int", "rank0", "report"]
+           "parse_error", "positive_int", "rank0", "report", "warn_warmup"]
 
 EXIT_STATUS = """exit status:
   0    the run finished
@@ -246,6 +246,15 @@ def rank0() -> bool:
         return int(os.environ.get("RANK", "0")) == 0
     except ValueError:
         return True
+
+
+def warn_warmup(cfg, prog: str) -> None:
+    """One warning line when the warmup of cfg (a TrainConfig) never ends: the peak lr is
+    then never reached."""
+    if cfg.warmup >= cfg.steps and rank0():
+        print(f"{prog}: warning: warmup ({cfg.warmup}) >= steps ({cfg.steps}): the learning "
+              f"rate rises for the whole run and never reaches lr {cfg.lr}", file=sys.stderr,
+              flush=True)
 
 
 def _one_line(e: BaseException) -> str:

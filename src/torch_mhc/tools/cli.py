@@ -45,7 +45,14 @@ from collections.abc import Callable
 
 from torch_mhc.tools import boundary
 from torch_mhc.tools.bench.command import BENCH_TOOLS, run_bench, run_bench_tool
-from torch_mhc.tools.boundary import EXIT_STATUS, RaisingParser, fail, parse, rank0
+from torch_mhc.tools.boundary import (
+    EXIT_STATUS,
+    RaisingParser,
+    fail,
+    parse,
+    rank0,
+    warn_warmup,
+)
 from torch_mhc.tools.errors import UsageError
 
 __all__ = ["BENCH_TOOLS", "DELEGATED", "EXIT_STATUS", "SUBCOMMANDS", "UsageError", "build_parser",
@@ -111,7 +118,7 @@ def _run_train(args: argparse.Namespace) -> int:
     cfg = _config.build_config(base, args.config, flags)
     if cfg.out_dir:
         check_out_dir(cfg.out_dir, "mhc train", "--out-dir")
-    _warn_warmup(cfg, "mhc train")
+    warn_warmup(cfg, "mhc train")
     train(cfg)
     return 0
 
@@ -140,13 +147,6 @@ def _saved_settings(cfg):
             print(f"mhc train: warning: the run's saved settings do not read here ({e}): "
                   "resuming with the defaults and the flags given", file=sys.stderr)
         return None
-
-
-def _warn_warmup(cfg, prog: str) -> None:
-    """One warning line when the warmup never ends: the peak lr is then never reached."""
-    if cfg.warmup >= cfg.steps and rank0():
-        print(f"{prog}: warning: warmup ({cfg.warmup}) >= steps ({cfg.steps}): the learning "
-              f"rate rises for the whole run and never reaches lr {cfg.lr}", file=sys.stderr)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,7 +222,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     cfg = _config.build_config(base, args.config,
                                _config.flag_overrides(args, exclude=_COMPARE_EXCLUDED))
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
-    _warn_warmup(cfg, "mhc compare")
+    warn_warmup(cfg, "mhc compare")
     report = compare(args.out, preset=args.preset, config=cfg, kinds=kinds, seeds=args.seeds)
     if not cfg.quiet and rank0():
         print(summary_table(report))

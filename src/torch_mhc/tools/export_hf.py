@@ -220,11 +220,12 @@ def _install(tmp: Path, out: Path, overwrite: bool) -> None:
     present = {p.name for p in out.iterdir()}
     extra = sorted(present - {p.name for p in tmp.iterdir()})
     if present and (extra or not _is_export(out)):  # it would delete more than an export
+        what = (f"holds {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}, which an "
+                "export does not write" if extra else
+                f"is not an earlier export (no config.json of model_type {MODEL_TYPE!r})")
         raise UsageError(
-            f"{out} holds {', '.join(extra[:5]) or 'a config.json'}"
-            f"{' ...' if len(extra) > 5 else ''}, which an export does not write; "
-            "--overwrite replaces only an earlier export, so that no run or other file is "
-            "lost: name another folder")
+            f"{out} {what}; --overwrite replaces only an earlier export, so that no run or "
+            "other file is lost: name another folder")
     old = out.with_name(f".{out.name}.replaced-{uuid.uuid4().hex[:8]}")
     os.rename(out, old)
     os.rename(tmp, out)

@@ -32,7 +32,9 @@ class _TitanConnection(Module):
         self.check_input(x)
         x = x if x.is_contiguous() else x.contiguous()
         h_in, state = self.mix_in(x)  # [B, T, C]
-        return self.mix_out(x, branch(h_in, *args), state)
+        f = branch(h_in, *args)
+        self.check_branch_output(f, h_in)
+        return self.mix_out(x, f, state)
 
     def declare_replicated(self, layout) -> None:
         """Every parameter and buffer placed by `layout` (a torchtitan SpmdLayout): the one

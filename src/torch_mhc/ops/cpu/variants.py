@@ -35,8 +35,6 @@ from torch_mhc.ops.cpu.ops import (  # (and the torch_mhc::cpu_* ops)
 
 __all__ = ["takes_native", "variant_maps", "variant_maps_pre", "variant_tables"]
 
-_first_order = first_derivatives_only("cpu")  # (ops.cpu's fused backwards are the same)
-
 
 def _no_autocast(fn):
     """Run with CPU autocast off: the maps choose their own precision (see ops.cpu)."""
@@ -155,7 +153,7 @@ class _VariantMaps(torch.autograd.Function):
         return (*outs, x.view_as(x)) if fused_dx else outs
 
     @staticmethod
-    @_first_order
+    @first_derivatives_only("cpu")
     @_no_autocast
     def backward(ctx, g_pre, g_post, g_res, *more):
         g_a = more[0] if ctx.with_pre else None

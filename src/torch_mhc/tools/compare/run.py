@@ -251,15 +251,16 @@ def remove_stale(out: Path, kinds: tuple[str, ...], seed_list: list[int],
             removed.append(f"{kind}/")
             continue
         keep = {f"seed{s}" for s in seed_list} if len(seed_list) > 1 else set()
-        for entry in folder.iterdir():
+        for entry in sorted(folder.iterdir()):
             stale_seed = re.fullmatch(r"seed\d+", entry.name) and entry.name not in keep
             stale_run = len(seed_list) > 1 and entry.name in _RUN_FILES
             if stale_seed or stale_run:
-                if entry.is_dir():
+                is_dir = entry.is_dir()
+                if is_dir:
                     shutil.rmtree(entry)
                 else:
                     entry.unlink()
-                removed.append(f"{kind}/{entry.name}{'/' if stale_seed else ''}")
+                removed.append(f"{kind}/{entry.name}{'/' if is_dir else ''}")
     return removed
 
 

@@ -41,6 +41,7 @@ from torch_mhc.lm.train import (
 )
 from torch_mhc.lm.train.checkpoint import find_checkpoint
 from torch_mhc.runtime.files import atomic_write, remove_tree
+from torch_mhc.tools.boundary import warn_warmup
 from torch_mhc.tools.out_dirs import check_out_dir
 from torch_mhc.tools.upcycle.report import dumps_json, write_outputs
 from torch_mhc.tools.upcycle.source import SourceRun, read_source, start_loss, write_start
@@ -125,10 +126,7 @@ def upcycle(source: str, out: str, *, kinds: tuple[str, ...] = ("hc", "mhc"), st
     streams = src.model.cfg.streams if streams is None else streams
     kinds = check_kinds(tuple(kinds), streams)
     base = continuation_config(src, steps, lr, warmup, eval_every, verbose)
-    if base.warmup >= base.steps:  # as mhc train warns
-        print(f"mhc upcycle: warning: warmup ({base.warmup}) >= steps ({base.steps}): the "
-              "learning rate rises for the whole run and never reaches its peak",
-              file=sys.stderr, flush=True)
+    warn_warmup(base, "mhc upcycle")
     first = base.seed + 1 if seed is None else seed
     _check_int("--seed", first, lo=0)
     if first + seeds - 1 > SEED_MAX:
