@@ -329,10 +329,10 @@ def test_a_branch_must_return_a_tensor(make):
 @pytest.mark.parametrize("impl", ["reference", "cpu"])
 @pytest.mark.parametrize("kind", ["residual", "hc", "mhc", "kromhc"])
 def test_a_branch_output_of_another_shape_is_refused(kind, impl):
-    """The torch merge broadcast a [..., 1] (or [C]) branch output onto every channel and
-    token without a word, the native one refused it: every kind and implementation now
-    refuses it, also under recomputation, and names both shapes; the input's NaN is named
-    as the input's, the residual's too."""
+    """The torch merge would broadcast a [..., 1] (or [C]) branch output onto every channel
+    and token without a word: every kind and implementation refuses it, also under
+    recomputation, and names both shapes; the input's NaN is named as the input's, the
+    residual's too."""
     n = 1 if kind == "residual" else 4
     x = torch.randn(2, 3, n, 8)
     for branch in (lambda h: h.sum(-1, keepdim=True), lambda h: h[0, 0]):

@@ -170,9 +170,10 @@ def test_meta_build_sharded_by_fsdp2_initialises_like_the_eager_model(tmp_path):
                                   "mhc-static-res"])
 def test_every_kind_runs_on_meta_tensors_and_fake_tensors(kind, impl):
     """Shape propagation without data (a meta-device dry run, FakeTensorMode as tracers use
-    it): mHC's Sinkhorn chose its domain per matrix from the data (Tensor.item() on meta,
-    DataDependentOutputException under fake tensors), and the successors' tables stayed on
-    the CPU. Forward and backward now run; only shapes and devices exist to compare."""
+    it): mHC's Sinkhorn cannot choose its domain per matrix from the data there (Tensor.item()
+    on meta, DataDependentOutputException under fake tensors) and takes its data-free path,
+    and the successors' tables follow the logits' device. Forward and backward run; only
+    shapes and devices exist to compare."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import torch_mhc

@@ -2,9 +2,11 @@
 by the fused ones.
 
 The `cpu` (and `triton`) ops' backwards are kernels whose results autograd sees as constants:
-a backward with create_graph=True through them gave wrong second derivatives without a word
-(a Hessian-vector product of one mHC connection was off by 60 where its entries reach 64).
-They now refuse it, naming the implementation that takes it.
+a backward with create_graph=True through them would give wrong second derivatives without a
+word (a Hessian-vector product of one mHC connection off by 60 where its entries reach 64),
+so they refuse it, naming the implementation that takes it. The reference is held in both of
+Sinkhorn's domains: logits within 32 of each other take the linear loop, farther ones the
+log-domain loop ("mhc-far", an H_res bias 50 apart).
 """
 
 from __future__ import annotations
@@ -21,10 +23,14 @@ KINDS = ("mhc", "hc", "mhc-lite", "kromhc", "mhc-static-res")
 def _connection(kind: str, impl: str, dim: int = 3, n: int = 2, dtype=torch.float32):
     torch.manual_seed(0)
     branch = nn.Sequential(nn.Linear(dim, dim), nn.Tanh())
-    conn = torch_mhc.make_connection(kind, dim, n, 1, branch, impl=impl).to(dtype)
+    far = kind == "mhc-far"
+    conn = torch_mhc.make_connection("mhc" if far else kind, dim, n, 1, branch,
+                                     impl=impl).to(dtype)
     with torch.no_grad():  # away from the initial maps, so that every term is non-zero
         for p in conn.parameters():
             p.add_(0.3 * torch.randn_like(p))
+        if far:  # H_res's logits spread past LINEAR_RANGE: Sinkhorn's log-domain loop
+            conn.b_res.add_(torch.tensor([[25.0, -25.0], [-25.0, 25.0]], dtype=dtype))
     return conn
 
 
@@ -41,7 +47,7 @@ def test_the_cpu_ops_refuse_a_backward_that_builds_a_graph(kind):
     assert g.abs().sum() > 0
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", (*KINDS, "mhc-far"))
 def test_the_reference_gives_second_derivatives(kind):
     """gradgradcheck in float64, through the streams and the branch's weight, and a
     Hessian-vector product against finite differences of the gradient."""

@@ -141,8 +141,9 @@ def test_auto_peft_refuses_an_adapter_whose_base_was_converted_in_process(tmp_pa
 
 def test_the_library_save_refuses_a_model_whose_connections_peft_wrapped(tmp_path):
     """get_peft_model wraps the connections named in modules_to_save inside the model it is
-    given; saving that model wrote their tensors under the wrapper's names, a folder that no
-    load accepts. The save refuses it, naming the wrapped module and the two ways that work."""
+    given; saving that model would write their tensors under the wrapper's names, a folder
+    that no load accepts. The save refuses it, naming the wrapped module and the two ways
+    that work."""
     model = _converted()
     peft.get_peft_model(model, _lora_config())
     with pytest.raises(ValueError, match=r"got ModulesToSaveWrapper at "
