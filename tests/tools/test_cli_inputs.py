@@ -341,6 +341,39 @@ def test_warmup_not_shorter_than_steps_warns_once(tmp_path, tiny_flags, capsys):
                         "for the whole run and never reaches lr 0.001"]
 
 
+def test_the_librarys_warnings_are_one_line_each(tmp_path, tiny_flags, capsys, monkeypatch):
+    """A machine without a C compiler: the native kernels' fallback is said as the command's
+    other warnings are, one `mhc train: warning:` line, not Python's file, line and source;
+    another package's warning keeps Python's form."""
+    import warnings
+
+    from torch_mhc.ops.cpu import native
+
+    monkeypatch.setenv("CC", "false")  # a compiler that fails: no native library
+    monkeypatch.setenv("TORCH_MHC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_loaded", None)
+    code, _, err = run(["train", *tiny_flags, "--steps", "2", "--connection", "mhc"], capsys)
+    assert code == 0, err
+    lines = [line for line in err.splitlines() if "warning" in line.lower()]
+    assert len(lines) == 1 and lines[0].startswith(
+        "mhc train: warning: native CPU kernels unavailable ("), err
+    assert "pure-torch fallback" in lines[0] and "RuntimeWarning" not in err
+    from torch_mhc.tools.boundary import warnings_as_lines
+
+    shown = []  # the form the process had before the command: Python's, or pytest's record
+    monkeypatch.setattr(warnings, "showwarning", lambda m, c, f, n, *a: shown.append((
+        str(m), c, f, n)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        with warnings_as_lines("mhc train"):
+            warnings.warn_explicit("theirs", UserWarning, "/elsewhere/pkg.py", 3)
+            warnings.warn_explicit("torch_mhc: ours,\n  in two lines", UserWarning,
+                                   "/elsewhere/pkg.py", 4)
+    assert shown == [("theirs", UserWarning, "/elsewhere/pkg.py", 3)]
+    assert capsys.readouterr().err == "mhc train: warning: ours, in two lines\n"
+
+
 @pytest.mark.parametrize("existing, keep_previous, needle", [
     (False, True, "this run has no checkpoint yet (free space, then run again)"),
     (True, True, "this run's previous checkpoint there is intact"),

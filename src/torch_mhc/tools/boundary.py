@@ -14,11 +14,13 @@ import select
 import signal
 import sys
 import threading
+import warnings
+from pathlib import Path
 
 from torch_mhc.tools.errors import UsageError
 
 __all__ = ["EXIT_INTERNAL", "EXIT_STATUS", "RaisingParser", "Signals", "fail", "parse",
-           "parse_error", "positive_int", "rank0", "report", "warn_warmup"]
+           "parse_error", "positive_int", "rank0", "report", "warn_warmup", "warnings_as_lines"]
 
 EXIT_STATUS = """exit status:
   0    the run finished
@@ -255,6 +257,35 @@ def warn_warmup(cfg, prog: str) -> None:
         print(f"{prog}: warning: warmup ({cfg.warmup}) >= steps ({cfg.steps}): the learning "
               f"rate rises for the whole run and never reaches lr {cfg.lr}", file=sys.stderr,
               flush=True)
+
+
+_PACKAGE = Path(__file__).resolve().parents[1]  # src/torch_mhc
+
+
+@contextlib.contextmanager
+def warnings_as_lines(prog: str):
+    """While a command runs, torch_mhc's own Python warnings (the native kernels' fallback, a
+    checkpoint loaded from its interrupted save) are one line each, `prog: warning: ...`,
+    as the command's other warnings are, instead of Python's file, line and source line;
+    other packages' warnings are shown as Python shows them."""
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        ours = text.startswith("torch_mhc: ") or Path(filename).resolve().is_relative_to(
+            _PACKAGE)
+        if not ours:
+            shown(message, category, filename, lineno, file, line)
+        elif rank0():
+            text = " ".join(text.removeprefix("torch_mhc: ").split())
+            print(f"{prog}: warning: {text}", file=sys.stderr if file is None else file,
+                  flush=True)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
 
 
 def _one_line(e: BaseException) -> str:

@@ -444,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         except BaseException as e:  # noqa: BLE001 - the boundary of the delegated tools
             return boundary.report(prog, e, None)
     signals = boundary.Signals()
-    with signals.installed():
+    with signals.installed(), boundary.warnings_as_lines(prog):
         try:
             try:
                 status = _dispatch(argv)
