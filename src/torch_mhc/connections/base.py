@@ -174,6 +174,9 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack
 # torch.jit.is_tracing() without its Python frame: torch.jit.trace (and the TorchScript ONNX
 # exporter) records torch ops, and a native call would leave no trace of the connection
 _tracing = torch._C._is_tracing
+# a torch.func transform (vmap, grad, ...) is active: its wrapped tensors have no memory for a
+# native call to read, and "auto" takes the reference there (ops.resolve_impl_name)
+_transformed = torch._C._functorch.peek_interpreter_stack
 
 
 # names -> operator.itemgetter(*names), as fast as indexing a dict once per name. A plain dict,
@@ -312,7 +315,7 @@ class Connection(nn.Module):
         dec = decoders.get((x.shape, x.dtype, threading.get_ident()))
         # _may_decode's checks (the trace's made above), spelled out: each call costs here
         if (dec is None or dec.busy or _diag.ACTIVE is not None or self.check_finite
-                or _dispatch_modes() or _tracing()
+                or _dispatch_modes() or _tracing() or _transformed() is not None
                 or dec.impl_state != _ops.impl_state(self.impl)):
             return None
         blocks = getattr(_FROZEN, "open", None)
@@ -329,11 +332,12 @@ class Connection(nn.Module):
 
     def _may_decode(self) -> bool:
         """False while diagnostics record the maps or check_finite checks them (the prepared
-        path returns neither), and under a trace (torch.compile's or torch.jit's) or a
-        dispatch mode (they need the ops' custom ops and autograd Functions).
+        path returns neither), under a trace (torch.compile's or torch.jit's) or a dispatch
+        mode (they need the ops' custom ops and autograd Functions), and under a torch.func
+        transform.
         _prepared_decoder spells the same checks out."""
-        return (_diag.ACTIVE is None and not self.check_finite
-                and not _compiling() and not _dispatch_modes() and not _tracing())
+        return (_diag.ACTIVE is None and not self.check_finite and not _compiling()
+                and not _dispatch_modes() and not _tracing() and _transformed() is None)
 
     def _decoder(self, x: torch.Tensor):
         """The implementation's prepared no-autograd path for x (Ops.decoder), kept per

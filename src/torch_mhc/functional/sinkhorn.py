@@ -169,11 +169,18 @@ def _log_backward(h, g, iters, dims):
     return g, out
 
 
+# the innermost torch.func transform (vmap, grad, ...) or None: under one, the data is not
+# read (vmap's batched tensors have no value to branch on) and autograd runs through the loop
+_transformed = torch._C._functorch.peek_interpreter_stack
+
+
 def _data_free(t: torch.Tensor) -> bool:
     """Whether to compute without data-dependent branches or shapes: under torch.compile,
     and where the data cannot be read (meta tensors, FakeTensorMode's fakes, other
-    subclasses); every matrix then runs both domains and the mask picks."""
-    return torch.compiler.is_compiling() or type(t) is not torch.Tensor or t.is_meta
+    subclasses, torch.func's transformed tensors); every matrix then runs both domains and
+    the mask picks."""
+    return (torch.compiler.is_compiling() or type(t) is not torch.Tensor or t.is_meta
+            or _transformed() is not None)
 
 
 def _far(h: torch.Tensor, eps: float, dims: Dims) -> torch.Tensor | None:
@@ -208,16 +215,18 @@ def _put(t: torch.Tensor, index: torch.Tensor, dims: Dims, values: torch.Tensor)
 
 
 def sinkhorn_forward(h: torch.Tensor, iters: int, eps: float = 0.0,
-                     dims: Dims = (-2, -1)) -> torch.Tensor:
+                     dims: Dims = (-2, -1), differentiable: bool = False) -> torch.Tensor:
     """Eq. 9 on the matrices of h (compute dtype) along dims, each in its domain (module
-    docstring). No autograd: pair with sinkhorn_backward. The far matrices enter the linear
-    loop as zeros (the uniform matrix: no 0 / 0) and their log-domain values replace them;
-    eager runs the log domain on those matrices only, a compiled graph (and meta or fake
-    tensors) on all (no data-dependent shapes)."""
+    docstring). No autograd (the loop divides in place): pair with sinkhorn_backward, or
+    pass differentiable=True for a loop autograd can run through. The far matrices enter the
+    linear loop as zeros (the uniform matrix: no 0 / 0) and their log-domain values replace
+    them; eager runs the log domain on those matrices only, a compiled graph (and meta or
+    fake tensors) on all (no data-dependent shapes)."""
     far = _far(h, eps, dims)
+    keep = differentiable  # the loop that keeps its steps writes nothing in place
     if far is None:
-        return _linear_iterates(h, iters, eps, dims, keep=False)[0]
-    out = _linear_iterates(torch.where(far, 0.0, h), iters, eps, dims, keep=False)[0]
+        return _linear_iterates(h, iters, eps, dims, keep=keep)[0]
+    out = _linear_iterates(torch.where(far, 0.0, h), iters, eps, dims, keep=keep)[0]
     if _data_free(far):
         log_out = _log_iterates(torch.where(far, h, 0.0), iters, dims, keep=False)[0]
         return torch.where(far, log_out, out)
@@ -327,4 +336,13 @@ def sinkhorn(
         if eps != 0.0 or implicit_grad:
             raise ValueError("log_domain=True supports neither eps != 0 nor implicit_grad")
         return _sinkhorn_log(logits, iters)
+    if not torch.compiler.is_compiling() and _transformed() is not None:
+        # torch.func's transforms take no autograd.Function without rules of its own: the
+        # same loop, each matrix in its domain, differentiated by autograd through it (the
+        # iterates are kept for backward, where _Sinkhorn recomputes them)
+        if implicit_grad:
+            raise RuntimeError("sinkhorn(implicit_grad=True) does not run under torch.func "
+                               "transforms (vmap, grad, ...); use the default gradient")
+        x = logits.to(compute_dtype(logits.dtype))
+        return sinkhorn_forward(x, iters, float(eps), differentiable=True).to(logits.dtype)
     return _Sinkhorn.apply(logits, iters, float(eps), bool(implicit_grad))

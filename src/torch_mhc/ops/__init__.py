@@ -42,9 +42,14 @@ Implementations:
                  compiles on each op's first call. Never chosen by "auto".
 
 Choosing: `get_impl(name, device, dtype)`. A name other than "auto" is used as given.
-"auto" resolves, first match wins, to: the name set by `set_default_impl`; the environment
-variable TORCH_MHC_IMPL; "triton" for CUDA tensors (fp32/fp16/bf16) when triton is
-importable; "cpu" for CPU tensors and for float64 anywhere; "reference" otherwise.
+"auto" resolves, first match wins, to: "reference" under a torch.func transform (vmap, grad,
+jacrev, ...); the name set by `set_default_impl`; the environment variable TORCH_MHC_IMPL;
+"triton" for CUDA tensors (fp32/fp16/bf16) when triton is importable; "cpu" for CPU tensors
+and for float64 anywhere; "reference" otherwise.
+Under a torch.func transform only the reference runs: the other implementations' autograd
+Functions compute their own backward and read their inputs' memory, which the transforms'
+wrapped tensors do not have; "cpu", "triton" or "inductor" asked for by name there is a
+RuntimeError that says so.
 """
 
 from __future__ import annotations
@@ -171,6 +176,10 @@ def _env_impl() -> str:
     return "" if value is None else os.environ.decodevalue(value).strip()
 
 
+# the innermost torch.func transform's interpreter, None outside any (one C call)
+_functorch_level = torch._C._functorch.peek_interpreter_stack
+
+
 def impl_state(name: str) -> tuple:
     """What resolve_impl_name(name, device, dtype) depends on besides device and dtype:
     whatever was prepared under one state (a connection's decoders) still applies while the
@@ -185,6 +194,14 @@ def resolve_impl_name(
 ) -> str:
     """The implementation name that `get_impl` would load (see the module docstring)."""
     check_impl_name(name)
+    if not torch.compiler.is_compiling() and _functorch_level() is not None:
+        if name in ("auto", "reference"):
+            return "reference"
+        raise RuntimeError(
+            f"torch_mhc's {name!r} ops do not run under torch.func transforms (vmap, grad, "
+            "jacrev, functional_call under grad, ...): they compute their own backward from "
+            "their inputs' memory; use impl=\"reference\", or \"auto\", which takes it "
+            "under these transforms")
     if name != "auto":
         return name
     if _default is not None:
