@@ -117,8 +117,9 @@ def main() -> None:
         train_tokens, val_tokens = corpus_tokens(args)
         if args.pretrain_steps:
             losses = train(base, train_tokens, args, args.pretrain_steps, "pretrain (plain)")
-            print(f"pretrained {args.pretrain_steps} steps: train loss (last 20) "
-                  f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+            tail = losses[-20:]
+            print(f"pretrained {args.pretrain_steps} steps: train loss (last {len(tail)}) "
+                  f"{sum(tail) / len(tail):.3f}")
     n_params = sum(p.numel() for p in base.parameters())
     print(f"model: {type(base).__name__}, {n_params / 1e6:.2f} M parameters; corpus "
           f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens")
@@ -142,10 +143,11 @@ def main() -> None:
                          sum(losses[-20:]) / len(losses[-20:]), time.perf_counter() - start)
 
     print(f"\nfine-tuning, {args.steps} steps, batch {args.batch_size} x {args.seq_len}:")
-    print("| model | val loss before | val loss after | train loss (last 20) | time (s) |")
+    print(f"| model | val loss before | val loss after | train loss (last {min(20, args.steps)})"
+          " | time (s) |")
     print("|---|---|---|---|---|")
     for name, (before, after, last, secs) in results.items():
-        print(f"| {name} | {before:.4f} | {after:.4f} | {last:.4f} | {secs:.0f} |")
+        print(f"| {name} | {before:.4f} | {after:.4f} | {last:.4f} | {secs:.1f} |")
 
     if args.kind != "residual":  # the plain residual has no maps to report
         print_gains(converted, x)

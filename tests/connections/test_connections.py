@@ -118,7 +118,13 @@ def test_expand_and_reduce():
     for i in range(4):
         assert torch.equal(x[..., i, :], h)
     torch.testing.assert_close(reduce_streams(x), h, rtol=0, atol=0)
+    torch.testing.assert_close(reduce_streams(x, 4), h, rtol=0, atol=0)
     torch.testing.assert_close(reduce_streams(torch.stack([h, 3 * h], -2)), 2 * h)
+    # the streams forgotten: h [B, T, C] would be averaged over T; with n it is refused
+    with pytest.raises(ValueError, match=r"reduce_streams expects a streams tensor "
+                       r"\[\.\.\., 4, C\] \(4 streams\), got \(2, 3, 5\) "
+                       r"\(expand_streams\(h, 4\)"):
+        reduce_streams(h, 4)
 
 
 def _stack(kind, blocks, c, n):

@@ -289,6 +289,14 @@ def test_generate_with_and_without_cache(tmp_path, tiny_flags, capsys):
     assert "KV cache off" in err
     assert cached == uncached  # greedy decoding: the cache changes the speed, not the text
     assert cached.startswith("def f1(x):\n") and len(cached.encode()) >= 12
+    import torch
+
+    before = torch.get_num_threads()
+    code, one_thread, err = run([*args, "--threads", "1"], capsys)
+    assert code == 0 and one_thread == cached, err
+    assert torch.get_num_threads() == before  # the command's setting ends with it
+    code, _, err = run([*args, "--threads", "-1"], capsys)
+    assert_one_line_error(code, err, "--threads must be >= 0 (0: torch's default), got -1")
 
     code, _, err = run(["generate", "--checkpoint", out, "--prompt", "x" * 40], capsys)
     assert_one_line_error(code, err, "longer than the model allows", "max_seq_len 32",

@@ -395,3 +395,24 @@ def test_disk_full_message_says_what_is_kept(tmp_path, monkeypatch, existing, ke
                              keep_previous=keep_previous)
     assert needle in str(info.value)
     assert str(tmp_path / "ckpt") in str(info.value)
+
+
+@pytest.mark.parametrize("argv", [
+    ["train"], ["compare", "--out", "c"], ["generate", "--checkpoint", "c"],
+    ["upcycle", "--from", "r", "--out", "u", "--steps", "2"]])
+def test_a_missing_extra_is_named_with_the_command(argv, tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # as where the train extra is missing
+    code, _, err = run(argv, capsys)
+    assert_one_line_error(code, err, f"mhc {argv[0]}: error: tqdm is not installed: mhc "
+                          f"{argv[0]} needs the training extra, pip install 'torch-mhc[train]'")
+    assert not any(tmp_path.iterdir())
+
+
+def test_version(capsys):
+    import torch_mhc
+
+    code, out, err = run(["--version"], capsys)
+    assert code == 0 and out == f"torch-mhc {torch_mhc.__version__}\n" and err == ""

@@ -120,10 +120,17 @@ print(json.dumps(report))
 
 
 def test_exported_folders_load_without_torch_mhc(runs, exported, tmp_path):
+    import torch_mhc.hf
+    from torch_mhc.integrations.hf.checkpoint import EXPORTED_LM_TYPE
+
     for kind, folder in exported.items():
         assert {p.name for p in folder.iterdir()} == FILES, kind
         config = json.loads((folder / "config.json").read_text())
-        assert config["model_type"] == "torch_mhc_lm" and config["connection"] == kind
+        assert config["model_type"] == EXPORTED_LM_TYPE and config["connection"] == kind
+        # the library's loader of converted transformers models points at the right one
+        with pytest.raises(ValueError, match="holds a reference-LM run exported by `mhc "
+                           "export-hf` .*AutoModelForCausalLM.from_pretrained"):
+            torch_mhc.hf.from_pretrained(folder, trust_remote_code=True)
         assert set(config["auto_map"]) == {"AutoConfig", "AutoModelForCausalLM"}
         for name in ("maps.py", "sinkhorn.py", "successors.py", "modeling_torch_mhc_lm.py",
                      "connections.py"):

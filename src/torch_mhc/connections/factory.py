@@ -52,11 +52,13 @@ def expand_streams(h: torch.Tensor, n: int) -> torch.Tensor:
     return h.unsqueeze(-2).expand(*h.shape[:-1], n, h.shape[-1])
 
 
-def reduce_streams(x: torch.Tensor) -> torch.Tensor:
+def reduce_streams(x: torch.Tensor, n: int | None = None) -> torch.Tensor:
     """[..., n, C] -> [..., C]: the mean of the streams.
 
     The HC paper sums the streams; the mean differs by the factor n, which the final norm of
     a Pre-Norm network removes, and it makes an initialised network equal to the residual one.
+    n: the number of streams, checked against x's dimension -2 when given (a [B, T, C]
+    tensor would otherwise be averaged over T without a word).
     """
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
@@ -64,6 +66,11 @@ def reduce_streams(x: torch.Tensor) -> torch.Tensor:
     if x.dim() < 2:
         raise ValueError(
             f"reduce_streams expects a streams tensor [..., n, C], got {tuple(x.shape)}"
+        )
+    if n is not None and x.shape[-2] != check_count(n, "reduce_streams", "n", 1):
+        raise ValueError(
+            f"reduce_streams expects a streams tensor [..., {n}, C] ({n} streams), got "
+            f"{tuple(x.shape)} (expand_streams(h, {n}) makes one from h [..., C])"
         )
     return x.mean(dim=-2)
 

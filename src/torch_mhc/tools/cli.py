@@ -60,7 +60,7 @@ __all__ = ["BENCH_TOOLS", "DELEGATED", "EXIT_STATUS", "SUBCOMMANDS", "UsageError
 
 # what each command imports beyond torch, and the extra that installs it
 _EXTRA_MODULES = {"train": ("numpy", "tqdm"), "compare": ("numpy", "tqdm", "matplotlib"),
-                  "generate": ("numpy", "tqdm")}
+                  "upcycle": ("numpy", "tqdm", "matplotlib"), "generate": ("numpy", "tqdm")}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -281,15 +281,15 @@ def _add_generate(subparsers) -> None:
                    help="auto | cpu | cuda | cuda:N | mps (default: auto)")
     p.add_argument("--no-cache", dest="use_cache", action="store_false",
                    help="recompute the whole context every step instead of using the KV cache")
+    p.add_argument("--threads", type=int, default=0, metavar="N",
+                   help="CPU threads for torch (0: torch's default); 1 is steadier on a busy "
+                   "machine (default: 0)")
     p.set_defaults(run=_run_generate)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
     _require_extra("generate")
-    import torch
-
-    from torch_mhc.lm.data import decode, encode
-    from torch_mhc.lm.train import load_model, resolve_device
+    from torch_mhc.lm.train import resolve_device, torch_threads
 
     try:
         device = resolve_device(args.device)
@@ -305,6 +305,19 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise UsageError(f"--temperature must be a finite number >= 0, got {args.temperature}")
     if not args.prompt:
         raise UsageError("--prompt must not be empty: the model needs a token to start from")
+    if args.threads < 0:
+        raise UsageError(f"--threads must be >= 0 (0: torch's default), got {args.threads}")
+    with torch_threads(args.threads):
+        return _generate(args, device)
+
+
+def _generate(args: argparse.Namespace, device) -> int:
+    """The checked arguments' generation: the text on stdout, its speed on stderr."""
+    import torch
+
+    from torch_mhc.lm.data import decode, encode
+    from torch_mhc.lm.train import load_model
+
     model = load_model(args.checkpoint, device,
                        say=lambda message: print(f"mhc generate: {message}", file=sys.stderr,
                                                  flush=True))
@@ -383,7 +396,7 @@ def _add_upcycle(subparsers) -> None:
 
 
 def _run_upcycle(args: argparse.Namespace) -> int:
-    _require_extra("compare")
+    _require_extra("upcycle")
     from torch_mhc.tools.upcycle import command
 
     return command.run_command(args)
@@ -423,7 +436,10 @@ DELEGATED: dict[str, Callable[[list[str]], int]] = {"cost": _run_cost, "bench": 
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from torch_mhc import __version__
+
     parser = _Parser(prog="mhc", description="torch-mhc: residual, HC and mHC side by side.")
+    parser.add_argument("--version", action="version", version=f"torch-mhc {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in SUBCOMMANDS:
         add(subparsers)
