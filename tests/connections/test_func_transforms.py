@@ -103,3 +103,20 @@ def test_sinkhorn_under_func_grad_is_its_recomputing_backward(spread):
     with pytest.raises(RuntimeError, match=r"sinkhorn\(implicit_grad=True\) does not run "
                                            "under torch.func"):
         torch.func.grad(lambda h: sinkhorn(h, implicit_grad=True).sum())(logits)
+
+
+def test_recomputation_steps_aside_under_a_transform():
+    """recompute_streams keeps its tensors through saved-tensor hooks, which torch.func's
+    transforms refuse: under one the connections run without it, to the same gradient."""
+    from torch_mhc.runtime.recompute import recompute_streams
+
+    conn = _connection("mhc")
+    x = _streams(conn)
+
+    def loss(xs):
+        return conn(xs).square().sum()
+
+    expected = torch.func.grad(loss)(x)
+    with recompute_streams(2):
+        torch.testing.assert_close(torch.func.grad(loss)(x), expected, rtol=0, atol=0)
+        torch.testing.assert_close(torch.func.vmap(conn)(x), conn(x), rtol=1e-13, atol=1e-13)

@@ -368,9 +368,12 @@ def test_the_librarys_warnings_are_one_line_each(tmp_path, tiny_flags, capsys, m
         warnings.simplefilter("always")
         with warnings_as_lines("mhc train"):
             warnings.warn_explicit("theirs", UserWarning, "/elsewhere/pkg.py", 3)
+            # torch's warning raised on a line of the library keeps its form too
+            warnings.warn_explicit("torch's", UserWarning, native.__file__, 5)
             warnings.warn_explicit("torch_mhc: ours,\n  in two lines", UserWarning,
                                    "/elsewhere/pkg.py", 4)
-    assert shown == [("theirs", UserWarning, "/elsewhere/pkg.py", 3)]
+    assert shown == [("theirs", UserWarning, "/elsewhere/pkg.py", 3),
+                     ("torch's", UserWarning, native.__file__, 5)]
     assert capsys.readouterr().err == "mhc train: warning: ours, in two lines\n"
 
 

@@ -121,12 +121,14 @@ print(json.dumps(report))
 
 def test_exported_folders_load_without_torch_mhc(runs, exported, tmp_path):
     import torch_mhc.hf
-    from torch_mhc.integrations.hf.checkpoint import EXPORTED_LM_TYPE
+    from torch_mhc.integrations.hf.remote.configuration_torch_mhc_lm import TorchMhcLMConfig
+    from torch_mhc.tools.export_hf import MODEL_TYPE
 
     for kind, folder in exported.items():
         assert {p.name for p in folder.iterdir()} == FILES, kind
         config = json.loads((folder / "config.json").read_text())
-        assert config["model_type"] == EXPORTED_LM_TYPE and config["connection"] == kind
+        assert config["model_type"] == MODEL_TYPE == TorchMhcLMConfig.model_type
+        assert config["connection"] == kind
         # the library's loader of converted transformers models points at the right one
         with pytest.raises(ValueError, match="holds a reference-LM run exported by `mhc "
                            "export-hf` .*AutoModelForCausalLM.from_pretrained"):

@@ -290,7 +290,11 @@ class Connection(nn.Module):
                 return dec.mix_out(x, f)
             finally:
                 dec.busy = False
-        if _recompute.ACTIVE is not None and torch.is_grad_enabled():
+        # recomputation keeps its tensors through saved-tensor hooks, which torch.func's
+        # transforms refuse: under one the connection runs as it would without (under Dynamo
+        # the peek reads as a transform: _compiling() answers there)
+        if _recompute.ACTIVE is not None and torch.is_grad_enabled() and (
+                _transformed() is None or _compiling()):
             return _recompute.ACTIVE.run(self, x, args, kwargs)
         h_in, state = self.mix_in(x)
         f = self.branch(h_in, *args, **kwargs)

@@ -336,10 +336,11 @@ def sinkhorn(
         if eps != 0.0 or implicit_grad:
             raise ValueError("log_domain=True supports neither eps != 0 nor implicit_grad")
         return _sinkhorn_log(logits, iters)
-    if not torch.compiler.is_compiling() and _transformed() is not None:
+    if _transformed() is not None and not torch.compiler.is_compiling():
         # torch.func's transforms take no autograd.Function without rules of its own: the
         # same loop, each matrix in its domain, differentiated by autograd through it (the
-        # iterates are kept for backward, where _Sinkhorn recomputes them)
+        # iterates are kept for backward, where _Sinkhorn recomputes them). Under Dynamo the
+        # peek reads as a transform; is_compiling then answers.
         if implicit_grad:
             raise RuntimeError("sinkhorn(implicit_grad=True) does not run under torch.func "
                                "transforms (vmap, grad, ...); use the default gradient")

@@ -9,7 +9,7 @@ as HC or as mHC by changing one config field:
     for each block:
         x = conn_attn(x)   with branch  attn(norm1(.))   # layer_index 2 * block
         x = conn_mlp(x)    with branch  mlp(norm2(.))    # layer_index 2 * block + 1
-    h = reduce_streams(x)                           # [B, T, C]
+    h = reduce_streams(x, n)                        # [B, T, C]
     logits = lm_head(norm_f(h))                     # [B, T, V]
 
 Every connection starts as the residual network built from the same blocks, so at
@@ -436,7 +436,7 @@ class LM(nn.Module):
                 x = block(x, cos, sin, kv_cache=kv_cache, start_pos=start_pos)  # [B, T, n, C]
         if stats is not None:
             self.recompute_stats = stats  # bytes kept for backward, for measurements
-        h = reduce_streams(x)  # [B, T, C]
+        h = reduce_streams(x, self.cfg.n_streams)  # [B, T, C]
         logits = self.lm_head(self.norm_f(h))  # [B, T, V]
 
         if kv_cache is not None:

@@ -194,7 +194,9 @@ def resolve_impl_name(
 ) -> str:
     """The implementation name that `get_impl` would load (see the module docstring)."""
     check_impl_name(name)
-    if not torch.compiler.is_compiling() and _functorch_level() is not None:
+    # (the peek first: a C call, where is_compiling costs a Python one; under Dynamo the peek
+    # reads as a transform, and is_compiling then answers)
+    if _functorch_level() is not None and not torch.compiler.is_compiling():
         if name in ("auto", "reference"):
             return "reference"
         raise RuntimeError(

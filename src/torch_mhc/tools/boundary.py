@@ -15,7 +15,6 @@ import signal
 import sys
 import threading
 import warnings
-from pathlib import Path
 
 from torch_mhc.tools.errors import UsageError
 
@@ -259,22 +258,18 @@ def warn_warmup(cfg, prog: str) -> None:
               flush=True)
 
 
-_PACKAGE = Path(__file__).resolve().parents[1]  # src/torch_mhc
-
-
 @contextlib.contextmanager
 def warnings_as_lines(prog: str):
-    """While a command runs, torch_mhc's own Python warnings (the native kernels' fallback, a
-    checkpoint loaded from its interrupted save) are one line each, `prog: warning: ...`,
-    as the command's other warnings are, instead of Python's file, line and source line;
-    other packages' warnings are shown as Python shows them."""
+    """While a command runs, torch_mhc's own Python warnings (their messages start with
+    "torch_mhc: ": the native kernels' fallback, a checkpoint loaded from its interrupted
+    save) are one line each, `prog: warning: ...`, as the command's other warnings are,
+    instead of Python's file, line and source line; other warnings, torch's raised inside
+    the library included, are shown as they would be without."""
     shown = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
         text = str(message)
-        ours = text.startswith("torch_mhc: ") or Path(filename).resolve().is_relative_to(
-            _PACKAGE)
-        if not ours:
+        if not text.startswith("torch_mhc: "):
             shown(message, category, filename, lineno, file, line)
         elif rank0():
             text = " ".join(text.removeprefix("torch_mhc: ").split())

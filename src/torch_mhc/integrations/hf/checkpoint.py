@@ -65,10 +65,6 @@ from torch_mhc.integrations.hf.remote.configuration_torch_mhc import (
 
 __all__ = ["save_pretrained", "from_pretrained", "push_to_hub"]
 
-# the model_type of a reference-LM run exported by `mhc export-hf` (tools/export_hf.py): a
-# model of its own with its own code, which from_pretrained does not convert
-EXPORTED_LM_TYPE = "torch_mhc_lm"
-
 
 class ModelSave:
     """A converted model's own save_pretrained (an attribute of the instance, so that
@@ -192,10 +188,13 @@ def from_pretrained(path: str | os.PathLike, **kwargs) -> nn.Module:
     if is_repo_id(path):
         path, kwargs = resolve_folder(path, kwargs)
     path = _checkpoint_folder(path)
-    if _config_dict(path).get("model_type") == EXPORTED_LM_TYPE:
+    # a reference-LM run exported by `mhc export-hf`: a model of its own with its own code
+    from torch_mhc.integrations.hf.remote.configuration_torch_mhc_lm import TorchMhcLMConfig
+
+    if _config_dict(path).get("model_type") == TorchMhcLMConfig.model_type:
         raise ValueError(
             f"{path} holds a reference-LM run exported by `mhc export-hf` (model_type "
-            f"{EXPORTED_LM_TYPE!r}), not a converted transformers model: load it with "
+            f"{TorchMhcLMConfig.model_type!r}), not a converted transformers model: load it with "
             f"transformers.AutoModelForCausalLM.from_pretrained({str(path)!r}, "
             "trust_remote_code=True), or the run itself with torch_mhc.lm.load_model")
     tensors = _connection_tensors(path)

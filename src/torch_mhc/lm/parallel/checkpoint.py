@@ -351,8 +351,8 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         return path
     if is_complete(old):
         warnings.warn(
-            f"{path} is missing or incomplete; loading the previous checkpoint {old} "
-            "(a save was interrupted)",
+            f"torch_mhc: {path} is missing or incomplete; loading the previous checkpoint "
+            f"{old} (a save was interrupted)",
             stacklevel=2,
         )
         return old

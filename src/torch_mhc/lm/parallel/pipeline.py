@@ -106,7 +106,7 @@ class StageModule(nn.Module):
             for block in self.blocks.values():
                 x = block(x, cos, sin)  # [b, T, n, C]
         if self.is_last:
-            return self.lm_head(self.norm_f(reduce_streams(x)))  # [b, T, V]
+            return self.lm_head(self.norm_f(reduce_streams(x, self.cfg.n_streams)))  # [b, T, V]
         # Sent to the next stage as one buffer. A block may return a view (a matmul's reshape),
         # and the zero-bubble backward of DualPipeV detaches stage outputs in place, which a
         # view refuses: hand over a tensor of our own (one copy of [b, T, n, C]).
