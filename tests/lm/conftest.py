@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from torch_mhc.lm.train import train
+from torch_mhc.lm.train import load_checkpoint, train
 
 
 @pytest.fixture(scope="module")
@@ -23,3 +23,19 @@ def trained(tmp_path, trained_once, corpus):
     """A run folder with ckpt (step 4) and ckpt.prev (step 2) of tiny_config's run."""
     shutil.copytree(trained_once, tmp_path / "run")
     return tmp_path / "run"
+
+
+@pytest.fixture
+def resumes_from_prev(trained, tiny_config, capsys):
+    """resumes_from_prev(why, steps=6): resume the run in `trained`, whose ckpt a test has
+    damaged, to `steps`; assert that it fell back to ckpt.prev saying `why` and finished, and
+    return stderr."""
+    def resume(why: str, steps: int = 6) -> str:
+        r = train(tiny_config("mhc", out_dir=str(trained), steps=steps, checkpoint_every=2,
+                              resume=True))
+        err = capsys.readouterr().err
+        assert why in err and "resuming from the previous checkpoint" in err, err
+        assert r.steps == steps and load_checkpoint(trained)["step"] == steps
+        return err
+
+    return resume

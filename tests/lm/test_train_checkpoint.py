@@ -127,15 +127,11 @@ def test_damaged_checkpoint_is_one_line(tmp_path, trained, reseal, tiny_flags, c
     assert not (tmp_path / "new" / "ckpt").exists()
 
 
-def test_corrupt_last_falls_back_to_prev(trained, tiny_config, capsys):
+def test_corrupt_last_falls_back_to_prev(trained, resumes_from_prev, capsys):
     raw = bytearray((trained / "ckpt" / "__0_0.distcp").read_bytes())
     raw[100] ^= 0xFF
     (trained / "ckpt" / "__0_0.distcp").write_bytes(bytes(raw))
-    r = train(tiny_config("mhc", out_dir=str(trained), steps=6, checkpoint_every=2,
-                          resume=True))
-    err = capsys.readouterr().err
-    assert "is corrupt: __0_0.distcp" in err and "resuming from the previous checkpoint" in err
-    assert r.steps == 6 and load_checkpoint(trained)["step"] == 6
+    resumes_from_prev("is corrupt: __0_0.distcp")
     # generate falls back alike
     raw = bytearray((trained / "ckpt" / "__0_0.distcp").read_bytes())
     raw[100] ^= 0xFF
@@ -154,17 +150,13 @@ def test_corrupt_last_falls_back_to_prev(trained, tiny_config, capsys):
     {"rng": {"bit_generator": "not a generator"}},  # a generator state numpy refuses
     {"batch_size": None},  # no batch shape: damaged, not another launch's setting
 ])
-def test_damaged_sampler_state_falls_back_to_prev(trained, tiny_config, reseal, capsys,
+def test_damaged_sampler_state_falls_back_to_prev(trained, resumes_from_prev, reseal,
                                                   sampler):
     extra = torch.load(trained / "ckpt" / "extra.pt", weights_only=True)
     extra["sampler"] = {**extra["sampler"], **sampler}
     torch.save(extra, trained / "ckpt" / "extra.pt")
     reseal(trained / "ckpt")
-    r = train(tiny_config("mhc", out_dir=str(trained), steps=6, checkpoint_every=2,
-                          resume=True))
-    err = capsys.readouterr().err
-    assert "does not fit this run" in err and "resuming from the previous checkpoint" in err
-    assert r.steps == 6 and load_checkpoint(trained)["step"] == 6
+    resumes_from_prev("does not fit this run")
 
 
 def test_another_model_is_refused_before_any_tensor_is_read(trained, tiny_config, monkeypatch):

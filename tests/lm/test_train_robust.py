@@ -21,7 +21,7 @@ import torch_mhc.lm.train.checkpoint as ckpt
 import torch_mhc.lm.train.trainer as T
 from tests.helpers.cli import one_line, run_cli
 from torch_mhc.lm.model import LM
-from torch_mhc.lm.train import RunLock, RunLockedError, load_checkpoint, load_model, train
+from torch_mhc.lm.train import RunLock, RunLockedError, load_checkpoint, load_model
 
 
 def tree_bytes(root: Path) -> dict:
@@ -108,18 +108,13 @@ def test_rotation_refuses_a_link_it_would_delete_through(tmp_path, outside):
 # Rotation: the last verified checkpoint survives a fall back and a stop at any step
 
 
-def test_fallback_sets_the_corrupt_one_aside_and_keeps_the_good_one(trained, tiny_config,
-                                                                    capsys):
+def test_fallback_sets_the_corrupt_one_aside_and_keeps_the_good_one(trained,
+                                                                    resumes_from_prev):
     raw = bytearray((trained / "ckpt" / "__0_0.distcp").read_bytes())
     raw[100] ^= 0xFF
     (trained / "ckpt" / "__0_0.distcp").write_bytes(bytes(raw))
     corrupt = tree_bytes(trained / "ckpt")
-    r = train(tiny_config("mhc", out_dir=str(trained), steps=4, checkpoint_every=2,
-                          resume=True))
-    err = capsys.readouterr().err
-    assert "resuming from the previous checkpoint" in err
-    assert f"moved {trained / 'ckpt'} aside to ckpt.corrupt-1" in err
-    assert r.steps == 4 and load_checkpoint(trained)["step"] == 4
+    resumes_from_prev(f"moved {trained / 'ckpt'} aside to ckpt.corrupt-1", steps=4)
     assert load_checkpoint(trained / "ckpt.prev")["step"] == 2  # the one resumed from
     assert tree_bytes(trained / "ckpt.corrupt-1") == corrupt
 
@@ -254,16 +249,12 @@ def test_invalid_checkpoint_content_falls_back(trained, reseal, damage, message)
     assert len(said) == 1 and message in said[0] and "ckpt.prev" in said[0], said
 
 
-def test_truncated_shard_with_resealed_sums_resumes_from_prev(trained, reseal, tiny_config,
-                                                              capsys):
+def test_truncated_shard_with_resealed_sums_resumes_from_prev(trained, reseal,
+                                                              resumes_from_prev):
     shard = trained / "ckpt" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:200])
     reseal(trained / "ckpt")
-    r = train(tiny_config("mhc", out_dir=str(trained), steps=6, checkpoint_every=2,
-                          resume=True))
-    err = capsys.readouterr().err
-    assert "cannot be loaded" in err and "resuming from the previous checkpoint" in err
-    assert r.steps == 6 and load_checkpoint(trained)["step"] == 6
+    resumes_from_prev("cannot be loaded")
     lines = [json.loads(s) for s in (trained / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if x["kind"] == "train"][:2] == [2, 4]
 

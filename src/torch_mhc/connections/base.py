@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from torch_mhc import ops as _ops
+from torch_mhc.functional.sinkhorn import func_transform_active
 from torch_mhc.runtime import diagnostics as _diag
 from torch_mhc.runtime import recompute as _recompute
 
@@ -174,9 +175,6 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack
 # torch.jit.is_tracing() without its Python frame: torch.jit.trace (and the TorchScript ONNX
 # exporter) records torch ops, and a native call would leave no trace of the connection
 _tracing = torch._C._is_tracing
-# a torch.func transform (vmap, grad, ...) is active: its wrapped tensors have no memory for a
-# native call to read, and "auto" takes the reference there (ops.resolve_impl_name)
-_transformed = torch._C._functorch.peek_interpreter_stack
 
 
 # names -> operator.itemgetter(*names), as fast as indexing a dict once per name. A plain dict,
@@ -291,10 +289,9 @@ class Connection(nn.Module):
             finally:
                 dec.busy = False
         # recomputation keeps its tensors through saved-tensor hooks, which torch.func's
-        # transforms refuse: under one the connection runs as it would without (under Dynamo
-        # the peek reads as a transform: _compiling() answers there)
-        if _recompute.ACTIVE is not None and torch.is_grad_enabled() and (
-                _transformed() is None or _compiling()):
+        # transforms refuse: under one the connection runs as it would without
+        if (_recompute.ACTIVE is not None and torch.is_grad_enabled()
+                and not func_transform_active()):
             return _recompute.ACTIVE.run(self, x, args, kwargs)
         h_in, state = self.mix_in(x)
         f = self.branch(h_in, *args, **kwargs)
@@ -319,7 +316,7 @@ class Connection(nn.Module):
         dec = decoders.get((x.shape, x.dtype, threading.get_ident()))
         # _may_decode's checks (the trace's made above), spelled out: each call costs here
         if (dec is None or dec.busy or _diag.ACTIVE is not None or self.check_finite
-                or _dispatch_modes() or _tracing() or _transformed() is not None
+                or _dispatch_modes() or _tracing() or func_transform_active()
                 or dec.impl_state != _ops.impl_state(self.impl)):
             return None
         blocks = getattr(_FROZEN, "open", None)
@@ -341,7 +338,7 @@ class Connection(nn.Module):
         transform.
         _prepared_decoder spells the same checks out."""
         return (_diag.ACTIVE is None and not self.check_finite and not _compiling()
-                and not _dispatch_modes() and not _tracing() and _transformed() is None)
+                and not _dispatch_modes() and not _tracing() and not func_transform_active())
 
     def _decoder(self, x: torch.Tensor):
         """The implementation's prepared no-autograd path for x (Ops.decoder), kept per

@@ -68,8 +68,8 @@ import math
 
 import torch
 
-__all__ = ["LINEAR_RANGE", "compute_dtype", "sinkhorn", "sinkhorn_backward", "sinkhorn_forward",
-           "sinkhorn_unrolled"]
+__all__ = ["LINEAR_RANGE", "compute_dtype", "func_transform_active", "sinkhorn",
+           "sinkhorn_backward", "sinkhorn_forward", "sinkhorn_unrolled"]
 
 LINEAR_RANGE = 32.0  # per matrix, max - min of the logits iterated in the linear domain
 
@@ -169,9 +169,15 @@ def _log_backward(h, g, iters, dims):
     return g, out
 
 
-# the innermost torch.func transform (vmap, grad, ...) or None: under one, the data is not
-# read (vmap's batched tensors have no value to branch on) and autograd runs through the loop
-_transformed = torch._C._functorch.peek_interpreter_stack
+_interpreter = torch._C._functorch.peek_interpreter_stack  # innermost transform, or None
+
+
+def func_transform_active() -> bool:
+    """Whether a torch.func transform (vmap, grad, jacrev, ...) runs the caller: its wrapped
+    tensors have no data to branch on nor memory for a kernel to read, and it takes no
+    autograd.Function without rules of its own. The interpreter stack is read first (one C
+    call, for hot paths); under Dynamo it reads as a transform, and is_compiling answers."""
+    return _interpreter() is not None and not torch.compiler.is_compiling()
 
 
 def _data_free(t: torch.Tensor) -> bool:
@@ -180,7 +186,7 @@ def _data_free(t: torch.Tensor) -> bool:
     subclasses, torch.func's transformed tensors); every matrix then runs both domains and
     the mask picks."""
     return (torch.compiler.is_compiling() or type(t) is not torch.Tensor or t.is_meta
-            or _transformed() is not None)
+            or func_transform_active())
 
 
 def _far(h: torch.Tensor, eps: float, dims: Dims) -> torch.Tensor | None:
@@ -336,11 +342,10 @@ def sinkhorn(
         if eps != 0.0 or implicit_grad:
             raise ValueError("log_domain=True supports neither eps != 0 nor implicit_grad")
         return _sinkhorn_log(logits, iters)
-    if _transformed() is not None and not torch.compiler.is_compiling():
-        # torch.func's transforms take no autograd.Function without rules of its own: the
-        # same loop, each matrix in its domain, differentiated by autograd through it (the
-        # iterates are kept for backward, where _Sinkhorn recomputes them). Under Dynamo the
-        # peek reads as a transform; is_compiling then answers.
+    if func_transform_active():
+        # no autograd.Function there: the same loop, each matrix in its domain,
+        # differentiated by autograd through it (the iterates are kept for backward, where
+        # _Sinkhorn recomputes them)
         if implicit_grad:
             raise RuntimeError("sinkhorn(implicit_grad=True) does not run under torch.func "
                                "transforms (vmap, grad, ...); use the default gradient")

@@ -63,6 +63,7 @@ import torch
 
 from torch_mhc.functional import maps as reference
 from torch_mhc.functional import successors as reference_successors
+from torch_mhc.functional.sinkhorn import func_transform_active
 from torch_mhc.ops import checks
 
 # Imported here, outside any torch.compile trace: importing `cpu` registers its custom ops
@@ -176,10 +177,6 @@ def _env_impl() -> str:
     return "" if value is None else os.environ.decodevalue(value).strip()
 
 
-# the innermost torch.func transform's interpreter, None outside any (one C call)
-_functorch_level = torch._C._functorch.peek_interpreter_stack
-
-
 def impl_state(name: str) -> tuple:
     """What resolve_impl_name(name, device, dtype) depends on besides device and dtype:
     whatever was prepared under one state (a connection's decoders) still applies while the
@@ -194,9 +191,7 @@ def resolve_impl_name(
 ) -> str:
     """The implementation name that `get_impl` would load (see the module docstring)."""
     check_impl_name(name)
-    # (the peek first: a C call, where is_compiling costs a Python one; under Dynamo the peek
-    # reads as a transform, and is_compiling then answers)
-    if _functorch_level() is not None and not torch.compiler.is_compiling():
+    if func_transform_active():
         if name in ("auto", "reference"):
             return "reference"
         raise RuntimeError(

@@ -82,8 +82,7 @@ def run_command(args: argparse.Namespace) -> int:
     out = done["out_dir"]
     print(f"wrote {out} from {done['checkpoint']} (step {done['step']}; {done['kind']}, "
           f"{done['streams']} stream(s), {done['blocks']} blocks of width {done['dim']}; "
-          f"logits within {done['max_abs_diff']:.1e} of the run's model's, largest absolute "
-          "difference)")
+          f"largest logit difference from the run's model {done['max_abs_diff']:.1e})")
     print("load it with:\n"
           "  from transformers import AutoModelForCausalLM, AutoTokenizer\n"
           f"  model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)\n"

@@ -29,11 +29,11 @@ MARKERS = {
     "sweep.json": "mhc sweep",
     "upcycle.json": "mhc upcycle",
 }
-_KIND = "|".join(re.escape(k) for k in CONNECTION_KINDS)
 # where each command that holds runs keeps them: a path below its --out, one or two levels
+_KIND_RUNS = re.compile(rf"(?:{'|'.join(re.escape(k) for k in CONNECTION_KINDS)})(?:/seed\d+)?")
 RUN_FOLDERS = {
-    "mhc compare": re.compile(rf"(?:{_KIND})(?:/seed\d+)?"),
-    "mhc upcycle": re.compile(rf"(?:{_KIND})(?:/seed\d+)?"),
+    "mhc compare": _KIND_RUNS,
+    "mhc upcycle": _KIND_RUNS,
     "mhc sweep": re.compile(r"cells(?:/[^/]+)?"),
 }
 

@@ -188,17 +188,18 @@ def from_pretrained(path: str | os.PathLike, **kwargs) -> nn.Module:
     if is_repo_id(path):
         path, kwargs = resolve_folder(path, kwargs)
     path = _checkpoint_folder(path)
+    saved = _config_dict(path)
     # a reference-LM run exported by `mhc export-hf`: a model of its own with its own code
     from torch_mhc.integrations.hf.remote.configuration_torch_mhc_lm import TorchMhcLMConfig
 
-    if _config_dict(path).get("model_type") == TorchMhcLMConfig.model_type:
+    if saved.get("model_type") == TorchMhcLMConfig.model_type:
         raise ValueError(
             f"{path} holds a reference-LM run exported by `mhc export-hf` (model_type "
             f"{TorchMhcLMConfig.model_type!r}), not a converted transformers model: load it with "
             f"transformers.AutoModelForCausalLM.from_pretrained({str(path)!r}, "
             "trust_remote_code=True), or the run itself with torch_mhc.lm.load_model")
     tensors = _connection_tensors(path)
-    if is_portable(_config_dict(path)):
+    if is_portable(saved):
         config, kwargs = _portable_config(path, kwargs)
     else:
         config = AutoConfig.from_pretrained(path)
