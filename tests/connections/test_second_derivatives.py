@@ -3,8 +3,9 @@ by the fused ones.
 
 The `cpu` (and `triton`) ops' backwards are kernels whose results autograd sees as constants:
 a backward with create_graph=True through them would give wrong second derivatives without a
-word (a Hessian-vector product of one mHC connection off by 60 where its entries reach 64),
-so they refuse it, naming the implementation that takes it. The reference is held in both of
+word (for an mHC connection as _connection builds it, on 2 x 3 tokens, a Hessian-vector
+product through the cpu kernels comes out 16 off where its entries reach 22), so they refuse
+it, naming the implementation that takes it. The reference is held in both of
 Sinkhorn's domains: logits within 32 of each other take the linear loop, farther ones the
 log-domain loop ("mhc-far", an H_res bias 50 apart).
 """
