@@ -29,6 +29,7 @@ from tests.helpers.hf_cases import logits as _logits  # noqa: E402
 from tests.helpers.hf_cases import perturb_connections as _perturb_connections  # noqa: E402
 from tests.helpers.hf_cases import rel as _rel  # noqa: E402
 from torch_mhc.integrations.deepseek_v4 import norm_epsilon  # noqa: E402
+from torch_mhc.integrations.hf.remote.configuration_torch_mhc import REFUSING_KEYS  # noqa: E402
 from torch_mhc.runtime.recompute import recompute_streams  # noqa: E402
 
 FAMILIES = {
@@ -458,10 +459,11 @@ def test_checkpoint_without_conversion_record(tmp_path):
     plain.save_pretrained(tmp_path / "plain")
     with pytest.raises(ValueError, match="is not a converted checkpoint"):
         mhc_hf.from_pretrained(tmp_path / "plain")
-    # loaded as a plain model (its base config taken out by hand, without the attention
-    # implementation that refuses the base class), the recorded conversion stops a second,
-    # different conversion
-    del config["base_config"]["attn_implementation"]
+    # loaded as a plain model (its base config taken out by hand, without the attention and
+    # experts implementations that refuse the base class), the recorded conversion stops a
+    # second, different conversion
+    for key in REFUSING_KEYS:
+        del config["base_config"][key]
     base = transformers.LlamaConfig.from_dict(config["base_config"])
     base.mhc_conversion = {"kind": "mhc", "streams": 4, "options": {}}
     plain = transformers.LlamaForCausalLM.from_pretrained(path, config=base)

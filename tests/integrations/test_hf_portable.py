@@ -236,14 +236,16 @@ def test_portable_checkpoints_load_with_transformers_alone(tmp_path):
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_the_base_class_refuses_the_folder(tmp_path, name):
     """The base architecture's own class (LlamaForCausalLM.from_pretrained(folder), with or
-    without trust_remote_code) stops with an error that says how to load the folder (it built
-    the base model and loaded the weights without their connections); its config class
-    still reads the base config (PEFT reads the base vocabulary so)."""
+    without trust_remote_code, and with an attention implementation of the caller's) stops
+    with an error that says how to load the folder (it built the base model and loaded the
+    weights without their connections); its config class still reads the base config (PEFT
+    reads the base vocabulary so)."""
     saved, _ = _save_family(name, tmp_path)
     model = FAMILIES[name][0]()
     for folder in saved:
         before = _digest(folder)
-        for remote in ({}, {"trust_remote_code": True}):
+        for remote in ({}, {"trust_remote_code": True}, {"attn_implementation": "eager"},
+                       {"attn_implementation": "sdpa", "trust_remote_code": True}):
             with pytest.raises(ValueError, match=r"refused by torch-mhc: this folder holds a "
                                                  r"converted model; load it with "
                                                  r"AutoModelForCausalLM\.from_pretrained"):

@@ -106,8 +106,8 @@ def _weights_folder(folder) -> Path:
 
 
 # base config keys that differ between two saves of one model (not its function)
-_VOLATILE = {"attn_implementation", "transformers_version", "dtype", "torch_dtype",
-             "architectures", "_name_or_path", "model_type"}
+_VOLATILE = {"attn_implementation", "experts_implementation", "transformers_version", "dtype",
+             "torch_dtype", "architectures", "_name_or_path", "model_type"}
 
 
 def _check_recorded(folder: Path, conversion: dict, base: dict) -> None:

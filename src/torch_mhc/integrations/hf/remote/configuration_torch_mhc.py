@@ -34,11 +34,12 @@ AUTO_MAP = {
 # The base architecture's own class reads the folder's base_config: transformers' config
 # classes adopt a nested dict of their model_type (PEFT reads the base vocabulary so), and
 # LlamaForCausalLM.from_pretrained(folder) would build the base model and load the weights
-# without their connections, only listing their keys as unexpected. This attention
-# implementation, which no model accepts, stops that build with a ValueError that quotes it;
-# TorchMHCConfig.base() drops any value starting with REFUSED (so that its wording may change).
-# (An attn_implementation passed to the call replaces it; transformers never writes one into
-# config.json.)
+# without their connections, only listing their keys as unexpected. An attention and an
+# experts implementation that no model accepts stop that build with a ValueError that quotes
+# them: every model checks both when it is built, dense ones too. Two, because a keyword of
+# the call replaces the config's value, and `attn_implementation="sdpa"` is an everyday one.
+# TorchMHCConfig.base() drops any such value starting with REFUSED (so that its wording may
+# change). (transformers never writes either key into config.json.)
 REFUSED = "refused by torch-mhc:"
 NOT_THE_BASE_MODEL = (f"{REFUSED} this folder holds a converted model; load it with "
                       "AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True) or "
@@ -46,6 +47,7 @@ NOT_THE_BASE_MODEL = (f"{REFUSED} this folder holds a converted model; load it w
                       "torch-mhc whose from_pretrained stops on this sentence predates such "
                       "folders: update it)")
 ATTN_KEY = "attn_implementation"
+REFUSING_KEYS = (ATTN_KEY, "experts_implementation")
 
 
 def portable_config(base: dict, layers: dict) -> dict:
@@ -53,7 +55,8 @@ def portable_config(base: dict, layers: dict) -> dict:
     writes it (with the conversion recorded, under CONVERSION_KEY) and the layers' record
     (mhc_layers)."""
     base = dict(base)
-    base[ATTN_KEY] = NOT_THE_BASE_MODEL
+    for key in REFUSING_KEYS:
+        base[key] = NOT_THE_BASE_MODEL
     conversion = base.pop(CONVERSION_KEY)
     config = {
         "model_type": MODEL_TYPE,
@@ -129,7 +132,7 @@ class TorchMHCConfig(PretrainedConfig):
             )
         config_class = CONFIG_MAPPING[self.base_model_type]
         base = {k: v for k, v in self.base_config.items()
-                if not (k == ATTN_KEY and str(v).startswith(REFUSED))}
+                if not (k in REFUSING_KEYS and str(v).startswith(REFUSED))}
         config, unused = config_class.from_dict(base, return_unused_kwargs=True,
                                                 **{**self.passed_on(), **kwargs})
         config.mhc_conversion = self.mhc_conversion
