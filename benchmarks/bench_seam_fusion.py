@@ -165,6 +165,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=31, help="rounds (at least 2)")
     ap.add_argument("--json", help="also write the JSON here")
     args = ap.parse_args()
+    if args.repeats < 2 or args.tokens < 1 or args.dim < 4 or args.dim % 4:
+        ap.error(f"expected --repeats >= 2, --tokens >= 1 and --dim a positive multiple of 4 "
+                 f"(n C = 4 --dim in whole 16-float blocks), got {args.repeats}, "
+                 f"{args.tokens} and {args.dim}")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         lib = patched_library(Path(tmp))
