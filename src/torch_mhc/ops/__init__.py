@@ -39,7 +39,8 @@ Implementations:
     "triton"     Triton kernels as torch.library custom ops (ops/triton/ops.py); CUDA tensors,
                  or CPU tensors under TRITON_INTERPRET=1 (for tests)
     "inductor"   the reference ops compiled by torch.compile (ops/inductor.py), any device;
-                 compiles on each op's first call. Never chosen by "auto".
+                 compiles on each op's first call (meta tensors and dispatch modes run the
+                 reference functions uncompiled). Never chosen by "auto".
 
 Choosing: `get_impl(name, device, dtype)`. A name other than "auto" is used as given.
 "auto" resolves, first match wins, to: "reference" under a torch.func transform (vmap, grad,

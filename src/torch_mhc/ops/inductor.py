@@ -9,6 +9,11 @@ the reference's exact gradients. A second GPU path beside the hand-written Trito
 Selecting it: impl="inductor" (connections, models, `get_impl`), or TORCH_MHC_IMPL=inductor.
 Nothing compiles when this module is imported: torch.compile wraps the functions here, and
 the first call of each op (per input shape class, dtype and device) compiles it.
+
+Meta tensors, and calls under a dispatch mode (FakeTensorMode, FlopCounterMode), run the
+reference functions uncompiled: there is nothing to compile for tensors without memory (the
+compiler stopped with BackendCompilerFailed on meta tensors and an assertion under
+FakeTensorMode), and the maths and shapes are the same.
 """
 
 from __future__ import annotations
@@ -39,10 +44,27 @@ def _compile(fn):
     return torch.compile(fn, fullgraph=True, dynamic=None)
 
 
-_mhc_maps, _mhc_maps_pre = _compile(_ref.mhc_maps), _compile(_maps_pre)
-_hc_maps, _sinkhorn_compiled = _compile(_ref.hc_maps), _compile(_sinkhorn)
-pre_aggregate = _compile(_ref.pre_aggregate)
-post_merge = _compile(_ref.post_merge)
+def _compiled_or_plain(fn):
+    """fn compiled, called as such, but for meta tensors and under a dispatch mode (the
+    module docstring): fn itself there. Inside a torch.compile trace (a model compiled
+    around these ops) the compiled function, as before: Dynamo inlines it."""
+    compiled = _compile(fn)
+
+    def call(*args, **kwargs):
+        if not torch.compiler.is_compiling() and (
+                torch._C._len_torch_dispatch_stack() > 0
+                or any(isinstance(a, torch.Tensor) and a.is_meta for a in args)):
+            return fn(*args, **kwargs)
+        return compiled(*args, **kwargs)
+
+    call.__name__, call.__doc__ = fn.__name__, fn.__doc__
+    return call
+
+
+_mhc_maps, _mhc_maps_pre = _compiled_or_plain(_ref.mhc_maps), _compiled_or_plain(_maps_pre)
+_hc_maps, _sinkhorn_compiled = _compiled_or_plain(_ref.hc_maps), _compiled_or_plain(_sinkhorn)
+pre_aggregate = _compiled_or_plain(_ref.pre_aggregate)
+post_merge = _compiled_or_plain(_ref.post_merge)
 
 
 # The scalar checks run before the compiled graphs (ops/checks.py says why they exist).
