@@ -45,9 +45,9 @@ def _compile(fn):
 
 
 def _compiled_or_plain(fn):
-    """fn compiled, called as such, but for meta tensors and under a dispatch mode (the
-    module docstring): fn itself there. Inside a torch.compile trace (a model compiled
-    around these ops) the compiled function, as before: Dynamo inlines it."""
+    """fn compiled, but for meta tensors and under a dispatch mode (the module docstring):
+    fn itself there. Inside a torch.compile trace (a model compiled around these ops) the
+    compiled function, which Dynamo inlines (the checks are not traced)."""
     compiled = _compile(fn)
 
     def call(*args, **kwargs):
