@@ -43,9 +43,9 @@ AUTO_MAP = {
 REFUSED = "refused by torch-mhc:"
 NOT_THE_BASE_MODEL = (f"{REFUSED} this folder holds a converted model; load it with "
                       "AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True) or "
-                      "torch_mhc.hf.from_pretrained(folder), not with its base class (a "
-                      "torch-mhc whose from_pretrained stops on this sentence predates such "
-                      "folders: update it)")
+                      "torch_mhc.hf.from_pretrained(folder), not with its base class (where "
+                      "torch_mhc.hf.from_pretrained itself stops here, the installed torch-mhc "
+                      "is older than the folder: update torch-mhc)")
 ATTN_KEY = "attn_implementation"
 REFUSING_KEYS = (ATTN_KEY, "experts_implementation")
 
