@@ -341,6 +341,16 @@ def test_warmup_not_shorter_than_steps_warns_once(tmp_path, tiny_flags, capsys):
                         "for the whole run and never reaches lr 0.001"]
 
 
+def test_a_refused_run_says_only_why(tmp_path, tiny_flags, capsys):
+    """The warmup warning comes once the run starts: a run refused (a checkpoint already in
+    its folder) prints only its error line."""
+    flags = [*tiny_flags, "--steps", "2", "--warmup", "5", "--out-dir", tmp_path / "run"]
+    code, _, err = run(["train", *flags], capsys)
+    assert code == 0 and "warning: warmup (5) >= steps (2)" in err, err
+    code, _, err = run(["train", *flags], capsys)
+    assert_one_line_error(code, err, "exists: pass resume (--resume) to continue that run")
+
+
 def test_the_librarys_warnings_are_one_line_each(tmp_path, tiny_flags, capsys, monkeypatch):
     """A machine without a C compiler: the native kernels' fallback is said as the command's
     other warnings are, one `mhc train: warning:` line, not Python's file, line and source;

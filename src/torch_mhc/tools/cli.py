@@ -91,7 +91,7 @@ def _add_train(subparsers) -> None:
     from torch_mhc.lm import config as _config
 
     p = subparsers.add_parser(
-        "train", help="train the reference LM (residual, HC or mHC)",
+        "train", help="train the reference LM (residual, HC, mHC or its successors)",
         description="Train the reference LM. Precedence: defaults < --config file < flags.\n"
         "One run per --out-dir: a second one is refused while the first holds its lock.",
         epilog=EXIT_STATUS, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -118,8 +118,7 @@ def _run_train(args: argparse.Namespace) -> int:
     cfg = _config.build_config(base, args.config, flags)
     if cfg.out_dir:
         check_out_dir(cfg.out_dir, "mhc train", "--out-dir")
-    warn_warmup(cfg, "mhc train")
-    train(cfg)
+    train(cfg, on_start=lambda: warn_warmup(cfg, "mhc train"))
     return 0
 
 

@@ -73,6 +73,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="replace an existing non-empty OUT_DIR")
 
 
+def _count(k: int, noun: str) -> str:
+    """'1 block', '8 blocks'."""
+    return f"{k} {noun}" + ("" if k == 1 else "s")
+
+
 def run_command(args: argparse.Namespace) -> int:
     """Export, then say where the folder is and how to load it."""
     done = export_hf(args.run_dir, args.out_dir, kind=args.kind, seed=args.seed,
@@ -81,7 +86,8 @@ def run_command(args: argparse.Namespace) -> int:
                                                flush=True))
     out = done["out_dir"]
     print(f"wrote {out} from {done['checkpoint']} (step {done['step']}; {done['kind']}, "
-          f"{done['streams']} stream(s), {done['blocks']} blocks of width {done['dim']}; "
+          f"{_count(done['streams'], 'stream')}, {_count(done['blocks'], 'block')} of width "
+          f"{done['dim']}; "
           f"largest logit difference from the run's model {done['max_abs_diff']:.1e})")
     print("load it with:\n"
           "  from transformers import AutoModelForCausalLM, AutoTokenizer\n"

@@ -27,6 +27,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -134,22 +135,26 @@ def load_training_corpus(cfg: TrainConfig) -> _data.Corpus:
     return corpus
 
 
-def train(cfg: TrainConfig, corpus: _data.Corpus | None = None) -> TrainResult:
+def train(cfg: TrainConfig, corpus: _data.Corpus | None = None,
+          on_start: Callable[[], object] | None = None) -> TrainResult:
     """Run the training `cfg` describes; see the module docstring.
 
     corpus: an already loaded corpus (compare passes one to three runs); by default the one
-    cfg.data names. Raises ConfigError / CheckpointError / RunLockedError for bad input before
-    anything is written, TrainingDiverged (with .result) when the spike policy stops the run,
-    RunInterrupted after Ctrl-C, DiskFullError when the disk fills up.
+    cfg.data names. on_start: called once the run is set to start, after its out_dir, lock
+    and checkpoint have passed their checks, before the first line about the run (`mhc train`
+    says its warnings there, so that a run refused says only why). Raises ConfigError /
+    CheckpointError / RunLockedError for bad input before anything is written,
+    TrainingDiverged (with .result) when the spike policy stops the run, RunInterrupted after
+    Ctrl-C, DiskFullError when the disk fills up.
     """
     t_start = time.perf_counter()
     cfg.validate()
     if cfg.parallel == "none":
-        return Trainer(cfg, corpus, None, t_start).run()
+        return Trainer(cfg, corpus, None, t_start, on_start).run()
     # "cuda" / "auto": cuda:LOCAL_RANK when there is a GPU; "cpu": gloo on the CPU
     info = par.init_distributed(device="cpu" if cfg.device == "cpu" else None)
     try:
-        result = Trainer(cfg, corpus, info, t_start).run()
+        result = Trainer(cfg, corpus, info, t_start, on_start).run()
     except (TrainingDiverged, RunInterrupted, RunLockedError):  # alike on every rank
         par.destroy_distributed()
         raise
@@ -176,8 +181,10 @@ class Trainer:
     """One run of `cfg` on this process (info: its rank in a distributed run, else None)."""
 
     def __init__(self, cfg: TrainConfig, corpus: _data.Corpus | None,
-                 info: par.DistInfo | None, t_start: float):
+                 info: par.DistInfo | None, t_start: float,
+                 on_start: Callable[[], object] | None = None):
         self.cfg, self.corpus, self.info, self.t_start = cfg, corpus, info, t_start
+        self.on_start = on_start
         self.device = resolve_device(cfg.device) if info is None else info.device
         self.amp_dtype = resolve_dtype(cfg.dtype, self.device)
         self.printer = Printer(cfg)
@@ -205,6 +212,8 @@ class Trainer:
         self._build()
         start = self._restore(resume_path, resume_state)
         self.metrics = MetricsLog(self.cfg, start)
+        if self.on_start is not None:
+            self.on_start()
         self._announce(start, resume_path)
         self.bar = progress_bar(self.cfg, start)
         self.printer.bar = self.bar

@@ -162,7 +162,8 @@ def _continue(cfg: TrainConfig, src: SourceRun, corpus, reference: float, overwr
                           "steps, seed or schedule): choose another --out, or pass --overwrite")
     if start is None or not _has_checkpoint(folder):
         start = _begin(cfg, src, corpus, settings, folder)
-        _say(f"{where}: converted, start val loss {start['start_val_loss']:.4f}; training "
+        began = "continued" if cfg.model.connection == "residual" else "converted"
+        _say(f"{where}: {began}, start val loss {start['start_val_loss']:.4f}; training "
              f"{cfg.steps} steps")
     else:
         _say(f"{where}: resuming its checkpoint")
