@@ -351,6 +351,14 @@ def test_a_refused_run_says_only_why(tmp_path, tiny_flags, capsys):
     assert_one_line_error(code, err, "exists: pass resume (--resume) to continue that run")
 
 
+def test_a_refused_comparison_says_only_why(tmp_path, capsys):
+    """As mhc train: the warmup warning waits until nothing refuses the comparison."""
+    code, _, err = run(["compare", "--out", tmp_path / "cmp", "--preset", "tiny", "--kinds",
+                        "residual,kromhc", "--streams", "3", "--steps", "2", "--warmup", "5"],
+                       capsys)
+    assert_one_line_error(code, err, "kind kromhc cannot run with streams = 3")
+
+
 def test_the_librarys_warnings_are_one_line_each(tmp_path, tiny_flags, capsys, monkeypatch):
     """A machine without a C compiler: the native kernels' fallback is said as the command's
     other warnings are, one `mhc train: warning:` line, not Python's file, line and source;

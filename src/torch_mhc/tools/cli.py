@@ -221,8 +221,8 @@ def _run_compare(args: argparse.Namespace) -> int:
     cfg = _config.build_config(base, args.config,
                                _config.flag_overrides(args, exclude=_COMPARE_EXCLUDED))
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
-    warn_warmup(cfg, "mhc compare")
-    report = compare(args.out, preset=args.preset, config=cfg, kinds=kinds, seeds=args.seeds)
+    report = compare(args.out, preset=args.preset, config=cfg, kinds=kinds, seeds=args.seeds,
+                     on_start=lambda: warn_warmup(cfg, "mhc compare"))
     if not cfg.quiet and rank0():
         print(summary_table(report))
         if args.seeds > 1:

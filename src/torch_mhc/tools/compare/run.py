@@ -59,6 +59,7 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -129,14 +130,16 @@ def preset_config(preset: str) -> TrainConfig:
 
 def compare(out_dir: str | os.PathLike, preset: str = "default", *,
             config: TrainConfig | None = None, kinds: tuple[str, ...] = DEFAULT_KINDS,
-            seeds: int = 1, **overrides) -> dict:
+            seeds: int = 1, on_start: Callable[[], object] | None = None,
+            **overrides) -> dict:
     """Train each of `kinds` on `seeds` seeds with the same configuration and write the report
     to out_dir.
 
     config: the base configuration (its model.connection and seed are replaced per run); by
     default the preset's, with `overrides` (TrainConfig or ModelConfig field names) applied.
-    Every run's configuration is validated and the corpus loaded before the first step.
-    Returns the report dict that report.json holds.
+    Every run's configuration is validated and the corpus loaded before the first step;
+    on_start is called then (`mhc compare` says its warnings there, after the checks that
+    could refuse the comparison). Returns the report dict that report.json holds.
     """
     t_start = time.perf_counter()
     out = check_out_dir(out_dir, "mhc compare")
@@ -177,6 +180,8 @@ def compare(out_dir: str | os.PathLike, preset: str = "default", *,
     for cfg in configs.values():
         cfg.validate()
     corpus = load_training_corpus(base)
+    if on_start is not None:
+        on_start()
 
     # One throwaway step first, so that the one-time costs of a process (thread pools, kernel
     # initialisation, lazily loaded libraries) land in none of the measured runs; and every

@@ -126,7 +126,6 @@ def upcycle(source: str, out: str, *, kinds: tuple[str, ...] = ("hc", "mhc"), st
     streams = src.model.cfg.streams if streams is None else streams
     kinds = check_kinds(tuple(kinds), streams)
     base = continuation_config(src, steps, lr, warmup, eval_every, verbose)
-    warn_warmup(base, "mhc upcycle")
     first = base.seed + 1 if seed is None else seed
     _check_int("--seed", first, lo=0)
     if first + seeds - 1 > SEED_MAX:
@@ -137,6 +136,7 @@ def upcycle(source: str, out: str, *, kinds: tuple[str, ...] = ("hc", "mhc"), st
     corpus = load_training_corpus(base)
     out_dir.mkdir(parents=True, exist_ok=True)
     with RunLock(out_dir):
+        warn_warmup(base, "mhc upcycle")  # once nothing refuses the upcycling
         reference = start_loss(src.model, base, corpus)
         rows = []
         for i, cfg in enumerate(configs):
