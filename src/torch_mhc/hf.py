@@ -1,4 +1,4 @@
-"""`torch_mhc.hf` is `torch_mhc.integrations.hf` (needs `pip install 'torch-mhc[hf]'`).
+"""`torch_mhc.hf` is `torch_mhc.integrations.hf` (needs `pip install -e ".[hf]"`).
 
 Kept as the short name users import; the same module object, so submodules and classes are
 shared with the full path.

@@ -260,6 +260,14 @@ def test_mixtral_round_trip(tmp_path):
     loaded = mhc_hf.from_pretrained(folder)
     assert type(loaded) is type(model)
     assert torch.equal(_logits(loaded, ids, mask), ref)
+    # an experts implementation chosen in the Auto call reaches the base model (transformers
+    # sets it on the folder's config, which passes it on), as an attention one does
+    for remote in ({}, {"trust_remote_code": True}):
+        auto = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, experts_implementation="eager", **remote)
+        assert auto.config._experts_implementation == "eager", remote
+        got = _logits(auto, ids, mask)
+        assert (got - ref).abs().max() <= 1e-5 * ref.abs().max(), remote
 
 
 def test_each_save_gets_a_state_dict_of_its_own(tmp_path, monkeypatch):

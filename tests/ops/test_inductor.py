@@ -68,3 +68,26 @@ def test_bench_sinkhorn_compares_the_inductor_ops():
     result = bench_sinkhorn(tokens=8, sizes=(3,), iters=3, repeats=1, inductor=True)
     entry = result["results"][0]["entries"]["ops.inductor"]
     assert entry["max_abs_diff"] <= 1e-6 and entry["median_ms"] > 0
+
+
+def test_compiled_for_plain_tensors_reference_for_meta_and_dispatch_modes():
+    """The ops compile for tensors with memory; on meta tensors and under a dispatch mode
+    (FlopCounterMode here) they run the reference functions uncompiled, which torch.compile
+    could not, and which the mode sees op by op (the FLOPs of impl="reference")."""
+    from torch._dynamo.utils import counters
+    from torch.utils.flop_counter import FlopCounterMode
+
+    ind = ops.get_impl("inductor")
+    x, h = torch.randn(3, 5, 4, 8), torch.rand(3, 5, 4)  # shapes no other test compiles
+    graphs = counters["stats"]["unique_graphs"]
+    with FlopCounterMode(display=False) as counted:
+        out = ind.pre_aggregate(x, h)
+    with FlopCounterMode(display=False) as counted_ref:
+        expected = reference.pre_aggregate(x, h)
+    assert counted.get_total_flops() == counted_ref.get_total_flops() > 0
+    assert torch.equal(out, expected)
+    meta = ind.pre_aggregate(x.to("meta"), h.to("meta"))
+    assert meta.is_meta and meta.shape == expected.shape
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled for those
+    assert_close(ind.pre_aggregate(x, h), expected, 1e-6)
+    assert counters["stats"]["unique_graphs"] > graphs  # compiled for plain tensors

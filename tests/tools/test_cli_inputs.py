@@ -351,12 +351,17 @@ def test_a_refused_run_says_only_why(tmp_path, tiny_flags, capsys):
     assert_one_line_error(code, err, "exists: pass resume (--resume) to continue that run")
 
 
-def test_a_refused_comparison_says_only_why(tmp_path, capsys):
-    """As mhc train: the warmup warning waits until nothing refuses the comparison."""
+def test_a_refused_comparison_says_only_why(tmp_path, compare_flags, capsys):
+    """As mhc train: the warmup warning waits until nothing refuses the comparison, and is
+    said once when it runs."""
     code, _, err = run(["compare", "--out", tmp_path / "cmp", "--preset", "tiny", "--kinds",
                         "residual,kromhc", "--streams", "3", "--steps", "2", "--warmup", "5"],
                        capsys)
     assert_one_line_error(code, err, "kind kromhc cannot run with streams = 3")
+    code, _, err = run(["compare", "--out", tmp_path / "cmp", *compare_flags, "--kinds",
+                        "residual,mhc", "--warmup", "5"], capsys)
+    assert code == 0, err
+    assert err.count("mhc compare: warning: warmup (5) >= steps (2)") == 1, err
 
 
 def test_the_librarys_warnings_are_one_line_each(tmp_path, tiny_flags, capsys, monkeypatch):

@@ -144,14 +144,21 @@ def test_bad_input_is_one_line_and_exit_2(upcycled, capsys):
 
 
 def test_a_warmup_past_the_steps_is_warned_of(upcycled, capsys):
-    """As mhc train and compare warn: the learning rate would never reach its peak."""
+    """As mhc train and compare warn: the learning rate would never reach its peak. Once,
+    when the first continuation starts; an upcycling refused says only why."""
     root, _, _ = upcycled
     capsys.readouterr()
-    assert main(["upcycle", "--from", str(root / "res"), "--kinds", "hc", "--steps", str(STEPS),
-                 "--warmup", str(STEPS), "--out", str(root / "warm"), "--eval-every", "0"]) == 0
+    argv = ["upcycle", "--from", str(root / "res"), "--kinds", "hc", "--warmup", str(STEPS),
+            "--out", str(root / "warm"), "--eval-every", "0"]
+    assert main([*argv, "--steps", str(STEPS)]) == 0
     err = capsys.readouterr().err
-    assert (f"mhc upcycle: warning: warmup ({STEPS}) >= steps ({STEPS}): the learning rate "
-            "rises for the whole run") in err
+    warning = (f"mhc upcycle: warning: warmup ({STEPS}) >= steps ({STEPS}): the learning rate "
+               "rises for the whole run")
+    assert err.count(warning) == 1, err
+    # the same folder with other settings: refused by its first continuation
+    assert main([*argv, "--steps", str(STEPS - 1)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds a continuation with other settings" in err[0], err
 
 
 def test_report_numbers_that_round_to_zero_carry_no_minus():
@@ -172,7 +179,7 @@ def test_interrupt_says_how_to_finish(upcycled, tmp_path, capsys, monkeypatch):
     argv = [*argv[:argv.index("--out") + 1], str(tmp_path / "up"),
             *argv[argv.index("--out") + 2:]]
 
-    def interrupted(cfg, corpus=None):
+    def interrupted(cfg, corpus=None, on_start=None):
         raise RunInterrupted("interrupted after step 1; checkpoint x, which `mhc train "
                              "--resume` continues", 1, "x")
 

@@ -18,6 +18,8 @@ FakeTensorMode), and the maths and shapes are the same.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from torch_mhc.functional import maps as _ref
@@ -50,6 +52,7 @@ def _compiled_or_plain(fn):
     compiled function, which Dynamo inlines (the checks are not traced)."""
     compiled = _compile(fn)
 
+    @functools.wraps(fn)
     def call(*args, **kwargs):
         if not torch.compiler.is_compiling() and (
                 torch._C._len_torch_dispatch_stack() > 0
@@ -57,7 +60,6 @@ def _compiled_or_plain(fn):
             return fn(*args, **kwargs)
         return compiled(*args, **kwargs)
 
-    call.__name__, call.__doc__ = fn.__name__, fn.__doc__
     return call
 
 

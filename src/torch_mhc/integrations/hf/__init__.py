@@ -1,4 +1,4 @@
-"""Hugging Face transformers integration (needs `pip install torch-mhc[hf]`).
+"""Hugging Face transformers integration (needs `pip install -e ".[hf]"`).
 
     import torch_mhc.hf
     model = transformers.AutoModelForCausalLM.from_pretrained("path/or/name")

@@ -6,8 +6,9 @@
 AutoConfig reads config.json (model_type "torch_mhc") as a TorchMHCConfig and
 AutoModelForCausalLM hands the folder to torch_mhc.hf.from_pretrained, which returns the
 converted base model on torch-mhc's connections and ops (e.g. a LlamaForCausalLM instance), the
-same model torch_mhc.hf.from_pretrained(path) returns. With trust_remote_code=True transformers
-runs the code saved in the folder instead (the plain-torch reference connections).
+same model torch_mhc.hf.from_pretrained(path) returns, with or without trust_remote_code=True
+(transformers prefers a registered class to the code saved in the folder; that code, with the
+plain-torch reference connections, runs where torch-mhc is not imported).
 """
 
 from __future__ import annotations

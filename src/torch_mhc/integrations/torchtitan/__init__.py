@@ -1,6 +1,6 @@
 """torchtitan integration: train HC / mHC models with PyTorch's own large-scale trainer.
 
-    pip install 'torch-mhc[torchtitan]'      # torchtitan 0.3.0, torch >= 2.14
+    pip install -e ".[torchtitan]"           # torchtitan 0.3.0, torch >= 2.14
     torchrun --nproc-per-node 8 -m torchtitan.train \
         --module torch_mhc.integrations.torchtitan --config llama3_8b_mhc
 

@@ -135,19 +135,26 @@ def upcycle(source: str, out: str, *, kinds: tuple[str, ...] = ("hc", "mhc"), st
         cfg.validate()
     corpus = load_training_corpus(base)
     out_dir.mkdir(parents=True, exist_ok=True)
+    warned = []  # the warmup warning: once, when the first continuation starts training
+
+    def warn_once():
+        if not warned:
+            warned.append(True)
+            warn_warmup(base, "mhc upcycle")
+
     with RunLock(out_dir):
-        warn_warmup(base, "mhc upcycle")  # once nothing refuses the upcycling
         reference = start_loss(src.model, base, corpus)
         rows = []
         for i, cfg in enumerate(configs):
             where = f"[{i + 1}/{len(configs)}] {cfg.model.connection} seed {cfg.seed}"
-            rows.append(_continue(cfg, src, corpus, reference, overwrite, where))
+            rows.append(_continue(cfg, src, corpus, reference, overwrite, where, warn_once))
         return write_outputs(out_dir, src, base, streams, rows, reference)
 
 
 def _continue(cfg: TrainConfig, src: SourceRun, corpus, reference: float, overwrite: bool,
-              where: str) -> dict:
-    """One continuation, trained, resumed or skipped; its row with its histories."""
+              where: str, on_start=None) -> dict:
+    """One continuation, trained, resumed or skipped; its row with its histories. on_start:
+    train's, called once the continuation's own checks have passed."""
     folder = Path(cfg.out_dir)
     settings = _settings(cfg, src)
     if overwrite:
@@ -169,7 +176,7 @@ def _continue(cfg: TrainConfig, src: SourceRun, corpus, reference: float, overwr
         _say(f"{where}: resuming its checkpoint")
     _check_start(cfg.model.connection, start["start_val_loss"], reference)
     try:
-        result = train(cfg, corpus=corpus)
+        result = train(cfg, corpus=corpus, on_start=on_start)
     except TrainingDiverged as e:  # a finding, as in `mhc compare`: report what it reached
         result = e.result
     except RunInterrupted as e:  # its own message names `mhc train --resume`

@@ -112,11 +112,15 @@ class TorchMHCConfig(PretrainedConfig):
     def passed_on(self) -> dict:
         """What a load put on this config for the base model (AutoModel does, from the
         kwargs of its from_pretrained), as those kwargs: the PASSED_ON settings that differ
-        from their defaults, and the attention implementation."""
+        from their defaults, and the attention and experts implementations."""
         given = {key: getattr(self, key) for key, default in PASSED_ON.items()
                  if getattr(self, key, default) != default}
-        attn = getattr(self, "_attn_implementation_internal", None)
-        return given if attn is None else {**given, "attn_implementation": attn}
+        for key in REFUSING_KEYS:  # the implementations a call may choose (its own replace
+            # the refusing sentence in the base config)
+            chosen = getattr(self, f"_{key}_internal", None)
+            if chosen is not None:
+                given[key] = chosen
+        return given
 
     def base(self, **kwargs):
         """(the base model's config with the conversion recorded, kwargs it did not take).
