@@ -33,7 +33,9 @@ def test_upcycle_llama_converts_fine_tunes_and_saves(tmp_path):
     rows = dict(re.findall(r"^\| (plain|mhc x4) \| (.+) \|$", out, re.M))
     assert set(rows) == {"plain", "mhc x4"}, out
     plain, mhc = ([float(v) for v in rows[k].split(" | ")] for k in ("plain", "mhc x4"))
-    assert plain[0] == mhc[0], out  # validation loss before fine-tuning: the same function
+    # validation loss before fine-tuning: the same function (printed to 4 decimals, which
+    # a difference of float rounding may tip by one unit)
+    assert abs(plain[0] - mhc[0]) <= 1e-4, out
     assert plain[1] < plain[0] and mhc[1] < mhc[0], out  # and both fine-tune
     assert re.search(r"composite \(all layers\), worst token: forward 1\.0000", out), out
 

@@ -29,7 +29,9 @@ from tests.helpers.hf_cases import logits as _logits  # noqa: E402
 from tests.helpers.hf_cases import perturb_connections as _perturb_connections  # noqa: E402
 from tests.helpers.hf_cases import rel as _rel  # noqa: E402
 from torch_mhc.integrations.deepseek_v4 import norm_epsilon  # noqa: E402
-from torch_mhc.integrations.hf.remote.configuration_torch_mhc import REFUSING_KEYS  # noqa: E402
+from torch_mhc.integrations.hf.remote.configuration_torch_mhc import (  # noqa: E402
+    IMPLEMENTATION_KEYS,
+)
 from torch_mhc.runtime.recompute import recompute_streams  # noqa: E402
 
 FAMILIES = {
@@ -462,7 +464,7 @@ def test_checkpoint_without_conversion_record(tmp_path):
     # loaded as a plain model (its base config taken out by hand, without the attention and
     # experts implementations that refuse the base class), the recorded conversion stops a
     # second, different conversion
-    for key in REFUSING_KEYS:
+    for key in IMPLEMENTATION_KEYS:
         del config["base_config"][key]
     base = transformers.LlamaConfig.from_dict(config["base_config"])
     base.mhc_conversion = {"kind": "mhc", "streams": 4, "options": {}}

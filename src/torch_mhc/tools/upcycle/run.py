@@ -24,6 +24,7 @@ others from their checkpoints; a folder made with other settings is refused, unl
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
@@ -135,13 +136,8 @@ def upcycle(source: str, out: str, *, kinds: tuple[str, ...] = ("hc", "mhc"), st
         cfg.validate()
     corpus = load_training_corpus(base)
     out_dir.mkdir(parents=True, exist_ok=True)
-    warned = []  # the warmup warning: once, when the first continuation starts training
-
-    def warn_once():
-        if not warned:
-            warned.append(True)
-            warn_warmup(base, "mhc upcycle")
-
+    # the warmup warning once, when the first continuation starts training (cache: one call)
+    warn_once = functools.cache(lambda: warn_warmup(base, "mhc upcycle"))
     with RunLock(out_dir):
         reference = start_loss(src.model, base, corpus)
         rows = []

@@ -46,8 +46,9 @@ NOT_THE_BASE_MODEL = (f"{REFUSED} this folder holds a converted model; load it w
                       "torch_mhc.hf.from_pretrained(folder), not with its base class (where "
                       "torch_mhc.hf.from_pretrained itself stops here, the installed torch-mhc "
                       "is older than the folder: update torch-mhc)")
-ATTN_KEY = "attn_implementation"
-REFUSING_KEYS = (ATTN_KEY, "experts_implementation")
+# the implementations a load may choose: they carry the sentence in base_config, and a
+# caller's own choice (passed_on) replaces it
+IMPLEMENTATION_KEYS = ("attn_implementation", "experts_implementation")
 
 
 def portable_config(base: dict, layers: dict) -> dict:
@@ -55,7 +56,7 @@ def portable_config(base: dict, layers: dict) -> dict:
     writes it (with the conversion recorded, under CONVERSION_KEY) and the layers' record
     (mhc_layers)."""
     base = dict(base)
-    for key in REFUSING_KEYS:
+    for key in IMPLEMENTATION_KEYS:
         base[key] = NOT_THE_BASE_MODEL
     conversion = base.pop(CONVERSION_KEY)
     config = {
@@ -115,8 +116,7 @@ class TorchMHCConfig(PretrainedConfig):
         from their defaults, and the attention and experts implementations."""
         given = {key: getattr(self, key) for key, default in PASSED_ON.items()
                  if getattr(self, key, default) != default}
-        for key in REFUSING_KEYS:  # the implementations a call may choose (its own replace
-            # the refusing sentence in the base config)
+        for key in IMPLEMENTATION_KEYS:
             chosen = getattr(self, f"_{key}_internal", None)
             if chosen is not None:
                 given[key] = chosen
@@ -136,7 +136,7 @@ class TorchMHCConfig(PretrainedConfig):
             )
         config_class = CONFIG_MAPPING[self.base_model_type]
         base = {k: v for k, v in self.base_config.items()
-                if not (k in REFUSING_KEYS and str(v).startswith(REFUSED))}
+                if not (k in IMPLEMENTATION_KEYS and str(v).startswith(REFUSED))}
         config, unused = config_class.from_dict(base, return_unused_kwargs=True,
                                                 **{**self.passed_on(), **kwargs})
         config.mhc_conversion = self.mhc_conversion
