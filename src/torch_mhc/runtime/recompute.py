@@ -136,11 +136,14 @@ def _replay(group: _Group, upto: int) -> None:
             saved: list[torch.Tensor] = []
 
             def pack(t, saved=saved):
-                saved.append(t)
-                return t
+                # The replay's own graph never runs backward, so it keeps nothing, and the
+                # list keeps a detached alias. Handing t back would leak every replayed
+                # tensor: a node saving its own output would hold that output, whose grad_fn
+                # is the node, a cycle through C++ that Python's collector cannot see.
+                saved.append(t.detach())
 
             f = layer.f.detach().requires_grad_(layer.f_requires_grad)
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
                 _, state = layer.conn.mix_in(x)
                 x = layer.conn.mix_out(x, f, state)
             if len(saved) != layer.packed:
