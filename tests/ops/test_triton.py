@@ -491,7 +491,8 @@ def test_autocast_leaves_aggregation_and_merge_in_the_streams_dtype():
 
 @kernel_test
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens, n, c", [((7,), 4, 100), ((3, 21), 3, 100), ((63,), 8, 16)])
+@pytest.mark.parametrize("tokens, n, c", [((7,), 4, 100), ((3, 21), 3, 100), ((63,), 8, 16),
+                                             ((5,), 2, 300)])  # two channel blocks, one partial
 def test_pre_aggregate_and_post_merge_match_reference(tokens, n, c, dtype):
     inputs = merge_inputs(tokens, n, c, dtype)
     ref_inputs = [t.detach().float().requires_grad_() for t in inputs]

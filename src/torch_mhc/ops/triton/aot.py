@@ -65,7 +65,7 @@ _EPS_OPS = (*_MAPS_OPS, "sinkhorn_fwd", "sinkhorn_bwd")
 # Kernels computing an operand (dz) that tf32 dots of other kernels read from memory: in a
 # half-stream launch they must round it (cvt.rna) before storing it.
 _ROUNDS_FOR_TF32 = ("mhc_maps_bwd_kernel", "variant_maps_bwd_kernel")
-_CACHE_VERSION = "2"  # rows gained fields: older cached rows are not reused
+_CACHE_VERSION = "3"  # rows gained fields: older cached rows are not reused
 
 
 def cache_dir() -> str:
@@ -174,6 +174,24 @@ def tf32_counts(ptx: str) -> dict:
     return dict(mma_tf32=mma, cvt_rna_tf32=ptx.count("cvt.rna.tf32.f32"))
 
 
+def loop_barriers(ptx: str) -> int:
+    """bar.sync instructions inside the PTX's loops (between a label and a branch back to it):
+    each is a block-wide wait every iteration, which a streaming kernel's loop should not
+    need (tests/ops/test_triton_aot.py)."""
+    lines = ptx.splitlines()
+    labels = {}
+    for k, line in enumerate(lines):
+        m = re.match(r"^(\$L__\w+):", line.strip())
+        if m:
+            labels[m.group(1)] = k
+    inside = set()
+    for k, line in enumerate(lines):
+        m = re.search(r"\bbra(?:\.uni)?\s+(\$L__\w+);", line)
+        if m and labels.get(m.group(1), k) < k:  # a branch backwards closes a loop
+            inside.update(range(labels[m.group(1)], k + 1))
+    return sum(1 for k in inside if "bar.sync" in lines[k])
+
+
 def _ptxas_figures(log: str) -> tuple[int, int, int]:
     regs = re.search(r"Used (\d+) registers", log)
     stores = re.search(r"(\d+) bytes spill stores", log)
@@ -218,7 +236,9 @@ def compile_launch(launch, cc: int) -> dict:
     shared = kernel.metadata.shared
     row = dict(regs=regs, spill_stores=spill_stores, spill_loads=spill_loads, shared=shared,
                shared_limit=_smem(cc), num_warps=launch.num_warps, occupancy=None,
-               **tf32_counts(kernel.asm["ptx"]), compile_s=round(time.perf_counter() - started, 2))
+               **tf32_counts(kernel.asm["ptx"]), barriers=kernel.asm["ptx"].count("bar.sync"),
+               loop_barriers=loop_barriers(kernel.asm["ptx"]),
+               compile_s=round(time.perf_counter() - started, 2))
     try:
         row["occupancy"] = occupancy(regs, shared, launch.num_warps, cc)
     except ValueError as err:  # reported by failures()

@@ -284,7 +284,7 @@ def kernel_config(kernel: str, n: int, dtype: torch.dtype, param_dtype: torch.dt
 
     kernel: xphi, dx, dphi (the maps' matmuls: BLOCK_T, BLOCK_K); maps_fwd, maps_bwd (the maps'
     per-token work, Sinkhorn included), sinkhorn_fwd, sinkhorn_bwd (BLOCK_T); pre_fwd,
-    pre_bwd, merge_fwd, merge_bwd (TILE: elements per [BLOCK_T, NP, BLOCK_C] tile);
+    pre_bwd, merge_fwd, merge_dx, merge_dh (TILE: elements per [BLOCK_T, NP, BLOCK_C] tile);
     variant_fwd, variant_bwd (a successor's per-token maps: BLOCK_T); each also num_warps,
     num_stages and maxnreg (None: no register cap). res: a successor's res logits (R; None:
     mHC), whose matmul tiles take the launch parameters of mHC's next wider ones
@@ -345,10 +345,10 @@ def kernel_config(kernel: str, n: int, dtype: torch.dtype, param_dtype: torch.dt
     if kernel in ("sinkhorn_fwd", "sinkhorn_bwd"):
         return dict(BLOCK_T=32 if np_ <= 8 else 16, num_warps=4 if np_ <= 4 else 8, num_stages=3,
                     maxnreg=255 if (kernel == "sinkhorn_bwd" and np_ >= 16) else None)
-    if kernel in ("pre_fwd", "pre_bwd", "merge_fwd"):
+    if kernel in ("pre_fwd", "pre_bwd", "merge_fwd", "merge_dx"):
         return dict(TILE=2048, num_warps=4, num_stages=3, maxnreg=None)
-    if kernel == "merge_bwd":  # also holds g [BT, NP, BC] and dH_res [BT, NP, NP]
-        return dict(TILE=2048, num_warps=8, num_stages=3, maxnreg=128 if np_ <= 8 else 255)
+    if kernel == "merge_dh":  # spilled 4-8 bytes at 48-72 registers uncapped
+        return dict(TILE=2048, num_warps=4, num_stages=3, maxnreg=128)
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
@@ -759,12 +759,15 @@ def plan_merge_bwd(x, f, h_post, h_res, g):
     t, n, c = x.shape
     dx, df = torch.empty_like(x), torch.empty_like(f)
     dh_post, dh_res = torch.empty_like(h_post), torch.empty_like(h_res)
-    cfg = kernel_config("merge_bwd", n, x.dtype)
-    block_t, block_c = _channel_blocks(n, c, cfg["TILE"])
-    return [Launch(_k.merge_bwd_kernel, (triton.cdiv(t, block_t),),
-                   (x, f, h_post, h_res, g, dx, df, dh_post, dh_res, t, c),
-                   dict(N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c),
-                   **_opts(cfg))], \
+    dx_cfg, dh_cfg = kernel_config("merge_dx", n, x.dtype), kernel_config("merge_dh", n, x.dtype)
+    block_t, block_c = _channel_blocks(n, c, dx_cfg["TILE"])  # the same TILE in both
+    consts = dict(N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c)
+    return [Launch(_k.merge_dx_kernel, (triton.cdiv(t, block_t), triton.cdiv(c, block_c)),
+                   (h_post, h_res, g, dx, df, t, c), consts, **_opts(dx_cfg)),
+            # g is read by all n + 1 programs of a token block
+            Launch(_k.merge_dh_kernel, (n + 1, triton.cdiv(t, block_t)),
+                   (x, f, g, dh_post, dh_res, t, c), consts, **_opts(dh_cfg),
+                   reads=((2, n + 1),))], \
         (dx, df, dh_post, dh_res)
 
 
