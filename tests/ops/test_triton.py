@@ -463,7 +463,9 @@ def test_autocast_runs_the_maps_matmul_in_the_autocast_dtype(monkeypatch):
         assert_close(a.cpu(), e, 2e-3)
     for a, e, name in zip(grad_tri, grad_ref, NAMES, strict=True):
         assert a.dtype == torch.float32, name  # through the cast, back to the parameters'
-        assert_close(a.cpu(), e, TOL[dt] if name == "x" else 2e-3)
+        # x's and phi's gradients are the op's in the autocast dtype (it got them cast), then
+        # cast back: that dtype's tolerance (bf16's held phi's at 2.2-2.5x of 2e-3 on an H200)
+        assert_close(a.cpu(), e, TOL[dt] if name in ("x", "phi") else 2e-3)
 
 
 @kernel_test

@@ -194,7 +194,10 @@ def _autocast_cases(op: str, by_dtype: dict, half: torch.dtype, device: str, n: 
     cases = []
     for streams in dict.fromkeys((half, torch.float32)):
         inputs = _autocast_inputs(op, by_dtype, half, streams)
-        as_cast = [inputs[0].to(half), *inputs[1:]] if op == "mhc_maps" else inputs
+        # The maps op gets x and phi in the autocast dtype, so their gradients are stored in
+        # it before the cast back (tolerances: a gradient at its parameter's dtype).
+        as_cast = ([inputs[0].to(half), inputs[1].to(half), *inputs[2:]] if op == "mhc_maps"
+                   else inputs)
         row = {"case": f"autocast {dtype_name(half)}", "impl": "triton", "op": op,
                "dtype": dtype_name(streams), "params": "float32", "n": n,
                "shape": list(inputs[0].shape)}
