@@ -697,3 +697,20 @@ def test_bench_help_gives_every_valued_options_default(module):
         and "default" not in (a.help or "")
     ]
     assert missing == []
+
+
+def test_step_memory_script_reads_each_variants_memory_after_every_step(capsys):
+    """benchmarks/bench_step_memory.py: each variant in a process of its own, its resident
+    memory after every step and its peak; bad sizes refused."""
+    module = _bench_script("bench_step_memory")
+    assert module.main(["--dim", "16", "--layers", "2", "--seq", "8", "--batch", "2",
+                        "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    results = json.loads(out[: out.index("\n| variant")])["results"]
+    assert list(results) == ["residual", "mhc", "mhc+recompute"]
+    for r in results.values():
+        assert len(r["after_step_mib"]) == 2
+        assert 0 < r["before_mib"] <= r["peak_mib"] and max(r["after_step_mib"]) <= r["peak_mib"]
+        assert r["growth_per_step_mib"] == r["after_step_mib"][1] - r["after_step_mib"][0]
+    with pytest.raises(SystemExit):
+        module.main(["--steps", "1"])
