@@ -231,3 +231,15 @@ def test_loop_barriers_counts_bar_sync_between_a_label_and_its_backward_branch()
     ])
     assert triton_aot.loop_barriers(ptx) == 2
     assert triton_aot.loop_barriers(ptx.replace("bra $L__BB0_2", "bra $L__BB0_5")) == 0
+
+
+@pytest.mark.parametrize("n", [2, 4, 8, 16])
+def test_grids_stay_within_cudas_limits_for_millions_of_tokens(n):
+    """A grid's first axis takes up to 2^31 - 1 blocks, the others 65535: tokens belong on
+    the first (the merge's backward once put its token blocks on the second, and failed to
+    launch past 65535 tokens at n = 8 on an H200)."""
+    import torch
+
+    for op, launch in triton_aot.op_launches(n, torch.bfloat16, tokens=2**21, channels=256):
+        assert launch.grid[0] < 2**31, (op, launch.name, launch.grid)
+        assert all(g <= 65535 for g in launch.grid[1:]), (op, launch.name, launch.grid)

@@ -876,16 +876,18 @@ def merge_dh_kernel(
     x_ptr, f_ptr, g_ptr, dh_post_ptr, dh_res_ptr, T, C,
     N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """Program (j, token block): dH_res[t, :, j] = sum_c g[t, :, c] x[t, j, c] for j < n,
-    dH_post[t, :] = sum_c g[t, :, c] f[t, c] for j = n. The n + 1 programs of a token block
-    are neighbours in the grid, so g's re-reads come from L2.
+    """Program (token block, j), j the fastest of a one-dimensional grid (a grid's second
+    axis holds at most 65535 blocks): dH_res[t, :, j] = sum_c g[t, :, c] x[t, j, c] for
+    j < n, dH_post[t, :] = sum_c g[t, :, c] f[t, c] for j = n. The n + 1 programs of a token
+    block are neighbours, so g's re-reads come from L2.
 
     Products accumulate elementwise over the channel blocks and are summed over C once, at
     the end. The row v (x[t, j] or f[t]) is loaded through pointers spanning the whole
     [BT, NP, BC] tile (the same address for every i) so that it has g's layout: loaded as a
     [BT, 1, BC] row, its broadcast went through shared memory in every iteration."""
-    jj = tl.program_id(0)
-    t = (tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    pid = tl.program_id(0)
+    jj = pid % (N + 1)
+    t = ((pid // (N + 1)) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     i = tl.arange(0, NP)
     t3, i3 = t[:, None, None], i[None, :, None]
     t_ok, i_ok = t3 < T, i3 < N

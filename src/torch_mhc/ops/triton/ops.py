@@ -764,10 +764,10 @@ def plan_merge_bwd(x, f, h_post, h_res, g):
     consts = dict(N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c)
     return [Launch(_k.merge_dx_kernel, (triton.cdiv(t, block_t), triton.cdiv(c, block_c)),
                    (h_post, h_res, g, dx, df, t, c), consts, **_opts(dx_cfg)),
-            # g is read by all n + 1 programs of a token block
-            Launch(_k.merge_dh_kernel, (n + 1, triton.cdiv(t, block_t)),
-                   (x, f, g, dh_post, dh_res, t, c), consts, **_opts(dh_cfg),
-                   reads=((2, n + 1),))], \
+            # g is read by all n + 1 programs of a token block, neighbours in the grid: the
+            # re-reads come from L2, so the bytes model counts g once
+            Launch(_k.merge_dh_kernel, ((n + 1) * triton.cdiv(t, block_t),),
+                   (x, f, g, dh_post, dh_res, t, c), consts, **_opts(dh_cfg))], \
         (dx, df, dh_post, dh_res)
 
 
