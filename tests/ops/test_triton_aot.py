@@ -65,7 +65,7 @@ SUBSET = [
 @pytest.mark.slow
 def test_every_launch_fits_sm80_sm86_and_sm90(capsys):
     """... and the streaming kernels wait at no block-wide barrier (bar.sync) per channel block:
-    reducing tiles across warps inside its loop made the merge's backward run at 2.6% of a
+    reducing tiles across warps inside its loop made the merge's backward run at 2.7% of a
     copy's bandwidth on an H200 (benchmarks/README.md, the GPU check of 2026-12-04)."""
     rows = triton_aot.run_matrix(work=SUBSET, jobs=2)
     with capsys.disabled():
