@@ -10,6 +10,12 @@ that runs on both counts once.
 
     python benchmarks/profile_step_ops.py --dim 512 --threads 1
     python benchmarks/profile_step_ops.py --kinds residual,mhc,kromhc --threads 2 --json out.json
+
+On a GPU (--device cuda) the table holds each kernel's self time on the device instead
+(CUDA activity; the device synchronised before each profile closes):
+
+    python benchmarks/profile_step_ops.py --device cuda --dtype bfloat16 --dim 2048 \
+        --layers 16 --batch 8 --seq 1024 --top 30
 """
 
 from __future__ import annotations
@@ -23,27 +29,38 @@ from torch_mhc.tools.bench.workloads import build_model, random_tokens, train_st
 
 
 def profile(kinds: list[str], dim: int, layers: int, batch: int, seq: int, steps: int,
-            warmup: int) -> dict:
-    """{kind: {op: [self ms per step, calls per step]}} over `steps` profiled steps a kind.
+            warmup: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict:
+    """{kind: {op: [self ms per step, calls per step]}} over `steps` profiled steps a kind:
+    self CPU time on the CPU, each kernel's self device time on a GPU.
 
     Every model is built and warmed up first, then each round profiles one step of every
     kind, the kinds in a rotated order. Profiled one kind after the other, the kind that came
     second showed its elementwise ops (gelu, gelu_backward, mul, div) up to 2-3x slower at two
     threads whichever kind it was (2026-12-03), which is no cost of that kind.
     """
-    idx = random_tokens(batch, seq + 1)
-    step = {kind: train_step(build_model(kind, dim, layers, seq=seq), idx) for kind in kinds}
+    idx = random_tokens(batch, seq + 1, device=device)
+    step = {kind: train_step(build_model(kind, dim, layers, seq=seq, dtype=dtype, device=device),
+                             idx) for kind in kinds}
     for _ in range(warmup):
         for kind in kinds:
             step[kind]()
+    gpu = torch.device(device).type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if gpu:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
     totals = {kind: {} for kind in kinds}  # op -> [self us, calls] over the profiled steps
     for r in range(steps):
         for kind in kinds[r % len(kinds):] + kinds[: r % len(kinds)]:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            with torch.profiler.profile(activities=activities) as prof:
                 step[kind]()
+                if gpu:
+                    torch.cuda.synchronize()
             for e in prof.key_averages():
+                us = e.self_device_time_total if gpu else e.self_cpu_time_total
+                if gpu and not us:  # host-side ops: their kernels are counted by name
+                    continue
                 total = totals[kind].setdefault(e.key, [0.0, 0])
-                total[0] += e.self_cpu_time_total
+                total[0] += us
                 total[1] += e.count
     return {kind: {op: [us / steps / 1e3, calls / steps] for op, (us, calls) in ops.items()}
             for kind, ops in totals.items()}
@@ -82,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="profiled steps per kind")
     p.add_argument("--warmup", type=int, default=2, help="unprofiled steps first")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (kernels' device time)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--top", type=int, default=20, help="ops in the table (and every torch_mhc op)")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
@@ -90,9 +109,13 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
         p.error(f"--warmup must be >= 0, got {args.warmup}")
+    if args.device not in ("cpu", "cuda") or (args.device == "cuda"
+                                                and not torch.cuda.is_available()):
+        p.error(f"--device must be cpu, or cuda where a GPU is there; got {args.device!r}")
     kinds = list(dict.fromkeys(k for k in args.kinds.split(",") if k))  # each kind once
     torch.set_num_threads(args.threads)
-    result = profile(kinds, args.dim, args.layers, args.batch, args.seq, args.steps, args.warmup)
+    result = profile(kinds, args.dim, args.layers, args.batch, args.seq, args.steps, args.warmup,
+                     args.device, getattr(torch, args.dtype))
     config = {**{k: v for k, v in vars(args).items() if k != "json"}, "kinds": kinds}
     print(script_report(config, result, args.json, key="self_ms_and_calls_per_step"))
     print(markdown(result, args.top))
