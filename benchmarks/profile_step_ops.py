@@ -11,8 +11,9 @@ that runs on both counts once.
     python benchmarks/profile_step_ops.py --dim 512 --threads 1
     python benchmarks/profile_step_ops.py --kinds residual,mhc,kromhc --threads 2 --json out.json
 
-On a GPU (--device cuda) the table holds each kernel's self time on the device instead
-(CUDA activity; the device synchronised before each profile closes):
+On a GPU (--device cuda) the table holds self time on the device instead (CUDA activity;
+the device synchronised before each profile closes): rows for the kernels, and rows for the
+ops that launched them with the same time, so that its total counts both:
 
     python benchmarks/profile_step_ops.py --device cuda --dtype bfloat16 --dim 2048 \
         --layers 16 --batch 8 --seq 1024 --top 30
