@@ -35,11 +35,11 @@ runs the op twice (bitwise determinism):
                  C = 4096 and 7168, bf16, n = 4: time with L2 flushed and launches amortised
                  (perf.py names the method of each figure), bytes it must move, bandwidth as a
                  fraction of a device-to-device copy of the same bytes timed the same way
-    sinkhorn     Sinkhorn forward and backward time: triton kernels, inductor, reference
     step         training step of the reference LM (d = 2048, 16 blocks, bf16, batch 8 x
                  1024): residual, HC, mHC, mHC + recompute, as ratios to the residual, with
                  peak memory
     decode       KV-cached greedy generation tokens/s, residual vs HC vs mHC
+    sinkhorn     Sinkhorn forward and backward time: triton kernels, inductor, reference
     inductor     the correctness check for the `inductor` ops (n = 4; last, as Inductor
                  compiles a graph per op and dtype; skipped in the dry run, where
                  tests/ops/test_inductor.py covers them)
