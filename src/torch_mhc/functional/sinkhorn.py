@@ -49,9 +49,11 @@ matrix more than the linear domain alone.
 
 The autograd function saves only the input logits (n^2 numbers per matrix, not
 iters * n^2): backward recomputes the iterates and runs the exact reverse of the unrolled
-loop, so its gradient equals autograd through the loop. An optional implicit gradient
-(differentiating the fixed point instead of the iterations) is provided as an approximation
-that becomes exact as the iterates converge.
+loop, so its gradient equals autograd through the loop. Under torch.compile (and torch.func
+transforms) autograd runs through the loop itself instead: the same gradient, without the
+autograd function, whose compiled backward torch 2.11 got wrong (`sinkhorn` says how). An
+optional implicit gradient (differentiating the fixed point instead of the iterations) is
+provided as an approximation that becomes exact as the iterates converge.
 
 `eps` > 0 reproduces DeepSeek-V4's variant: `softmax + eps` as the first column step and
 `+ eps` in every later denominator. With eps = 0 the two are identical: the first column
@@ -342,10 +344,15 @@ def sinkhorn(
         if eps != 0.0 or implicit_grad:
             raise ValueError("log_domain=True supports neither eps != 0 nor implicit_grad")
         return _sinkhorn_log(logits, iters)
-    if func_transform_active():
-        # no autograd.Function there: the same loop, each matrix in its domain,
+    transform = func_transform_active()
+    if transform or (torch.compiler.is_compiling() and not implicit_grad):
+        # No autograd.Function there: the same loop, each matrix in its domain,
         # differentiated by autograd through it (the iterates are kept for backward, where
-        # _Sinkhorn recomputes them)
+        # _Sinkhorn recomputes them; a compiled graph keeps or recomputes them as its
+        # partitioner decides). Under torch.compile this is also a matter of correctness:
+        # Dynamo of torch 2.11 traced _Sinkhorn's backward to zero gradients, with every
+        # backend, on CUDA and CPU alike (2026-12-04, an H200 machine; torch 2.13 traced it
+        # right).
         if implicit_grad:
             raise RuntimeError("sinkhorn(implicit_grad=True) does not run under torch.func "
                                "transforms (vmap, grad, ...); use the default gradient")
