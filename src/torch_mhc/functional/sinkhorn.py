@@ -333,7 +333,10 @@ def sinkhorn(
             loop). The same function as the default path, which already takes the log
             domain for the matrices whose logits span more than LINEAR_RANGE.
         implicit_grad: differentiate the fixed point instead of the unrolled loop. An
-            approximation: exact only when the iterates have converged.
+            approximation: exact only when the iterates have converged. Under torch.compile
+            it still runs through the autograd function, whose compiled backward gave zero
+            gradients on torch 2.11 in its default mode (the implicit one was not tried
+            there) and right ones on 2.13; the default gradient does not use it there.
     Returns:
         A tensor of logits' shape and dtype, entries >= 0, whose rows sum to 1 up to
         rounding; the columns' distance from 1 depends on the logits' spread (module
