@@ -231,6 +231,15 @@ def _run_compare(args: argparse.Namespace) -> int:
             print(seeds_table(report["variants"]))
             print("\n".join(significance_lines(report["variants"])))
         print(f"report: {args.out}/report.md ({report['wall_time_s']:.1f} s)")
+    # a comparison where every variant stopped compared nothing: a script must not read it
+    # as done (one stopped kind among others is a finding, and exits 0)
+    if all(v["diverged"] for v in report["variants"]):
+        from torch_mhc.lm.train.errors import EXIT_STOPPED
+
+        kinds = ", ".join(v["kind"] for v in report["variants"])
+        return fail("mhc compare", f"every variant stopped ({kinds}): the spike policy ended "
+                    f"each run; {args.out}/report.md says at which step and why",
+                    EXIT_STOPPED, quiet=not rank0())
     return 0
 
 
