@@ -234,7 +234,9 @@ def test_compare_reports_a_run_stopped_at_the_first_step(tmp_path, compare_flags
     out = tmp_path / "cmp"
     code, _, err = run(["compare", "--out", out, *compare_flags, "--kinds", "residual,mhc",
                         "--init-std", "1e30"], capsys)
-    assert code == 0, err
+    # every variant stopped: exit 1 (the spike policy's status), the report written still
+    assert code == 1, err
+    assert "mhc compare: every variant stopped (residual, mhc)" in err
     text = (out / "report.json").read_text()
 
     def refuse(name):
@@ -433,7 +435,8 @@ def test_a_missing_extra_is_named_with_the_command(argv, tmp_path, capsys, monke
     monkeypatch.setitem(sys.modules, "tqdm", None)  # as where the train extra is missing
     code, _, err = run(argv, capsys)
     assert_one_line_error(code, err, f"mhc {argv[0]}: error: tqdm is not installed: mhc "
-                          f"{argv[0]} needs the training extra, pip install 'torch-mhc[train]'")
+                          f"{argv[0]} needs the training extra, pip install -e '.[train]' in "
+                          "the torch-mhc checkout")
     assert not any(tmp_path.iterdir())
 
 

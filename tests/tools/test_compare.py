@@ -388,19 +388,3 @@ def test_compare_says_which_earlier_runs_it_removed(tmp_path, corpus, capsys):
     assert f"mhc compare: note: removed hc/ from {out}, left by an earlier comparison" in err
     assert not (out / "hc").exists() and (out / "mhc" / "metrics.jsonl").is_file()
 
-
-def test_compare_where_every_variant_stops_exits_1(tmp_path, corpus_writer, capsys):
-    """Nothing was compared: exit 1 (the spike policy's status) with one line, the report
-    written all the same."""
-    corpus = corpus_writer(tmp_path / "corpus.txt")
-    out = tmp_path / "out"
-    argv = ["compare", "--out", str(out), "--preset", "tiny", "--kinds", "residual,mhc",
-            "--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), "--lr", "1e6",
-            "--warmup", "0", "--quiet", "--no-progress", "--no-tensorboard", "--device", "cpu",
-            "--dtype", "fp32"]
-    assert main(argv) == 1
-    err = capsys.readouterr().err
-    assert "mhc compare: every variant stopped (residual, mhc)" in err
-    report = json.loads((out / "report.json").read_text())
-    assert all(v["diverged"] for v in report["variants"])
-    assert (out / "report.md").is_file()
