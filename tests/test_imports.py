@@ -74,5 +74,5 @@ def test_commands_without_the_extra_name_it(run_python, tmp_path):
     for argv, (status, err) in zip(commands[:3], results[:3], strict=True):
         assert status == 2
         assert err == (f"mhc {argv[0]}: error: numpy is not installed: mhc {argv[0]} needs "
-                       "the training extra, pip install 'torch-mhc[train]'\n")
+                       "the training extra, pip install -e '.[train]' in the torch-mhc checkout\n")
     assert results[3] == [0, ""]

@@ -15,7 +15,8 @@ TITAN_OK = importlib.util.find_spec("torchtitan") is not None
 SKIP_REASON = (
     "torchtitan tests need torchtitan 0.3.0 and torch >= 2.14 "
     f"(found torch {torch.__version__}, torchtitan {'present' if TITAN_OK else 'absent'}); "
-    "install with pip install 'torch-mhc[torchtitan]' in a separate environment"
+    "install with pip install -e '.[torchtitan]' in the torch-mhc checkout, in a separate "
+    "environment"
 )
 AVAILABLE = TORCH_OK and TITAN_OK
 

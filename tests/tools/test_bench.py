@@ -345,7 +345,7 @@ def test_hyper_connections_skipped_when_missing(monkeypatch, capsys):
     out = capsys.readouterr().out
     report, end = json.JSONDecoder().raw_decode(out)
     skipped = report["benchmarks"]["hyper_connections"]["skipped"]
-    assert "pip install 'torch-mhc[bench]'" in skipped
+    assert "pip install -e '.[bench]' in the torch-mhc checkout" in skipped
     assert "Skipped:" in out[end:]
 
 

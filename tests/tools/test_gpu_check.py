@@ -178,7 +178,8 @@ def test_the_triton_tools_name_the_missing_extra(monkeypatch, capsys):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "triton" else find_spec(name, *a))
     assert main(["bench", "--aot", "--n", "2"]) == 2
-    assert ("the ahead-of-time compile check needs triton (pip install 'torch-mhc[triton]'"
+    assert ("the ahead-of-time compile check needs triton (pip install -e '.[triton]' in the "
+            "torch-mhc checkout"
             in capsys.readouterr().err)
     assert main(["bench", "--ops", "--impls", "triton"]) == 2
     assert "--impls triton needs triton (pip install" in capsys.readouterr().err

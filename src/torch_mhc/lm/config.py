@@ -611,6 +611,7 @@ def _tomllib():
             import tomli as tomllib
         except ModuleNotFoundError:
             raise ConfigError(
-                "reading a TOML config on Python 3.10 needs tomli: pip install 'torch-mhc[train]'"
+                "reading a TOML config on Python 3.10 needs tomli: pip install -e '.[train]' in "
+                "the torch-mhc checkout"
             ) from None
     return tomllib

@@ -288,7 +288,8 @@ def _load(resolved: str) -> Ops:
     if resolved == "triton" and not _triton_available():
         raise ImportError(
             "the 'triton' op implementation needs the triton package "
-            "(pip install 'torch-mhc[triton]'); use impl='cpu' or 'reference' without it"
+            "(pip install -e '.[triton]' in the torch-mhc checkout); use impl='cpu' or "
+            "'reference' without it"
         )
     module = _MODULES[resolved]()
     fns = {name: getattr(module, name) for name in ("mhc_maps", "hc_maps", "sinkhorn")}

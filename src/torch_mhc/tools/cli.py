@@ -78,7 +78,7 @@ def _require_extra(command: str) -> None:
         except ImportError:
             raise UsageError(
                 f"{name} is not installed: mhc {command} needs the training extra, "
-                "pip install 'torch-mhc[train]'"
+                "pip install -e '.[train]' in the torch-mhc checkout"
             ) from None
 
 

@@ -211,7 +211,7 @@ def _require_modules() -> None:
         except ImportError:
             raise UsageError(
                 f"{name} is not installed: mhc export-hf needs the train and hf extras, "
-                "pip install 'torch-mhc[train,hf]'"
+                "pip install -e '.[train,hf]' in the torch-mhc checkout"
             ) from None
 
 

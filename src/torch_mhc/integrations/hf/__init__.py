@@ -18,7 +18,8 @@ try:
     import transformers  # noqa: F401
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "torch_mhc.hf needs the transformers package: pip install 'torch-mhc[hf]'"
+        "torch_mhc.hf needs the transformers package: pip install -e '.[hf]' in the torch-mhc "
+        "checkout"
     ) from e
 
 from torch_mhc.integrations.hf.accelerate import accelerate_deepseek_v4

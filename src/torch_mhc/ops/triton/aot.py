@@ -397,8 +397,8 @@ def require_triton(what: str) -> None:
     """ValueError saying what needs triton, unless it can be imported (the kernels' launch
     plans, which this check and the bytes model compile or replay, are Triton's)."""
     if importlib.util.find_spec("triton") is None:
-        raise ValueError(f"{what} needs triton (pip install 'torch-mhc[triton]'; its compiler "
-                         "runs without a GPU)")
+        raise ValueError(f"{what} needs triton (pip install -e '.[triton]' in the torch-mhc "
+                         "checkout; its compiler runs without a GPU)")
 
 
 def run_command(args: argparse.Namespace) -> int:

@@ -13,9 +13,9 @@ Benchmarks (choose with --only, comma-separated; the default runs all five):
                        --optimizer (AdamW). Residual vs HC vs mHC at each --sizes width,
                        as ratios to the residual.
     hyper_connections  the same block stack wrapped by lucidrains' `hyper-connections` mHC
-                       (an optional dependency: pip install 'torch-mhc[bench]'), against our
-                       mHC and the residual, at each --sizes width. When `step` runs too,
-                       both share one interleaved measurement per width.
+                       (an optional dependency: pip install -e '.[bench]' in the torch-mhc
+                       checkout), against our mHC and the residual, at each --sizes width.
+                       When `step` runs too, both share one interleaved measurement per width.
     saved              bytes saved for backward per token per connection (all of the LM's
                        saved activations divided by its 2L connections), residual vs HC vs
                        mHC, without and with selective recomputation, as ratios to the
@@ -247,7 +247,7 @@ def run_benchmarks(args: argparse.Namespace) -> dict:
     want_step, want_hc = "step" in only, "hyper_connections" in only
     if want_hc and workloads.hyper_connections_version() is None:
         msg = ("lucidrains' hyper-connections package is not installed "
-               "(pip install 'torch-mhc[bench]')")
+               "(pip install -e '.[bench]' in the torch-mhc checkout)")
         log(f"hyper_connections skipped: {msg}")
         out["hyper_connections"] = {"skipped": msg}
         want_hc = False

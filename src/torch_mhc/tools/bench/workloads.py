@@ -100,7 +100,7 @@ def import_hyper_connections():
     except ImportError as err:
         raise ImportError(
             "the hyper_connections benchmark needs lucidrains' hyper-connections package "
-            f"(pip install 'torch-mhc[bench]'): {err}"
+            f"(pip install -e '.[bench]' in the torch-mhc checkout): {err}"
         ) from err
     return hyper_connections
 

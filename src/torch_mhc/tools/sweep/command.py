@@ -79,7 +79,7 @@ def _require_extras() -> None:
             importlib.import_module(name)
         except ImportError:
             raise UsageError(f"{name} is not installed: mhc sweep needs the training extra, "
-                             "pip install 'torch-mhc[train]'") from None
+                             "pip install -e '.[train]' in the torch-mhc checkout") from None
 
 
 def run_command(args: argparse.Namespace) -> int:
