@@ -387,4 +387,3 @@ def test_compare_says_which_earlier_runs_it_removed(tmp_path, corpus, capsys):
     err = capsys.readouterr().err
     assert f"mhc compare: note: removed hc/ from {out}, left by an earlier comparison" in err
     assert not (out / "hc").exists() and (out / "mhc" / "metrics.jsonl").is_file()
-
