@@ -557,6 +557,31 @@ def test_profile_step_ops_script_counts_each_connections_ops_per_step(tmp_path, 
         module.main(["--steps", "0"])
 
 
+def test_profile_decode_call_script_profiles_one_call(tmp_path, capsys):
+    """benchmarks/profile_decode_call.py: per impl, the time of one no-grad call on one token
+    and the profiled ops per call (the reference's Sinkhorn once a call, its loop's column and
+    row sums 2 iters - 1 times); the JSON printed is the one written."""
+    module = _bench_script("profile_decode_call")
+    threads = torch.get_num_threads()
+    try:
+        assert module.main(["--impls", "reference", "--dim", "16", "--calls", "5",
+                            "--rounds", "2", "--profiled", "3", "--top", "50",
+                            "--json", str(tmp_path / "d.json")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    report = json.loads(out[: out.index("\n### reference")])
+    assert report == json.loads((tmp_path / "d.json").read_text())
+    ref = report["results"]["reference"]
+    timing = ref["us_per_call"]
+    assert 0 < timing["min"] <= timing["median"] <= timing["max"]
+    calls = {name: count for name, _, _, _, count in ref["ops"]}
+    assert calls["_Sinkhorn"] == 1
+    assert calls["aten::sum"] >= 2 * 20 - 1  # the default 20 iterations
+    with pytest.raises(SystemExit):
+        module.main(["--calls", "0"])
+
+
 def test_profile_step_ops_script_interleaves_the_kinds(monkeypatch):
     """The kinds' steps run warm-ups first, then one profiled step of every kind a round, the
     order rotated each round (a kind profiled after the others showed slower elementwise ops)."""

@@ -1,0 +1,119 @@
+"""One connection's call on one token without autograd (what a decoding step makes per
+connection), per op implementation: its time per call, and where that time goes.
+
+    python benchmarks/profile_decode_call.py --impls cpu,reference --threads 1
+    python benchmarks/profile_decode_call.py --device cuda --dtype bfloat16 --dim 2048 \
+        --impls triton,reference
+
+The connection is an mHC connection (or --kind) around an identity branch, on [1, 1, n, C]
+streams, called under torch.no_grad() as a KV-cached decoding step calls it. Per impl:
+microseconds per call (wall clock, the device synchronised at the end of each round; median
+of the rounds, min-max as the spread), then torch.profiler over --profiled calls: each
+profiled op's host time per call (self and with its children: what the host spends around the
+kernels) and, on a GPU, each kernel's device time per call. On a GPU the gap between the call
+and the kernels' device time is host time: launches, custom-op dispatch, checks, allocations.
+Prints JSON, then a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from torch_mhc.connections.factory import make_connection
+from torch_mhc.tools.bench.report import script_report
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_call(kind: str, impl: str, dim: int, streams: int, device: str, dtype: torch.dtype,
+                 calls: int, rounds: int, profiled: int, top: int) -> dict:
+    """{us_per_call: {median, min, max}, ops: [[name, self host us, host us, device us,
+    calls] per call]} for one impl; ops sorted by host time, the first `top`."""
+    dev = torch.device(device)
+    conn = make_connection(kind, dim, streams, 0, torch.nn.Identity(), impl=impl)
+    conn = conn.to(device=dev, dtype=dtype)
+    x = torch.randn(1, 1, streams, dim, device=dev, dtype=dtype)
+    per_round = []
+    with torch.no_grad():
+        for _ in range(max(3, calls // 10)):  # warm-up: compiles, caches, decoders
+            conn(x)
+        for _ in range(rounds):
+            _sync(dev)
+            start = time.perf_counter()
+            for _ in range(calls):
+                conn(x)
+            _sync(dev)
+            per_round.append((time.perf_counter() - start) / calls * 1e6)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if dev.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(profiled):
+                conn(x)
+            _sync(dev)
+    ops = [[e.key, e.self_cpu_time_total / profiled, e.cpu_time_total / profiled,
+            e.self_device_time_total / profiled, e.count / profiled]
+           for e in prof.key_averages()]
+    ops.sort(key=lambda row: (row[2], row[3]), reverse=True)
+    return {"us_per_call": {"median": statistics.median(per_round), "min": min(per_round),
+                            "max": max(per_round)},
+            "ops": ops[:top]}
+
+
+def markdown(results: dict) -> str:
+    lines = []
+    for impl, r in results.items():
+        u = r["us_per_call"]
+        lines += ["", f"### {impl}: {u['median']:.1f} us a call ({u['min']:.1f}-{u['max']:.1f})",
+                  "", "| op or kernel | host us (self) | host us (with children) | device us "
+                  "| calls |", "|---|---:|---:|---:|---:|"]
+        lines += [f"| {name} | {own:.1f} | {total:.1f} | {device:.1f} | {count:g} |"
+                  for name, own, total, device, count in r["ops"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kind", default="mhc")
+    parser.add_argument("--impls", default="cpu,reference")
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--calls", type=int, default=200, help="calls a round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--profiled", type=int, default=20, help="calls under the profiler")
+    parser.add_argument("--top", type=int, default=20, help="profiler rows kept per impl")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--json", default=None, help="also write the JSON here")
+    args = parser.parse_args(argv)
+    for name in ("calls", "rounds", "profiled", "top", "dim", "streams"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    impls = [i.strip() for i in args.impls.split(",") if i.strip()]
+    results = {impl: profile_call(args.kind, impl, args.dim, args.streams, args.device,
+                                  DTYPES[args.dtype], args.calls, args.rounds, args.profiled,
+                                  args.top)
+               for impl in impls}
+    config = {"kind": args.kind, "dim": args.dim, "streams": args.streams,
+              "device": args.device, "dtype": args.dtype, "calls": args.calls,
+              "rounds": args.rounds, "profiled": args.profiled,
+              "threads": torch.get_num_threads()}
+    print(script_report(config, results, args.json))
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
