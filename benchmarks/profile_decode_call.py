@@ -10,75 +10,21 @@ streams, called under torch.no_grad() as a KV-cached decoding step calls it. Per
 microseconds per call (wall clock, the device synchronised at the end of each round; median
 of the rounds, min-max as the spread), then torch.profiler over --profiled calls: each
 profiled op's host time per call (self and with its children: what the host spends around the
-kernels) and, on a GPU, each kernel's device time per call. On a GPU the gap between the call
-and the kernels' device time is host time: launches, custom-op dispatch, checks, allocations.
-Prints JSON, then a markdown table.
+kernels) and, on a GPU, each kernel's device time per call (tools/bench/decode_call.py). On a
+GPU the gap between the call and the kernels' device time is host time: launches, custom-op
+dispatch, checks, allocations. Prints JSON, then a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
-from torch_mhc.connections.factory import make_connection
+from torch_mhc.tools.bench.decode_call import markdown, profile_call
 from torch_mhc.tools.bench.report import script_report
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def profile_call(kind: str, impl: str, dim: int, streams: int, device: str, dtype: torch.dtype,
-                 calls: int, rounds: int, profiled: int, top: int) -> dict:
-    """{us_per_call: {median, min, max}, ops: [[name, self host us, host us, device us,
-    calls] per call]} for one impl; ops sorted by host time, the first `top`."""
-    dev = torch.device(device)
-    conn = make_connection(kind, dim, streams, 0, torch.nn.Identity(), impl=impl)
-    conn = conn.to(device=dev, dtype=dtype)
-    x = torch.randn(1, 1, streams, dim, device=dev, dtype=dtype)
-    per_round = []
-    with torch.no_grad():
-        for _ in range(max(3, calls // 10)):  # warm-up: compiles, caches, decoders
-            conn(x)
-        for _ in range(rounds):
-            _sync(dev)
-            start = time.perf_counter()
-            for _ in range(calls):
-                conn(x)
-            _sync(dev)
-            per_round.append((time.perf_counter() - start) / calls * 1e6)
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if dev.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with torch.profiler.profile(activities=activities) as prof:
-            for _ in range(profiled):
-                conn(x)
-            _sync(dev)
-    ops = [[e.key, e.self_cpu_time_total / profiled, e.cpu_time_total / profiled,
-            e.self_device_time_total / profiled, e.count / profiled]
-           for e in prof.key_averages()]
-    ops.sort(key=lambda row: (row[2], row[3]), reverse=True)
-    return {"us_per_call": {"median": statistics.median(per_round), "min": min(per_round),
-                            "max": max(per_round)},
-            "ops": ops[:top]}
-
-
-def markdown(results: dict) -> str:
-    lines = []
-    for impl, r in results.items():
-        u = r["us_per_call"]
-        lines += ["", f"### {impl}: {u['median']:.1f} us a call ({u['min']:.1f}-{u['max']:.1f})",
-                  "", "| op or kernel | host us (self) | host us (with children) | device us "
-                  "| calls |", "|---|---:|---:|---:|---:|"]
-        lines += [f"| {name} | {own:.1f} | {total:.1f} | {device:.1f} | {count:g} |"
-                  for name, own, total, device, count in r["ops"]]
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -86,9 +86,17 @@ def test_dry_run_writes_every_section(tmp_path):
     step = sections["step"]["result"]["entries"]
     assert set(step) == {"residual", "hc", "mhc", "mhc+recompute"}
     assert step["residual"]["ratio"] == 1.0 and step["mhc"]["ratio"] > 0
+    # one connection's decoding call per impl: its time, and the reference's Sinkhorn among
+    # its profiled ops (once a call)
+    call = sections["decode"]["result"]["call"]
+    assert set(call) == {"cpu", "reference"}
+    for r in call.values():
+        assert 0 < r["us_per_call"]["min"] <= r["us_per_call"]["median"] <= r["us_per_call"]["max"]
+    assert ["_Sinkhorn", 1.0] in [[row[0], row[4]] for row in call["reference"]["ops"]]
     md = (tmp_path / "gpu_check.md").read_text()
     for name in gpu_check.SECTIONS:
         assert f"## {name}" in md
+    assert "### reference: " in md and "One mHC connection's call on one token" in md
 
 
 def test_a_failing_section_is_recorded_and_the_others_run(tmp_path, monkeypatch):

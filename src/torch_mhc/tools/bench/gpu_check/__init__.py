@@ -38,7 +38,9 @@ runs the op twice (bitwise determinism):
     step         training step of the reference LM (d = 2048, 16 blocks, bf16, batch 8 x
                  1024): residual, HC, mHC, mHC + recompute, as ratios to the residual, with
                  peak memory
-    decode       KV-cached greedy generation tokens/s, residual vs HC vs mHC
+    decode       KV-cached greedy generation tokens/s, residual vs HC vs mHC; one mHC
+                 connection's call on one token without autograd, triton and reference:
+                 its time, the host time per op and the kernels' device time
     sinkhorn     Sinkhorn forward and backward time: triton kernels, inductor, reference
     inductor     the correctness check for the `inductor` ops (n = 4; last, as Inductor
                  compiles a graph per op and dtype; skipped in the dry run, where

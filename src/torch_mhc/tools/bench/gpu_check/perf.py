@@ -24,7 +24,7 @@ import time
 import torch
 
 from torch_mhc import ops as _ops
-from torch_mhc.tools.bench import decode
+from torch_mhc.tools.bench import decode, decode_call
 from torch_mhc.tools.bench.timing import cuda_event_ms, time_ms
 from torch_mhc.tools.bench.workloads import build_model, random_tokens, train_step
 
@@ -221,6 +221,12 @@ def bench_decode(cfg: dict, dtype: torch.dtype) -> dict:
                               prompt=dc["prompt"], new_tokens=dc["new_tokens"],
                               dtype=str(dtype).replace("torch.", ""), device=cfg["device"],
                               repeats=2, warmup=1)
+    # one connection's call on one token, and where its time goes (host or kernels)
+    cc = dc["call"]
+    res["call"] = {impl: decode_call.profile_call("mhc", impl, dc["dim"], 4, cfg["device"],
+                                                  dtype, cc["calls"], cc["rounds"],
+                                                  cc["profiled"], cc["top"])
+                   for impl in cc["impls"]}
     return {**res, "method": "host wall clock around each generate call, the device "
                              "synchronised before and after"}
 

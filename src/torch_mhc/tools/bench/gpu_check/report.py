@@ -7,6 +7,7 @@ import os
 from collections import defaultdict
 
 from torch_mhc.runtime.files import atomic_write
+from torch_mhc.tools.bench import decode_call
 from torch_mhc.tools.bench.gpu_check.config import SECTIONS
 
 CHECK_COLS = ["case", "op", "dtype", "params", "n", "shape", "max_rel_err", "worst",
@@ -84,6 +85,10 @@ def _section_lines(name: str, res: dict) -> list[str]:
         lines.append(f"method: {res.get('method')}")
         lines += _table(rows, ["batch", "variant", "tokens_per_s", "tokens_per_s_ratio",
                                "decode_tokens_per_s_ratio"])
+        if "call" in res:
+            lines += ["", "One mHC connection's call on one token without autograd, per op "
+                      "implementation (host time per call by op, device time by kernel):",
+                      decode_call.markdown(res["call"])]
     return lines
 
 

@@ -1,0 +1,85 @@
+"""One connection's call on one token without autograd (what a decoding step makes per
+connection), per op implementation: its time per call, and where that time goes.
+
+The connection (an mHC connection, or `kind`) wraps an identity branch and runs on
+[1, 1, n, C] streams under torch.no_grad(), as a KV-cached decoding step calls it. Per impl:
+microseconds per call (wall clock, the device synchronised at the end of each round; median of
+the rounds, min and max), the device time of its kernels per call (on a GPU), and
+torch.profiler's rows: each op's host time per call (self, and with its children) and each
+kernel's device time per call. On a GPU the gap between the call and its kernels is host
+time: launches, custom-op dispatch, checks, allocations. benchmarks/profile_decode_call.py
+is the command line; gpu_check's decode section runs it too.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from torch_mhc.connections.factory import make_connection
+
+__all__ = ["markdown", "profile_call"]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_call(kind: str, impl: str, dim: int, streams: int, device: str, dtype: torch.dtype,
+                 calls: int = 200, rounds: int = 5, profiled: int = 20, top: int = 20) -> dict:
+    """{device (its type), us_per_call: {median, min, max}, device_us_per_call, ops: [[name,
+    self host us, host us, device us, calls] per call, ...]} for one impl; ops sorted by host
+    time (then device time), the first `top`."""
+    dev = torch.device(device)
+    conn = make_connection(kind, dim, streams, 0, torch.nn.Identity(), impl=impl)
+    conn = conn.to(device=dev, dtype=dtype)
+    x = torch.randn(1, 1, streams, dim, device=dev, dtype=dtype)
+    per_round = []
+    with torch.no_grad():
+        for _ in range(max(3, calls // 10)):  # warm-up: compiles, caches, decoders
+            conn(x)
+        for _ in range(rounds):
+            _sync(dev)
+            start = time.perf_counter()
+            for _ in range(calls):
+                conn(x)
+            _sync(dev)
+            per_round.append((time.perf_counter() - start) / calls * 1e6)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if dev.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(profiled):
+                conn(x)
+            _sync(dev)
+    events = prof.key_averages()
+    # the kernels themselves (device-side events): an op's row repeats its kernels' time
+    kernels_us = sum(e.self_device_time_total for e in events
+                     if e.device_type != torch.autograd.DeviceType.CPU)
+    ops = [[e.key, e.self_cpu_time_total / profiled, e.cpu_time_total / profiled,
+            e.self_device_time_total / profiled, e.count / profiled] for e in events]
+    ops.sort(key=lambda row: (row[2], row[3]), reverse=True)
+    return {"device": dev.type,
+            "us_per_call": {"median": statistics.median(per_round), "min": min(per_round),
+                            "max": max(per_round)},
+            "device_us_per_call": kernels_us / profiled,
+            "ops": ops[:top]}
+
+
+def markdown(results: dict) -> str:
+    """A heading per impl (its time per call) and its profiler rows as a table."""
+    lines = []
+    for impl, r in results.items():
+        u = r["us_per_call"]
+        kernels = (f", its kernels {r['device_us_per_call']:.1f} us on the device"
+                   if r["device"] != "cpu" else "")
+        lines += ["", f"### {impl}: {u['median']:.1f} us a call ({u['min']:.1f}-{u['max']:.1f})"
+                  f"{kernels}", "",
+                  "| op or kernel | host us (self) | host us (with children) | device us "
+                  "| calls |", "|---|---:|---:|---:|---:|"]
+        lines += [f"| {name} | {own:.1f} | {total:.1f} | {device:.1f} | {count:g} |"
+                  for name, own, total, device, count in r["ops"]]
+    return "\n".join(lines)
