@@ -230,13 +230,37 @@ def test_bench_unknown_device_is_one_line(capsys):
 # compare: a run stopped at its first step, reruns into the same folder, ranks
 
 
+@pytest.mark.parametrize("runs, code", [
+    ({"residual": [None, None], "mhc": ["stopped", "stopped"]}, 0),  # one kind stopped
+    ({"residual": ["stopped", None], "mhc": [None, "stopped"]}, 0),  # a seed of each
+    ({"residual": ["stopped", "stopped"], "mhc": ["stopped", "stopped"]}, 1),
+])
+def test_compare_exits_1_only_when_every_run_stopped(tmp_path, compare_flags, capsys,
+                                                      monkeypatch, runs, code):
+    """Counted over the runs, not the variants: with several seeds a variant's "diverged"
+    names its first stopped seed, and stopped runs among finished ones are findings."""
+    from torch_mhc.tools.compare import run as compare_run
+
+    def fake_compare(out, **kwargs):
+        return {"wall_time_s": 0.0, "variants": [
+            {"kind": kind, "diverged": next((d for d in seeds if d), None),
+             "seed_runs": [{"seed": i, "diverged": d} for i, d in enumerate(seeds)]}
+            for kind, seeds in runs.items()]}
+
+    monkeypatch.setattr(compare_run, "compare", fake_compare)
+    got, _, err = run(["compare", "--out", tmp_path / "cmp", *compare_flags, "--seeds", "2"],
+                      capsys)
+    assert got == code, err
+    assert ("every run stopped (residual, mhc)" in err) == (code == 1)
+
+
 def test_compare_reports_a_run_stopped_at_the_first_step(tmp_path, compare_flags, capsys):
     out = tmp_path / "cmp"
     code, _, err = run(["compare", "--out", out, *compare_flags, "--kinds", "residual,mhc",
                         "--init-std", "1e30"], capsys)
     # every variant stopped: exit 1 (the spike policy's status), the report written still
     assert code == 1, err
-    assert "mhc compare: every variant stopped (residual, mhc)" in err
+    assert "mhc compare: every run stopped (residual, mhc)" in err
     text = (out / "report.json").read_text()
 
     def refuse(name):

@@ -24,7 +24,7 @@ __all__ = ["EXIT_INTERNAL", "EXIT_STATUS", "RaisingParser", "Signals", "fail", "
 EXIT_STATUS = """exit status:
   0    the run finished
   1    stopped by the spike policy (a NaN/Inf or spiking loss); the last good checkpoint is kept
-       (mhc compare: every variant stopped; its report is written)
+       (mhc compare: every run stopped; its report is written)
   2    bad input: configuration, data, a corrupt or foreign checkpoint, out_dir in use by
        another run, a symbolic link where the run writes, a model too large for memory, a
        permission or other file error (its errno named), a missing extra

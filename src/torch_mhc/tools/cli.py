@@ -231,14 +231,16 @@ def _run_compare(args: argparse.Namespace) -> int:
             print(seeds_table(report["variants"]))
             print("\n".join(significance_lines(report["variants"])))
         print(f"report: {args.out}/report.md ({report['wall_time_s']:.1f} s)")
-    # a comparison where every variant stopped compared nothing: a script must not read it
-    # as done (one stopped kind among others is a finding, and exits 0)
-    if all(v["diverged"] for v in report["variants"]):
+    # a comparison where every run stopped compared nothing: a script must not read it as
+    # done (a stopped kind or seed among finished runs is a finding, and exits 0). With
+    # several seeds a variant's "diverged" names its first stopped seed: count the runs.
+    runs = [run for v in report["variants"] for run in v.get("seed_runs", [v])]
+    if all(run["diverged"] for run in runs):
         from torch_mhc.lm.train.errors import EXIT_STOPPED
 
         kinds = ", ".join(v["kind"] for v in report["variants"])
-        return fail("mhc compare", f"every variant stopped ({kinds}): the spike policy ended "
-                    f"each run; {args.out}/report.md says at which step and why",
+        return fail("mhc compare", f"every run stopped ({kinds}): the spike policy ended "
+                    f"each; {args.out}/report.md says at which step and why",
                     EXIT_STOPPED, quiet=not rank0())
     return 0
 
