@@ -30,7 +30,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kind", default="mhc")
-    parser.add_argument("--impls", default="cpu,reference")
+    parser.add_argument("--impls", default=None,
+                        help="comma-separated (default: cpu,reference on the CPU, "
+                             "triton,reference on a GPU)")
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--device", default="cpu")
@@ -47,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.impls is None:
+        args.impls = "cpu,reference" if args.device == "cpu" else "triton,reference"
     impls = [i.strip() for i in args.impls.split(",") if i.strip()]
     results = {impl: profile_call(args.kind, impl, args.dim, args.streams, args.device,
                                   DTYPES[args.dtype], args.calls, args.rounds, args.profiled,

@@ -582,6 +582,18 @@ def test_profile_decode_call_script_profiles_one_call(tmp_path, capsys):
         module.main(["--calls", "0"])
 
 
+def test_decode_call_keeps_the_kernels_beside_the_host_rows():
+    """A kernel's profiler row has device time and no host time: the table keeps the rows of
+    most host time and, beside them, those of most device time."""
+    from torch_mhc.tools.bench.decode_call import kept_rows
+
+    host = [[f"op{i}", 1.0, 10.0 + i, 0.0, 1] for i in range(5)]
+    kernels = [[f"kernel{i}", 0.0, 0.0, 1.0 + i, 1] for i in range(5)]
+    launcher = [["custom_op", 5.0, 50.0, 3.0, 1]]  # host time and its kernels' device time
+    rows = kept_rows(host + kernels + launcher, top=2)
+    assert [r[0] for r in rows] == ["custom_op", "op4", "kernel4", "kernel3"]
+
+
 def test_profile_step_ops_script_interleaves_the_kinds(monkeypatch):
     """The kinds' steps run warm-ups first, then one profiled step of every kind a round, the
     order rotated each round (a kind profiled after the others showed slower elementwise ops)."""

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from torch_mhc.tools.bench import gpu_check
 
@@ -97,6 +98,24 @@ def test_dry_run_writes_every_section(tmp_path):
     for name in gpu_check.SECTIONS:
         assert f"## {name}" in md
     assert "### reference: " in md and "One mHC connection's call on one token" in md
+
+
+def test_a_decoding_call_that_fails_keeps_the_decode_sections_other_results():
+    """An impl whose call profile fails is recorded with its error; the tokens/s and the other
+    impl's profile stay, and the markdown shows the error under the impl's heading."""
+    from torch_mhc.tools.bench.gpu_check import perf
+    from torch_mhc.tools.bench.gpu_check.report import _section_lines
+
+    cfg = {"device": "cpu", "decode": dict(dim=16, layers=1, batches=(1,), prompt=2,
+                                           new_tokens=2,
+                                           call=dict(impls=("reference", "nope"), calls=2,
+                                                     rounds=1, profiled=1, top=3))}
+    res = perf.bench_decode(cfg, torch.float32)
+    assert res["results"][0]["entries"]["mhc"]["tokens_per_s"] > 0
+    assert res["call"]["reference"]["us_per_call"]["median"] > 0
+    assert res["call"]["nope"]["error"].startswith("ValueError: ")
+    md = "\n".join(_section_lines("decode", res))
+    assert "### nope: ValueError: " in md and "### reference: " in md
 
 
 def test_a_failing_section_is_recorded_and_the_others_run(tmp_path, monkeypatch):

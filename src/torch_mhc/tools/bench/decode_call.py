@@ -20,7 +20,7 @@ import torch
 
 from torch_mhc.connections.factory import make_connection
 
-__all__ = ["markdown", "profile_call"]
+__all__ = ["kept_rows", "markdown", "profile_call"]
 
 
 def _sync(device: torch.device) -> None:
@@ -31,9 +31,11 @@ def _sync(device: torch.device) -> None:
 def profile_call(kind: str, impl: str, dim: int, streams: int, device: str, dtype: torch.dtype,
                  calls: int = 200, rounds: int = 5, profiled: int = 20, top: int = 20) -> dict:
     """{device (its type), us_per_call: {median, min, max}, device_us_per_call, ops: [[name,
-    self host us, host us, device us, calls] per call, ...]} for one impl; ops sorted by host
-    time (then device time), the first `top`."""
+    self host us, host us, device us, calls] per call, ...]} for one impl: the `top` rows of
+    most host time, then the `top` of most device time (kernels) not among them. The
+    residual kind runs on one stream."""
     dev = torch.device(device)
+    streams = 1 if kind == "residual" else streams
     conn = make_connection(kind, dim, streams, 0, torch.nn.Identity(), impl=impl)
     conn = conn.to(device=dev, dtype=dtype)
     x = torch.randn(1, 1, streams, dim, device=dev, dtype=dtype)
@@ -61,18 +63,31 @@ def profile_call(kind: str, impl: str, dim: int, streams: int, device: str, dtyp
                      if e.device_type != torch.autograd.DeviceType.CPU)
     ops = [[e.key, e.self_cpu_time_total / profiled, e.cpu_time_total / profiled,
             e.self_device_time_total / profiled, e.count / profiled] for e in events]
-    ops.sort(key=lambda row: (row[2], row[3]), reverse=True)
     return {"device": dev.type,
             "us_per_call": {"median": statistics.median(per_round), "min": min(per_round),
                             "max": max(per_round)},
             "device_us_per_call": kernels_us / profiled,
-            "ops": ops[:top]}
+            "ops": kept_rows(ops, top)}
+
+
+def kept_rows(ops: list[list], top: int) -> list[list]:
+    """The `top` rows of most host time (with children), then the `top` of most device time
+    not among them: a kernel's row has no host time, so sorted by host time alone the
+    kernels would all fall below the host's rows and out of the table."""
+    by_host = sorted(ops, key=lambda row: row[2], reverse=True)[:top]
+    by_device = [row for row in sorted(ops, key=lambda row: row[3], reverse=True)[:top]
+                 if row[3] > 0 and row not in by_host]
+    return by_host + by_device
 
 
 def markdown(results: dict) -> str:
-    """A heading per impl (its time per call) and its profiler rows as a table."""
+    """A heading per impl (its time per call) and its profiler rows as a table; an impl
+    whose result is {"error": ...} gets its heading and the error."""
     lines = []
     for impl, r in results.items():
+        if "error" in r:
+            lines += ["", f"### {impl}: {r['error']}"]
+            continue
         u = r["us_per_call"]
         kernels = (f", its kernels {r['device_us_per_call']:.1f} us on the device"
                    if r["device"] != "cpu" else "")
