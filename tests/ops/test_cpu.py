@@ -1181,3 +1181,37 @@ def test_maps_refuse_a_table_the_loops_would_overrun(cols, rows, dtype):
         native.load().maps_infer(x, bad, ab, 20, 1e-6, 0.0, 0.0)
     with pytest.raises(ValueError, match="phi's table"):
         torch.ops.torch_mhc.cpu_mhc_maps_fwd(x, bad, ab, 20, 1e-6, 0.0, 0.0, True)
+
+
+def test_compiled_cpu_sinkhorn_differentiates_the_loop_itself(monkeypatch):
+    """Under torch.compile ops.cpu.sinkhorn runs the loop through autograd, as
+    functional.sinkhorn does there, not its recomputing autograd function (torch 2.11
+    compiled such a function to a zero gradient): the gradients equal eager's."""
+    from torch_mhc.functional import sinkhorn as functional_sinkhorn
+    from torch_mhc.ops.cpu import ops as cpu_ops
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 3, 3, generator=gen)
+    x[::2] *= 40.0  # the log domain for these
+    upstream = torch.randn(5, 3, 3, generator=gen)
+    xe = x.clone().requires_grad_()
+    out_e = cpu_ops.sinkhorn(xe, 5, eps=0.0)
+    (grad_e,) = torch.autograd.grad(out_e, xe, upstream)
+
+    def refuse(*args):
+        raise AssertionError("an autograd function ran under torch.compile")
+
+    for cls in (cpu_ops._Sinkhorn, functional_sinkhorn._Sinkhorn):
+        monkeypatch.setattr(cls, "forward", staticmethod(refuse))
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(lambda h: cpu_ops.sinkhorn(h, 5), backend="aot_eager",
+                                 fullgraph=True)
+        xc = x.clone().requires_grad_()
+        out_c = compiled(xc)
+        (grad_c,) = torch.autograd.grad(out_c, xc, upstream)
+    finally:
+        torch._dynamo.reset()
+    assert grad_e.abs().max() > 0.1
+    torch.testing.assert_close(out_c, out_e, rtol=0, atol=1e-6)
+    torch.testing.assert_close(grad_c, grad_e, rtol=0, atol=1e-6)

@@ -48,6 +48,7 @@ import torch
 
 from torch_mhc.functional import maps as _ref
 from torch_mhc.functional.sinkhorn import compute_dtype as _maps_dtype
+from torch_mhc.functional.sinkhorn import sinkhorn as _functional_sinkhorn
 from torch_mhc.functional.sinkhorn import sinkhorn_backward, sinkhorn_forward
 from torch_mhc.ops.checks import (
     check_hc_scalars,
@@ -123,6 +124,11 @@ def sinkhorn(logits: torch.Tensor, iters: int = 20, *, eps: float = 0.0) -> torc
     if logits.dim() < 2 or logits.shape[-1] != logits.shape[-2]:
         raise ValueError(f"sinkhorn expects matrices [..., n, n], got {tuple(logits.shape)}")
     check_sinkhorn_scalars("sinkhorn", iters, eps)
+    if torch.compiler.is_compiling():
+        # the loop differentiated by autograd, as functional.sinkhorn does under compile (a
+        # recomputing autograd function like this one compiled to a zero gradient on torch
+        # 2.11); the compiled graph has no use for the token-last layout
+        return _functional_sinkhorn(logits, int(iters), eps=float(eps))
     return _Sinkhorn.apply(logits, int(iters), float(eps))
 
 
