@@ -290,7 +290,9 @@ def test_eps_must_be_finite_and_non_negative(eps):
             call()
 
 
-def test_compiled_sinkhorn_differentiates_the_loop_itself(monkeypatch):
+@pytest.mark.parametrize("dtype, eps", [(torch.float32, 0.0), (torch.float32, 1e-2),
+                                        (torch.bfloat16, 0.0), (torch.float64, 0.0)])
+def test_compiled_sinkhorn_differentiates_the_loop_itself(monkeypatch, dtype, eps):
     """Under torch.compile the loop is differentiated by autograd, never through the
     recomputing autograd function (torch 2.11 traced its backward to zero gradients): the
     compiled gradients equal eager's, near and far matrices alike."""
@@ -298,10 +300,10 @@ def test_compiled_sinkhorn_differentiates_the_loop_itself(monkeypatch):
 
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(6, 4, 4, generator=gen)
-    x[::2] *= 40.0  # spread past LINEAR_RANGE: the log domain
-    upstream = torch.randn(6, 4, 4, generator=gen)
+    x[::2] *= 40.0  # spread past LINEAR_RANGE: the log domain (where eps is 0)
+    x, upstream = x.to(dtype), torch.randn(6, 4, 4, generator=gen).to(dtype)
     xe = x.clone().requires_grad_()
-    out_e = sinkhorn(xe, 5)
+    out_e = sinkhorn(xe, 5, eps=eps)
     (grad_e,) = torch.autograd.grad(out_e, xe, upstream)
 
     def refuse(*args):
@@ -310,12 +312,13 @@ def test_compiled_sinkhorn_differentiates_the_loop_itself(monkeypatch):
     monkeypatch.setattr(module._Sinkhorn, "forward", staticmethod(refuse))
     torch._dynamo.reset()
     try:
-        compiled = torch.compile(lambda h: sinkhorn(h, 5), backend="aot_eager", fullgraph=True)
+        compiled = torch.compile(lambda h: sinkhorn(h, 5, eps=eps), backend="aot_eager",
+                                 fullgraph=True)
         xc = x.clone().requires_grad_()
         out_c = compiled(xc)
         (grad_c,) = torch.autograd.grad(out_c, xc, upstream)
     finally:
         torch._dynamo.reset()
-    assert grad_e.abs().max() > 0.1
+    assert grad_e.abs().max() > 0.1 and out_c.dtype == grad_c.dtype == dtype
     torch.testing.assert_close(out_c, out_e, rtol=0, atol=1e-6)
     torch.testing.assert_close(grad_c, grad_e, rtol=0, atol=1e-6)
