@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from tests.helpers.op_cases import compiled_and_eager
 from tests.helpers.references import sinkhorn_log_naive, sinkhorn_naive
 from torch_mhc import sinkhorn, sinkhorn_unrolled
 from torch_mhc.functional.sinkhorn import LINEAR_RANGE, sinkhorn_backward, sinkhorn_forward
@@ -302,23 +303,8 @@ def test_compiled_sinkhorn_differentiates_the_loop_itself(monkeypatch, dtype, ep
     x = torch.randn(6, 4, 4, generator=gen)
     x[::2] *= 40.0  # spread past LINEAR_RANGE: the log domain (where eps is 0)
     x, upstream = x.to(dtype), torch.randn(6, 4, 4, generator=gen).to(dtype)
-    xe = x.clone().requires_grad_()
-    out_e = sinkhorn(xe, 5, eps=eps)
-    (grad_e,) = torch.autograd.grad(out_e, xe, upstream)
-
-    def refuse(*args):
-        raise AssertionError("the autograd function ran under torch.compile")
-
-    monkeypatch.setattr(module._Sinkhorn, "forward", staticmethod(refuse))
-    torch._dynamo.reset()
-    try:
-        compiled = torch.compile(lambda h: sinkhorn(h, 5, eps=eps), backend="aot_eager",
-                                 fullgraph=True)
-        xc = x.clone().requires_grad_()
-        out_c = compiled(xc)
-        (grad_c,) = torch.autograd.grad(out_c, xc, upstream)
-    finally:
-        torch._dynamo.reset()
+    (out_e, grad_e), (out_c, grad_c) = compiled_and_eager(
+        lambda h: sinkhorn(h, 5, eps=eps), x, upstream, monkeypatch, [module._Sinkhorn])
     assert grad_e.abs().max() > 0.1 and out_c.dtype == grad_c.dtype == dtype
     torch.testing.assert_close(out_c, out_e, rtol=0, atol=1e-6)
     torch.testing.assert_close(grad_c, grad_e, rtol=0, atol=1e-6)

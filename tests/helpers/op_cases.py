@@ -88,3 +88,28 @@ def reference_and(impl, c, n, sinkhorn_iters):
     other = ManifoldHyperConnection(c, n, 1, Branch(c), sinkhorn_iters=sinkhorn_iters, impl=impl)
     other.load_state_dict(ref.state_dict())
     return ref, other
+
+
+def compiled_and_eager(fn, x, upstream, monkeypatch, functions=()):
+    """((out, grad) eager, (out, grad) compiled) of fn on x for the upstream gradient: eager
+    first, then under torch.compile (aot_eager, fullgraph) with the forward of each autograd
+    Function class in `functions` replaced by one that raises (the compiled graph must not
+    run them)."""
+    def grad_of(f):
+        xi = x.clone().requires_grad_()
+        out = f(xi)
+        return out, torch.autograd.grad(out, xi, upstream)[0]
+
+    eager = grad_of(fn)
+
+    def refuse(*args):
+        raise AssertionError("an autograd function ran under torch.compile")
+
+    for cls in functions:
+        monkeypatch.setattr(cls, "forward", staticmethod(refuse))
+    torch._dynamo.reset()
+    try:
+        compiled = grad_of(torch.compile(fn, backend="aot_eager", fullgraph=True))
+    finally:
+        torch._dynamo.reset()
+    return eager, compiled

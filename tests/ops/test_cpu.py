@@ -25,6 +25,7 @@ from tests.helpers.op_cases import (
     Branch,
     assert_close,
     clone_inputs,
+    compiled_and_eager,
     maps_inputs,
     merge_inputs,
     perturbed,
@@ -1194,24 +1195,9 @@ def test_compiled_cpu_sinkhorn_differentiates_the_loop_itself(monkeypatch):
     x = torch.randn(5, 3, 3, generator=gen)
     x[::2] *= 40.0  # the log domain for these
     upstream = torch.randn(5, 3, 3, generator=gen)
-    xe = x.clone().requires_grad_()
-    out_e = cpu_ops.sinkhorn(xe, 5, eps=0.0)
-    (grad_e,) = torch.autograd.grad(out_e, xe, upstream)
-
-    def refuse(*args):
-        raise AssertionError("an autograd function ran under torch.compile")
-
-    for cls in (cpu_ops._Sinkhorn, functional_sinkhorn._Sinkhorn):
-        monkeypatch.setattr(cls, "forward", staticmethod(refuse))
-    torch._dynamo.reset()
-    try:
-        compiled = torch.compile(lambda h: cpu_ops.sinkhorn(h, 5), backend="aot_eager",
-                                 fullgraph=True)
-        xc = x.clone().requires_grad_()
-        out_c = compiled(xc)
-        (grad_c,) = torch.autograd.grad(out_c, xc, upstream)
-    finally:
-        torch._dynamo.reset()
+    (out_e, grad_e), (out_c, grad_c) = compiled_and_eager(
+        lambda h: cpu_ops.sinkhorn(h, 5), x, upstream, monkeypatch,
+        [cpu_ops._Sinkhorn, functional_sinkhorn._Sinkhorn])
     assert grad_e.abs().max() > 0.1
     torch.testing.assert_close(out_c, out_e, rtol=0, atol=1e-6)
     torch.testing.assert_close(grad_c, grad_e, rtol=0, atol=1e-6)
