@@ -6,7 +6,8 @@ connection), per op implementation: its time per call, and where that time goes.
         --impls triton,reference
 
 The connection is an mHC connection (or --kind) around an identity branch, on [1, 1, n, C]
-streams, called under torch.no_grad() as a KV-cached decoding step calls it. Per impl:
+streams, called under torch.no_grad() inside one `frozen_connections` block, as
+`LM.generate`'s KV-cached decoding steps call it. Per impl:
 microseconds per call (wall clock, the device synchronised at the end of each round; median
 of the rounds, min-max as the spread), then torch.profiler over --profiled calls: each
 profiled op's host time per call (self and with its children: what the host spends around the

@@ -2,7 +2,8 @@
 connection), per op implementation: its time per call, and where that time goes.
 
 The connection (an mHC connection, or `kind`) wraps an identity branch and runs on
-[1, 1, n, C] streams under torch.no_grad(), as a KV-cached decoding step calls it. Per impl:
+[1, 1, n, C] streams under torch.no_grad() inside one `frozen_connections` block, as
+`LM.generate`'s KV-cached decoding steps call it. Per impl:
 microseconds per call (wall clock, the device synchronised at the end of each round; median of
 the rounds, min and max), the device time of its kernels per call (on a GPU), and
 torch.profiler's rows: each op's host time per call (self, and with its children) and each
@@ -18,6 +19,7 @@ import time
 
 import torch
 
+from torch_mhc.connections import frozen_connections
 from torch_mhc.connections.factory import make_connection
 
 __all__ = ["kept_rows", "markdown", "profile_call"]
@@ -40,7 +42,8 @@ def profile_call(kind: str, impl: str, dim: int, streams: int, device: str, dtyp
     conn = conn.to(device=dev, dtype=dtype)
     x = torch.randn(1, 1, streams, dim, device=dev, dtype=dtype)
     per_round = []
-    with torch.no_grad():
+    # as LM.generate calls its connections: without autograd, inside one frozen block
+    with torch.no_grad(), frozen_connections():
         for _ in range(max(3, calls // 10)):  # warm-up: compiles, caches, decoders
             conn(x)
         for _ in range(rounds):
