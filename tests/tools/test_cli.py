@@ -271,6 +271,17 @@ def test_diverged_run_exits_1(tmp_path, tiny_flags, capsys):
     assert len(err.strip().splitlines()) == 1
 
 
+def test_a_diverged_run_is_said_once(tmp_path, tiny_flags, capsys):
+    """Not quiet: the run's log lines on stdout, the stop once, as the error line on stderr
+    (the trainer's log said it too)."""
+    flags = [f for f in tiny_flags if f != "--quiet"]
+    code, out, err = run(["train", *flags, "--lr", "1e6", "--min-lr", "0", "--grad-clip", "0",
+                          "--steps", "30", "--warmup", "0", "--no-progress"], capsys)
+    assert code == 1, err
+    assert out.startswith("training ") and "training stopped" not in out
+    assert err.count("training stopped:") == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # generate
 

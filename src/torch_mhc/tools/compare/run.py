@@ -218,6 +218,8 @@ def _train_runs(configs: dict, kinds: tuple[str, ...], corpus, several_seeds: bo
         try:
             results[kind].append(train(cfg, corpus=corpus))
         except TrainingDiverged as e:  # a finding, not a failure: report what it reached
+            if not cfg.quiet and _rank0():
+                print(e, flush=True)
             results[kind].append(e.result)
         except RunInterrupted as e:  # the run's own message offers a resume compare lacks
             which = kind + (f", seed {seed}" if several_seeds else "")

@@ -174,6 +174,7 @@ def _continue(cfg: TrainConfig, src: SourceRun, corpus, reference: float, overwr
     try:
         result = train(cfg, corpus=corpus, on_start=on_start)
     except TrainingDiverged as e:  # a finding, as in `mhc compare`: report what it reached
+        _say(f"{where}: {e}")
         result = e.result
     except RunInterrupted as e:  # its own message names `mhc train --resume`
         raise e.saying(f"interrupted in {where} after step {e.step}; run the same "
