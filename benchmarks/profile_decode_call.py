@@ -24,8 +24,7 @@ import torch
 
 from torch_mhc.tools.bench.decode_call import markdown, profile_call
 from torch_mhc.tools.bench.report import script_report
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from torch_mhc.tools.bench.workloads import DTYPES
 
 
 def main(argv: list[str] | None = None) -> int:

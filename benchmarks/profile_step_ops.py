@@ -26,7 +26,7 @@ import argparse
 import torch
 
 from torch_mhc.tools.bench.report import script_report
-from torch_mhc.tools.bench.workloads import build_model, random_tokens, train_step
+from torch_mhc.tools.bench.workloads import DTYPES, build_model, random_tokens, train_step
 
 
 def profile(kinds: list[str], dim: int, layers: int, batch: int, seq: int, steps: int,
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="unprofiled steps first")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cpu or cuda (kernels' device time)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--top", type=int, default=20, help="ops in the table (and every torch_mhc op)")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     kinds = list(dict.fromkeys(k for k in args.kinds.split(",") if k))  # each kind once
     torch.set_num_threads(args.threads)
     result = profile(kinds, args.dim, args.layers, args.batch, args.seq, args.steps, args.warmup,
-                     args.device, getattr(torch, args.dtype))
+                     args.device, DTYPES[args.dtype])
     config = {**{k: v for k, v in vars(args).items() if k != "json"}, "kinds": kinds}
     print(script_report(config, result, args.json, key="self_ms_and_calls_per_step"))
     print(markdown(result, args.top))

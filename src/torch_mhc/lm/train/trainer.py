@@ -511,8 +511,8 @@ class Trainer:
         message = f"training stopped: {stop.reason}; {kept}"
         r.diverged = message
         self.metrics.write({"kind": "stopped", "step": stop.step, "reason": stop.reason})
-        # not printed here: the caller says it once (`mhc train`'s error line; compare, sweep
-        # and upcycle, which take a stopped run as a finding, print it as theirs)
+        # not printed here: the caller says it once (`mhc train`'s error line; compare and
+        # upcycle, which take a stopped run as a finding, print it as theirs; sweep's table)
         return TrainingDiverged(message, stop.step, r)
 
     def _interrupted(self) -> RunInterrupted:

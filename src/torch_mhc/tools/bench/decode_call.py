@@ -21,13 +21,9 @@ import torch
 
 from torch_mhc.connections import frozen_connections
 from torch_mhc.connections.factory import make_connection
+from torch_mhc.tools.bench.timing import synchronize
 
 __all__ = ["kept_rows", "markdown", "profile_call"]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def profile_call(kind: str, impl: str, dim: int, streams: int, device: str, dtype: torch.dtype,
@@ -47,11 +43,11 @@ def profile_call(kind: str, impl: str, dim: int, streams: int, device: str, dtyp
         for _ in range(max(3, calls // 10)):  # warm-up: compiles, caches, decoders
             conn(x)
         for _ in range(rounds):
-            _sync(dev)
+            synchronize(dev)
             start = time.perf_counter()
             for _ in range(calls):
                 conn(x)
-            _sync(dev)
+            synchronize(dev)
             per_round.append((time.perf_counter() - start) / calls * 1e6)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if dev.type == "cuda":
@@ -59,7 +55,7 @@ def profile_call(kind: str, impl: str, dim: int, streams: int, device: str, dtyp
         with torch.profiler.profile(activities=activities) as prof:
             for _ in range(profiled):
                 conn(x)
-            _sync(dev)
+            synchronize(dev)
     events = prof.key_averages()
     # the kernels themselves (device-side events): an op's row repeats its kernels' time
     kernels_us = sum(e.self_device_time_total for e in events

@@ -139,8 +139,6 @@ def _train_cell(cfg: TrainConfig, corpus) -> dict:
     try:
         result, stopped = train(cfg, corpus=corpus), None
     except TrainingDiverged as e:  # a finding: where this kind stops training
-        if not cfg.quiet:
-            print(e, flush=True)
         result, stopped = e.result, str(e)
     return cell_record(cfg, result, stopped)
 
