@@ -107,7 +107,8 @@ def check_gate(value, owner: str) -> float:
     return float(value)
 
 
-# id(connection) -> {(streams shape, dtype, thread): Decoder or None}; outside the modules,
+# id(connection) -> {(streams shape, dtype, on the CPU, thread): Decoder or None}; outside the
+# modules,
 # whose deep copies and pickles must not carry native argument blocks. A plain dict (its get
 # is one C call, a WeakKeyDictionary's three Python ones); an entry leaves with its module.
 _DECODERS: dict[int, dict] = {}
@@ -279,7 +280,7 @@ class Connection(nn.Module):
             x = x if x.is_contiguous() else x.contiguous()
             if decoding:
                 dec = self._decoder(x)
-        if dec is not None:  # decoding: two prepared native calls (ops/cpu/decode.py)
+        if dec is not None:  # decoding: prepared calls (ops/cpu/decode.py, ops/triton/decode.py)
             dec.busy = True  # its maps wait in its buffers for mix_out
             try:
                 f = self.branch(dec.mix_in(x), *args, **kwargs)
@@ -300,9 +301,9 @@ class Connection(nn.Module):
 
     def _prepared_decoder(self, x):
         """The decoder this connection already made for x's shape, dtype and thread, if it
-        still applies to x as it is (a CPU tensor, contiguous: forward made it so), to the
-        parameters and options and to the implementation "auto" resolves to; else None
-        (then _decoder decides).
+        still applies to x as it is (contiguous: forward made it so; on a GPU, the
+        decoder's device and stream), to the parameters and options and to the
+        implementation "auto" resolves to; else None (then _decoder decides).
         A decoding step calls every connection once per token, after the branches' weights
         have pushed this connection's objects out of cache: this path reads as few of them as
         it can, and no argument checks (a decoder exists only for arguments that passed
@@ -310,14 +311,15 @@ class Connection(nn.Module):
         if _compiling():  # (before any dict: dynamo traces this code)
             return None
         decoders = _DECODERS.get(id(self))
-        if decoders is None or type(x) is not torch.Tensor or not x.is_cpu \
-                or not self._plain_input_check:
+        if decoders is None or type(x) is not torch.Tensor or not self._plain_input_check:
             return None
-        dec = decoders.get((x.shape, x.dtype, threading.get_ident()))
+        on_cpu = x.is_cpu
+        dec = decoders.get((x.shape, x.dtype, on_cpu, threading.get_ident()))
         # _may_decode's checks (the trace's made above), spelled out: each call costs here
         if (dec is None or dec.busy or _diag.ACTIVE is not None or self.check_finite
                 or _dispatch_modes() or _tracing() or func_transform_active()
-                or dec.impl_state != _ops.impl_state(self.impl)):
+                or dec.impl_state != _ops.impl_state(self.impl)
+                or (not on_cpu and not dec.runs_on(x))):  # (a GPU's index, stream, autocast)
             return None
         blocks = getattr(_FROZEN, "open", None)
         block = blocks[-1] if blocks else 0  # the innermost open frozen_connections block
@@ -357,7 +359,7 @@ class Connection(nn.Module):
         if decoders is None:
             decoders = _DECODERS[id(self)] = {}
             weakref.finalize(self, _DECODERS.pop, id(self), None)
-        key = (x.shape, x.dtype, threading.get_ident())
+        key = (x.shape, x.dtype, x.is_cpu, threading.get_ident())
         dec = decoders.get(key)
         if dec is not None and dec.busy:  # called again from its own branch: the ops' path
             return None

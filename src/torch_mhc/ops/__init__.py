@@ -18,8 +18,9 @@ and `functional.successors` (the plain-torch oracles):
                                               (functional.successors.variant_maps)
     variant_maps_pre(same arguments)          -> the same plus pre_aggregate(x, H_pre)
 
-Optionally (the `cpu` implementation): Ops.decoder(kind, decode_args) prepares a connection's
-decoding step without autograd as two native calls (ops/cpu/decode.py). Ops.fused_dx:
+Optionally (`cpu` and `triton`): Ops.decoder(kind, decode_args) prepares a connection's
+decoding step without autograd: two native calls (ops/cpu/decode.py), or the Triton launches
+planned once (ops/triton/decode.py). Ops.fused_dx:
 mhc_maps_pre(..., fused_dx=True) and hc_maps_pre(..., fused_dx=True) also return x_for_merge,
 and post_merge(x_for_merge, f, h_post, h_res, fused_dx=True) leaves x's gradient through the
 merge to the maps node, so that a connection writes x's gradient once (hc_maps_pre's
@@ -97,6 +98,12 @@ def _triton_ops_module():
     return triton_ops
 
 
+def _triton_decoder():
+    from torch_mhc.ops.triton import decode as triton_decode
+
+    return triton_decode.decoder
+
+
 def _inductor_module():
     from torch_mhc.ops import inductor
 
@@ -131,7 +138,7 @@ class Ops:
     # (ops/cpu/ops.py: x's gradient through maps, aggregation and merge written once).
     fused_dx: bool = False
     # decoder(kind, decode_args) -> a prepared no-autograd path for one connection, or None
-    # (ops/cpu/decode.py; `cpu` only; decode_args: the maps op's arguments, x first).
+    # (ops/cpu/decode.py, ops/triton/decode.py; decode_args: the maps op's arguments, x first).
     decoder: Callable | None = None
 
 
@@ -308,7 +315,8 @@ def _load(resolved: str) -> Ops:
         sinkhorn=fns["sinkhorn"],
         **_variant_ops(resolved, module),
         fused_dx=getattr(module, "FUSED_DX", False),
-        decoder=cpu_decode.decoder if resolved == "cpu" else None,
+        decoder=(cpu_decode.decoder if resolved == "cpu"
+                 else _triton_decoder() if resolved == "triton" else None),
     )
     _loaded[resolved] = ops
     return ops

@@ -21,15 +21,10 @@ Decoder, written by mix_in and read by the following mix_out, so one Decoder ser
 at a time: Connection keys them by thread and takes the ops' path when its branch calls it
 again in between (`busy`).
 
-`current(args)` says whether a Decoder still describes the arguments: the same parameter
-objects, over the same storage, at the same version (load_state_dict or any in-place op on
-a parameter bumps the version; `param.data = ...` swaps the storage), no optimizer step
-since it was made (torch's fused optimizers bump no version: runtime.param_updates) and
-equal options. Not seen: a write into `param.data` (`p.data.copy_(...)`) outside an
-optimizer, which torch does not count, until `torch_mhc.parameters_changed()` says so; or
-write into the parameter under torch.no_grad() instead. The padded parameter tables are
-copies made once per parameter version and optimizer step (ops.cpu.cached_tables), shared by
-the shapes.
+`current(args)` says whether a Decoder still describes the arguments (ops/decoding.py: the
+same parameter objects at the same version, no optimizer step since). The padded parameter
+tables are copies made once per parameter version and optimizer step
+(ops.cpu.cached_tables), shared by the shapes.
 """
 
 from __future__ import annotations
@@ -55,7 +50,7 @@ from torch_mhc.ops.cpu.ops import (
     use_native,
 )
 from torch_mhc.ops.cpu.variants import variant_tables
-from torch_mhc.runtime import param_updates
+from torch_mhc.ops.decoding import PreparedDecoder, param_marks
 
 __all__ = ["Decoder", "decoder"]
 
@@ -82,7 +77,7 @@ def decoder(kind: str, args: tuple) -> Decoder | None:
     if not _shapes_fit(kind, x, args[1:]):
         return None  # the ops' own path says what is wrong
     try:
-        _marks(args[1:])
+        param_marks(args[1:])
     except RuntimeError:  # "Inference tensors do not track version counter"
         return None
     return Decoder(_native.load(), kind, args)
@@ -113,31 +108,17 @@ def _shapes_fit(kind: str, x: torch.Tensor, params: tuple) -> bool:
     return params[0].shape[1] <= _native.MAX_MAP_LOGITS
 
 
-def _marks(params: tuple) -> tuple[list, int, tuple]:
-    """What `current` compares (besides the optimizer steps): each tensor's identity (a view
-    counts as its base: the DeepSeek-V4 connection passes slices of its `base` made at each
-    call; the Decoder keeps the bases alive, so an identity cannot pass to a new tensor),
-    storage and version; then the trailing options (the map arguments after the last tensor:
-    iterations, epsilons) as one tuple, from their position on."""
-    last = max(i for i, t in enumerate(params) if isinstance(t, torch.Tensor))
-    tensors = [(i, t if t._base is None else t._base, t.data_ptr(), t._version)
-               for i, t in enumerate(params[:last + 1], start=1)  # x is argument 0
-               if isinstance(t, torch.Tensor)]
-    return tensors, last + 2, tuple(params[last + 1:])
+class Decoder(PreparedDecoder):
+    """One connection's prepared decoding calls for CPU streams of one shape and dtype."""
 
-
-class Decoder:
-    """One connection's prepared decoding calls for streams of one shape and dtype."""
-
-    __slots__ = ("size", "dtype", "a_shape", "steps", "tensor_marks", "options_from",
-                 "options", "tables", "maps", "busy", "impl_state", "frozen_in", "_a_like",
-                 "_call", "_addr", "_maps_call", "_merge_call", "_lib")
+    __slots__ = ("a_shape", "tables", "maps", "_a_like", "_call", "_addr", "_maps_call",
+                 "_merge_call", "_lib")
 
     def __init__(self, lib: _native.NativeOps, kind: str, args: tuple):
         x, params = args[0], args[1:]
         *lead, n, c = x.shape
-        self.steps = param_updates.current()  # before the tables: a step after is seen
-        self.size, self.dtype, self.a_shape = x.shape, x.dtype, torch.Size((*lead, c))
+        super().__init__(x, params)  # the optimizer steps first: a step after is seen
+        self.a_shape = torch.Size((*lead, c))
         # the branch inputs are made by empty_like of this: half the time of torch.empty
         # with a shape and a dtype to parse
         self._a_like = torch.empty(self.a_shape, dtype=x.dtype)
@@ -172,35 +153,12 @@ class Decoder:
         call.MV, call.bf, call.kind = self.tables[0].shape[1] // 8, int(x.dtype != f32), \
             _KINDS[kind]
         call.norm_eps = float(norm_eps)
-        self.tensor_marks, self.options_from, self.options = _marks(params)
-        self.busy = False  # between mix_in and mix_out (Connection.forward sets it)
-        self.impl_state = None  # ops.impl_state when made (Connection sets it)
-        # the frozen_connections block in which Connection last checked it (0: none)
-        self.frozen_in = 0
         self._call, self._addr = call, ctypes.addressof(call)
         self._maps_call, self._merge_call = lib.decoding_calls()
         self._lib = lib  # whose entry points the block holds: loaded while the block is used
 
-    def current(self, args: tuple) -> bool:
-        """Whether this Decoder computes the maps of args (see the module docstring)."""
-        x = args[0]
-        if x.shape != self.size or x.dtype is not self.dtype or not x.is_cpu \
-                or not x.is_contiguous():
-            return False
-        return self.params_current(args)
-
-    def params_current(self, args: tuple) -> bool:
-        """current(args) for an x already known to be a contiguous CPU tensor of the shape
-        and dtype this Decoder was built for (Connection found it under that key): inside a
-        decoding step every read of a cold tensor attribute costs, and x's were made."""
-        if param_updates.COUNT != self.steps:
-            return False
-        for i, base, ptr, version in self.tensor_marks:
-            t = args[i]
-            if (t is not base and t._base is not base) or t._version != version \
-                    or t.data_ptr() != ptr:
-                return False
-        return args[self.options_from:] == self.options
+    def runs_on(self, x: torch.Tensor) -> bool:
+        return x.is_cpu
 
     def mix_in(self, x: torch.Tensor) -> torch.Tensor:
         """The maps (kept for mix_out) and the branch input a = sum_j H_pre[j] x[j]

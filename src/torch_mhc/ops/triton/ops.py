@@ -83,7 +83,7 @@ def hc_maps(x, w, s_alpha, s_beta, static_pre, static_post, static_res, norm_eps
     return _ref.hc_maps(x, w, s_alpha, s_beta, static_pre, static_post, static_res, norm_eps)
 
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _F32 = torch.float32
 _first_order = first_derivatives_only("triton")  # the kernels' backwards (checks.py)
 
@@ -208,13 +208,19 @@ def _run(op: str, launches: list[Launch], *inputs: Tensor) -> None:
             try:
                 launch.run()
             except Exception as err:  # compile errors, ptxas errors, launch failures alike
-                shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in inputs)
-                raise RuntimeError(
-                    f"triton kernel {launch.name} of op {op} failed for inputs {shapes} "
-                    f"(constexprs {launch.constexprs}, num_warps {launch.num_warps}): "
-                    f"{type(err).__name__}: {err}. Select another implementation with "
-                    f"impl='inductor', 'cpu' or 'reference' (or {_ENV_VAR}=inductor)"
-                ) from err
+                raise launch_failed(op, launch, inputs, err) from err
+
+
+def launch_failed(op: str, launch: Launch, inputs, err: Exception) -> RuntimeError:
+    """The error of a launch of op that raised err: the kernel, the inputs' shapes and
+    dtypes, and the other implementations to select."""
+    shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in inputs)
+    return RuntimeError(
+        f"triton kernel {launch.name} of op {op} failed for inputs {shapes} "
+        f"(constexprs {launch.constexprs}, num_warps {launch.num_warps}): "
+        f"{type(err).__name__}: {err}. Select another implementation with "
+        f"impl='inductor', 'cpu' or 'reference' (or {_ENV_VAR}=inductor)"
+    )
 
 
 # Shared memory one block may use (bytes: the opt-in maximum per block) by compute capability:
@@ -364,9 +370,11 @@ def _channel_blocks(n: int, c: int, tile: int = 2048) -> tuple[int, int]:
     return max(1, tile // (np_ * block_c)), block_c
 
 
-def _check(name: str, *tensors: Tensor) -> None:
+def check_tensors(name: str, *tensors: Tensor) -> None:
+    """TypeError unless each tensor is fp32, fp16 or bf16; RuntimeError unless on a GPU (or the
+    interpreter runs the kernels)."""
     for t in tensors:
-        if t.dtype not in _DTYPES:
+        if t.dtype not in DTYPES:
             raise TypeError(
                 f"triton {name} supports float32, float16 and bfloat16 tensors, got {t.dtype}; "
                 "use impl='cpu' or 'reference' for other dtypes"
@@ -637,7 +645,7 @@ def mhc_maps(
     pre_eps: float = 0.0,
 ):
     """Same contract as functional.maps.mhc_maps; one kernel for all three maps."""
-    _check("mhc_maps", x, phi)
+    check_tensors("mhc_maps", x, phi)
     check_maps_scalars("mhc_maps", sinkhorn_iters, norm_eps, sinkhorn_eps, pre_eps)
     check_mhc_shapes("mhc_maps", x, phi, alpha, b_pre, b_post, b_res)
     lead, (n, c) = x.shape[:-2], x.shape[-2:]
@@ -715,7 +723,7 @@ _pre_fwd.register_autograd(_pre_backward, setup_context=_pre_setup)
 
 def pre_aggregate(x: Tensor, h_pre: Tensor) -> Tensor:
     """sum_j H_pre[j] x[j]: [..., n, C], [..., n] -> [..., C] in x's dtype."""
-    _check("pre_aggregate", x)
+    check_tensors("pre_aggregate", x)
     if x.dim() < 2 or h_pre.shape != x.shape[:-1]:
         raise ValueError(
             f"pre_aggregate expects x [..., n, C] and h_pre [..., n], got {tuple(x.shape)} "
@@ -803,7 +811,7 @@ _merge_fwd.register_autograd(_merge_backward, setup_context=_merge_setup)
 
 def post_merge(x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor) -> Tensor:
     """H_res x + H_post^T f: [..., n, C], [..., C], [..., n], [..., n, n] -> [..., n, C]."""
-    _check("post_merge", x, f)
+    check_tensors("post_merge", x, f)
     _ref.check_merge_shapes(x, f, h_post, h_res)
     n, c = x.shape[-2:]
     out = _merge_fwd(
@@ -885,7 +893,7 @@ _sinkhorn_fwd.register_autograd(_sinkhorn_backward, setup_context=_sinkhorn_setu
 
 def sinkhorn(logits: Tensor, iters: int = 20, *, eps: float = 0.0) -> Tensor:
     """Same as torch_mhc.sinkhorn(logits, iters, eps=eps): fp32 inside, logits' dtype out."""
-    _check("sinkhorn", logits)
+    check_tensors("sinkhorn", logits)
     if logits.dim() < 2 or logits.shape[-1] != logits.shape[-2]:
         raise ValueError(f"sinkhorn expects matrices [..., n, n], got {tuple(logits.shape)}")
     check_sinkhorn_scalars("sinkhorn", iters, eps)
@@ -1082,7 +1090,7 @@ for _device_type in ("cuda", "cpu"):
     _register_maps_autocast(_device_type, "variant_maps_fwd")
 
 
-def _check_variant_shapes(kind, x, phi, alpha, b_pre, b_post, b_res) -> None:
+def check_variant_shapes(kind, x, phi, alpha, b_pre, b_post, b_res) -> None:
     """ValueError unless, for streams x [..., n, C] and R = res_count(kind, n): phi
     [n C, 2n + R], alpha [3] ([2] when R = 0), b_pre, b_post [n], b_res [R] (None when R = 0)."""
     if x.dim() < 2:
@@ -1104,9 +1112,9 @@ def variant_maps(kind, x, phi, alpha, b_pre, b_post, b_res=None, norm_eps=1e-6):
     """Same contract as functional.successors.variant_maps; mHC's matmul kernels and the kind's
     per-token maps (ops/triton/kernels.py (e)). More than VARIANT_MAX_STREAMS streams: the
     reference maps."""
-    _check("variant_maps", x, phi)
+    check_tensors("variant_maps", x, phi)
     check_hc_scalars("variant_maps", norm_eps)
-    _check_variant_shapes(kind, x, phi, alpha, b_pre, b_post, b_res)
+    check_variant_shapes(kind, x, phi, alpha, b_pre, b_post, b_res)
     lead, (n, c) = x.shape[:-2], x.shape[-2:]
     if n > VARIANT_MAX_STREAMS:
         return _succ.variant_maps(kind, x, phi, alpha, b_pre, b_post, b_res, norm_eps)
