@@ -7,8 +7,10 @@ baseline's ratio is exactly 1, shared measurements agree).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -575,6 +577,32 @@ def test_profile_decode_call_script_profiles_one_call(tmp_path, capsys):
     assert calls["aten::sum"] >= 2 * 20 - 1  # the default 20 iterations
     with pytest.raises(SystemExit):
         module.main(["--calls", "0"])
+
+
+def test_decode_call_times_the_prepared_path_or_the_ops_path(monkeypatch):
+    """"cpu" calls the connection (its prepared native calls, every call), "cpu/ops" its ops
+    (never the prepared calls); a bad suffix is refused, and no_launches refuses to stand in
+    for kernels the interpreter does not run."""
+    from torch_mhc.ops.cpu import decode, native
+    from torch_mhc.tools.bench.decode_call import no_launches, profile_call
+
+    if native.load() is None:
+        pytest.skip("native CPU library unavailable")
+    prepared = []
+    mix_in = decode.Decoder.mix_in
+    monkeypatch.setattr(decode.Decoder, "mix_in",
+                        lambda self, x: (prepared.append(1), mix_in(self, x))[1])
+    counts = {}
+    for impl in ("cpu", "cpu/ops"):
+        prepared.clear()
+        profile_call("mhc", impl, 16, 4, "cpu", torch.float32, calls=3, rounds=2, profiled=2)
+        counts[impl] = len(prepared)
+    assert counts == {"cpu": 3 + 2 * 3 + 2, "cpu/ops": 0}  # warm-up, rounds, profiled
+    with pytest.raises(ValueError, match="NAME/ops, got 'cpu/fast'"):
+        profile_call("mhc", "cpu/fast", 16, 4, "cpu", torch.float32)
+    if importlib.util.find_spec("triton") is not None and "TRITON_INTERPRET" not in os.environ:
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"), no_launches():
+            pass
 
 
 def test_decode_call_keeps_the_kernels_beside_the_host_rows():

@@ -90,7 +90,7 @@ def test_dry_run_writes_every_section(tmp_path):
     # one connection's decoding call per impl: its time, and the reference's Sinkhorn among
     # its profiled ops (once a call)
     call = sections["decode"]["result"]["call"]
-    assert set(call) == {"cpu", "reference"}
+    assert set(call) == {"cpu", "cpu/ops", "reference"}
     for r in call.values():
         assert 0 < r["us_per_call"]["min"] <= r["us_per_call"]["median"] <= r["us_per_call"]["max"]
     assert ["_Sinkhorn", 1.0] in [[row[0], row[4]] for row in call["reference"]["ops"]]

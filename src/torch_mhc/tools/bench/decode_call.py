@@ -3,7 +3,11 @@ connection), per op implementation: its time per call, and where that time goes.
 
 The connection (an mHC connection, or `kind`) wraps an identity branch and runs on
 [1, 1, n, C] streams under torch.no_grad() inside one `frozen_connections` block, as
-`LM.generate`'s KV-cached decoding steps call it. Per impl:
+`LM.generate`'s KV-cached decoding steps call it; an impl written "NAME/ops" (e.g.
+"triton/ops") calls the connection's op path instead (mix_in, the branch, mix_out: what its
+forward runs where the implementation prepares no decoding path), so that the prepared
+path (ops/cpu/decode.py, ops/triton/decode.py) and the ops it spares are timed in one
+process. Per impl:
 microseconds per call (wall clock, the device synchronised at the end of each round; median of
 the rounds, min and max), the device time of its kernels per call (on a GPU), and
 torch.profiler's rows: each op's host time per call (self, and with its children) and each
@@ -14,6 +18,8 @@ is the command line; gpu_check's decode section runs it too.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import statistics
 import time
 
@@ -21,9 +27,10 @@ import torch
 
 from torch_mhc.connections import frozen_connections
 from torch_mhc.connections.factory import make_connection
+from torch_mhc.runtime import param_updates
 from torch_mhc.tools.bench.timing import synchronize
 
-__all__ = ["kept_rows", "markdown", "profile_call"]
+__all__ = ["kept_rows", "markdown", "no_launches", "ops_path_call", "profile_call"]
 
 
 def profile_call(kind: str, impl: str, dim: int, streams: int, device: str, dtype: torch.dtype,
@@ -34,19 +41,23 @@ def profile_call(kind: str, impl: str, dim: int, streams: int, device: str, dtyp
     residual kind runs on one stream."""
     dev = torch.device(device)
     streams = 1 if kind == "residual" else streams
-    conn = make_connection(kind, dim, streams, 0, torch.nn.Identity(), impl=impl)
+    name, _, path = impl.partition("/")
+    if path not in ("", "ops"):
+        raise ValueError(f"expected an impl name or NAME/ops, got {impl!r}")
+    conn = make_connection(kind, dim, streams, 0, torch.nn.Identity(), impl=name)
     conn = conn.to(device=dev, dtype=dtype)
+    call = conn if not path else functools.partial(ops_path_call, conn)
     x = torch.randn(1, 1, streams, dim, device=dev, dtype=dtype)
     per_round = []
     # as LM.generate calls its connections: without autograd, inside one frozen block
     with torch.no_grad(), frozen_connections():
         for _ in range(max(3, calls // 10)):  # warm-up: compiles, caches, decoders
-            conn(x)
+            call(x)
         for _ in range(rounds):
             synchronize(dev)
             start = time.perf_counter()
             for _ in range(calls):
-                conn(x)
+                call(x)
             synchronize(dev)
             per_round.append((time.perf_counter() - start) / calls * 1e6)
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -54,7 +65,7 @@ def profile_call(kind: str, impl: str, dim: int, streams: int, device: str, dtyp
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         with torch.profiler.profile(activities=activities) as prof:
             for _ in range(profiled):
-                conn(x)
+                call(x)
             synchronize(dev)
     events = prof.key_averages()
     # the kernels themselves (device-side events): an op's row repeats its kernels' time
@@ -67,6 +78,50 @@ def profile_call(kind: str, impl: str, dim: int, streams: int, device: str, dtyp
                             "max": max(per_round)},
             "device_us_per_call": kernels_us / profiled,
             "ops": kept_rows(ops, top)}
+
+
+def ops_path_call(conn, x: torch.Tensor) -> torch.Tensor:
+    """The connection's call through its ops (mix_in, branch, mix_out), never a prepared
+    decoding path."""
+    h_in, state = conn.mix_in(x)
+    return conn.mix_out(x, conn.branch(h_in), state)
+
+
+@contextlib.contextmanager
+def no_launches():
+    """Every Triton kernel of the package replaced by one whose launches do nothing: what a
+    call costs the host around its launches, timed on a machine without a GPU (the kernels'
+    checks need TRITON_INTERPRET=1, set before triton's first import). Restored on exit,
+    when the decoding paths prepared inside (whose launches are the stand-ins) are made
+    again at their next call (param_updates.parameters_changed; a frozen_connections block
+    open around this one keeps them until it ends)."""
+    from torch_mhc.ops.triton import kernels, ops
+
+    if not ops.interpreted():
+        raise RuntimeError("no_launches needs TRITON_INTERPRET=1 set before triton is imported")
+    kept = {name: k for name, k in vars(kernels).items() if name.endswith("_kernel")}
+    try:
+        for name in kept:
+            setattr(kernels, name, _NoLaunch(name))
+        yield
+    finally:
+        for name, kernel in kept.items():
+            setattr(kernels, name, kernel)
+        param_updates.parameters_changed()
+
+
+class _NoLaunch:
+    """A kernel whose launch (kernel[grid](...)) does nothing."""
+
+    def __init__(self, name: str):
+        self.__name__ = name
+
+    def __getitem__(self, grid):
+        return _nothing
+
+
+def _nothing(*args, **kwargs) -> None:
+    return None
 
 
 def kept_rows(ops: list[list], top: int) -> list[list]:

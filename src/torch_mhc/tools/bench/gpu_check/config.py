@@ -84,7 +84,7 @@ FULL = dict(device="cuda", dtypes=(torch.float32, torch.bfloat16, torch.float16)
             timing=dict(launches=20, flush_min_mib=256),
             sk_tokens=65536, step=dict(dim=2048, layers=16, batch=8, seq=1024, repeats=5),
             decode=dict(dim=2048, layers=16, batches=(1, 8), prompt=128, new_tokens=64,
-                        call=dict(impls=("triton", "reference"), calls=100, rounds=3,
+                        call=dict(impls=("triton", "triton/ops", "reference"), calls=100, rounds=3,
                                   profiled=10, top=12)),
             impls=("triton",), sk_impls=("triton", "inductor", "reference"),
             inductor=dict(impls=("inductor",), ns=(4,)))
@@ -100,7 +100,7 @@ DRY = dict(device="cpu", dtypes=(torch.float32, torch.float16), ns=(2, 4), token
            timing=dict(launches=2, flush_min_mib=1), sk_tokens=16,
            step=dict(dim=64, layers=1, batch=1, seq=8, repeats=1),
            decode=dict(dim=64, layers=1, batches=(1,), prompt=4, new_tokens=3,
-                       call=dict(impls=("cpu", "reference"), calls=5, rounds=2,
+                       call=dict(impls=("cpu", "cpu/ops", "reference"), calls=5, rounds=2,
                                  profiled=2, top=5)),
            # Inductor compiles C++ on a CPU (seconds a graph): tests/ops/test_inductor.py
            # checks it there.
