@@ -40,7 +40,8 @@ counterpart of mhc_maps_pre. On the CPU it is one autograd node on mHC's own nat
 with the kind's closed-form H_res in place of Sinkhorn (one pass over x forward, one
 backward writing dx once, with the merge's share through fused_dx as mHC's), and decoding
 without autograd takes mHC's two prepared native calls. On triton, mHC's matmul kernels run
-with the kind's per-token maps kernel in place of Sinkhorn's; inductor composes the reference
+with the kind's per-token maps kernel in place of Sinkhorn's (decoding: mHC's prepared
+launches, ops/triton/decode.py); inductor composes the reference
 maps (functional.successors) with its own aggregation and merge.
 """
 

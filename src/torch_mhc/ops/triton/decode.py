@@ -4,7 +4,7 @@ A KV-cached decoding step calls every connection on one token per sequence. On a
 kernels then take microseconds (one token, d = 2048, n = 4, bf16, an H200: 15.6 us), and
 the call through the custom ops held the host for hundreds (benchmarks/README.md): three
 custom ops' dispatch, each plan's launch parameters worked out again, the argument checks,
-seven tensors allocated. A Decoder does that work once per connection, streams shape and
+nine tensors allocated. A Decoder does that work once per connection, streams shape and
 thread, keeps the maps in buffers of its own, and each call launches the same kernels with
 the call's x, f and outputs put in place of those it was planned with:
 
