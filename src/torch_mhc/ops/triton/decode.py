@@ -55,8 +55,10 @@ def decoder(kind: str, args: tuple) -> Decoder | None:
         return None
     if not (x.is_cuda or _tri.interpreted()) or torch.is_autocast_enabled(x.device.type):
         return None
-    if x.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None  # a CUDA graph keeps what the ops' path allocates; not our buffers
+    if x.is_cuda and (torch.cuda.current_device() != x.device.index
+                      or torch.cuda.is_current_stream_capturing()):
+        return None  # Triton launches on the current device (the ops' path switches to
+        # x's); a CUDA graph keeps what the ops' path allocates, not a Decoder's buffers
     if not all(type(t) in _PLAIN and t.device == x.device
                for t in args if isinstance(t, torch.Tensor)):
         return None  # meta, fake or wrapped tensors, or parameters elsewhere
