@@ -91,6 +91,11 @@ def test_dry_run_writes_every_section(tmp_path):
     # its profiled ops (once a call)
     call = sections["decode"]["result"]["call"]
     assert set(call) == {"cpu", "cpu/ops", "reference"}
+    # the prepared decoding path gives the ops' bits, each kind and batch
+    equal = sections["decode"]["result"]["prepared_equal"]
+    assert {(r["kind"], r["batch"]) for r in equal} == {
+        (k, b) for k in ("mhc", "mhc-lite", "kromhc", "mhc-static-res") for b in (1, 8)}
+    assert all(r["equal"] and r["max_abs_diff"] == 0.0 for r in equal), equal
     for r in call.values():
         assert 0 < r["us_per_call"]["min"] <= r["us_per_call"]["median"] <= r["us_per_call"]["max"]
     assert ["_Sinkhorn", 1.0] in [[row[0], row[4]] for row in call["reference"]["ops"]]
@@ -98,6 +103,7 @@ def test_dry_run_writes_every_section(tmp_path):
     for name in gpu_check.SECTIONS:
         assert f"## {name}" in md
     assert "### reference: " in md and "One mHC connection's call on one token" in md
+    assert "The prepared decoding path against the ops' path" in md
 
 
 def test_a_decoding_call_that_fails_keeps_the_decode_sections_other_results():

@@ -30,7 +30,8 @@ from torch_mhc.connections.factory import make_connection
 from torch_mhc.runtime import param_updates
 from torch_mhc.tools.bench.timing import synchronize
 
-__all__ = ["kept_rows", "markdown", "no_launches", "ops_path_call", "profile_call"]
+__all__ = ["kept_rows", "markdown", "no_launches", "ops_path_call", "prepared_matches_ops",
+           "profile_call"]
 
 
 def profile_call(kind: str, impl: str, dim: int, streams: int, device: str, dtype: torch.dtype,
@@ -78,6 +79,33 @@ def profile_call(kind: str, impl: str, dim: int, streams: int, device: str, dtyp
                             "max": max(per_round)},
             "device_us_per_call": kernels_us / profiled,
             "ops": kept_rows(ops, top)}
+
+
+def prepared_matches_ops(kinds, impl: str, dim: int, streams: int, device: str,
+                         dtype: torch.dtype, batches=(1, 8)) -> list[dict]:
+    """Per kind and batch, one row {kind, batch, equal, max_abs_diff}: the connection's
+    call without autograd on one token a sequence (its prepared decoding path where `impl`
+    has one), twice, against its ops' path (ops_path_call), which run the same kernels or
+    loops: equal means the same bits both times."""
+    dev = torch.device(device)
+    rows = []
+    for kind in kinds:
+        torch.manual_seed(0)
+        conn = make_connection(kind, dim, streams, 0, torch.nn.Linear(dim, dim), impl=impl)
+        with torch.no_grad():
+            for p in conn.parameters():  # away from the identity-like initial maps
+                p.add_(torch.randn_like(p) * 0.1)
+        conn = conn.to(device=dev, dtype=dtype)
+        for batch in batches:
+            x = torch.randn(batch, 1, streams, dim, device=dev, dtype=dtype)
+            with torch.no_grad():
+                first, second, ops = conn(x), conn(x), ops_path_call(conn, x)
+            diff = max((first.float() - ops.float()).abs().max().item(),
+                       (second.float() - ops.float()).abs().max().item())
+            rows.append({"kind": kind, "batch": batch,
+                         "equal": torch.equal(first, ops) and torch.equal(second, ops),
+                         "max_abs_diff": diff})
+    return rows
 
 
 def ops_path_call(conn, x: torch.Tensor) -> torch.Tensor:

@@ -224,6 +224,12 @@ def bench_decode(cfg: dict, dtype: torch.dtype) -> dict:
     # one connection's call on one token, and where its time goes (host or kernels); an
     # error is recorded per impl, keeping the tokens/s measured above
     cc, res["call"] = dc["call"], {}
+    try:  # the prepared decoding path gives the ops' bits, each kind
+        res["prepared_equal"] = decode_call.prepared_matches_ops(
+            ("mhc", "mhc-lite", "kromhc", "mhc-static-res"), cc["impls"][0], dc["dim"], 4,
+            cfg["device"], dtype)
+    except Exception as err:
+        res["prepared_equal"] = [{"error": f"{type(err).__name__}: {err}"[:2000]}]
     for impl in cc["impls"]:
         try:
             res["call"][impl] = decode_call.profile_call(

@@ -85,6 +85,11 @@ def _section_lines(name: str, res: dict) -> list[str]:
         lines.append(f"method: {res.get('method')}")
         lines += _table(rows, ["batch", "variant", "tokens_per_s", "tokens_per_s_ratio",
                                "decode_tokens_per_s_ratio"])
+        if "prepared_equal" in res:
+            lines += ["", "The prepared decoding path against the ops' path (same bits "
+                      "expected):"]
+            lines += _table(res["prepared_equal"],
+                            ["kind", "batch", "equal", "max_abs_diff", "error"])
         if "call" in res:
             lines += ["", "One mHC connection's call on one token without autograd, per op "
                       "implementation (host time per call by op, device time by kernel):",
