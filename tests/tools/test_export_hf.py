@@ -98,9 +98,9 @@ for kind, folder in folders.items():
         out = model(input_ids=ids, attention_mask=torch.ones_like(ids))
         gen = model.generate(ids, max_new_tokens=NEW, do_sample=False, output_logits=True,
                              return_dict_in_generate=True)
-        # a left-padded batch: the short row's logits match its own unpadded forward
-        batch = tok([PROMPT, PROMPT[-5:]], return_tensors="pt", padding=True,
-                    padding_side="left")
+        # a padded batch (the tokenizer pads on the left): the short row's logits match its
+        # own unpadded forward
+        batch = tok([PROMPT, PROMPT[-5:]], return_tensors="pt", padding=True)
         padded = model(**batch).logits[1, -5:]
         alone = model(input_ids=ids[:, -5:]).logits[0]
     text = pipeline("text-generation", model=folder, trust_remote_code=True)(
@@ -114,6 +114,9 @@ for kind, folder in folders.items():
         "text": text, "decoded": tok.decode(gen.sequences[0]),
         "max_length": [model.config.max_position_embeddings, tok.model_max_length],
         "special": [tok.eos_token_id, tok.pad_token_id, len(tok)],
+        # stray bytes (a generation stopped inside a character) spoil only themselves
+        "lossy": [tok.decode(ids) for ids in LOSSY],
+        "padding_side": tok.padding_side,
     }
 print(json.dumps(report))
 """
@@ -140,7 +143,10 @@ def test_exported_folders_load_without_torch_mhc(runs, exported, tmp_path):
                        if line.startswith(("import ", "from "))]
             assert not [line for line in imports if " torch_mhc" in line], (kind, name)
     torch.save({kind: reference(folder) for kind, folder in runs.items()}, tmp_path / "ref.pt")
-    code = f"PROMPT = {PROMPT.decode()!r}\nNEW = {NEW_TOKENS}\n" + textwrap.dedent(CHECK)
+    lossy = [[100, 101, 102, 128, 42, 42], [100, 195], [0xE2, 0x82, 0xAC, 0xE2, 0x82, 33],
+             [0xF0, 0x9F, 0x98, 0x80, 0xFF, 104, 0xC3, 0xA9]]
+    code = (f"PROMPT = {PROMPT.decode()!r}\nNEW = {NEW_TOKENS}\nLOSSY = {lossy!r}\n"
+            + textwrap.dedent(CHECK))
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": ""}
     done = subprocess.run(
@@ -158,6 +164,8 @@ def test_exported_folders_load_without_torch_mhc(runs, exported, tmp_path):
         want = bytes(torch.load(tmp_path / "ref.pt")[kind]["gen"][0].tolist()).decode()
         assert r["decoded"] == want and r["text"] == want, (kind, r)
         assert r["max_length"] == [32, 32] and r["special"] == [0, 0, 256], (kind, r)
+        assert r["lossy"] == [bytes(ids).decode("utf-8", "replace") for ids in lossy], r
+        assert r["lossy"][0] == "def\ufffd**" and r["padding_side"] == "left", r
 
 
 def test_compare_folder_kind_and_seed(runs, tmp_path, capsys):

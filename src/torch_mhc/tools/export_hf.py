@@ -362,14 +362,34 @@ def _logit_difference(model, hf) -> float:
 
 def _write_tokenizer(folder: Path, max_len: int) -> None:
     """tokenizer.json and tokenizer_config.json: id = UTF-8 byte, through byte-fallback tokens
-    <0x00> .. <0xFF> and no merges (every character falls back to its bytes)."""
+    <0x00> .. <0xFF> and no merges (every character falls back to its bytes); padding on the
+    left, as the model's positions count.
+
+    Decoding: tokenizers' ByteFallback decoder turns a run of byte tokens holding any invalid
+    UTF-8 into one U+FFFD per byte, and here every token is a byte token, so one stray byte
+    (a generation stopped inside a character) would blank the whole text. Instead each token
+    becomes its byte's character in the byte-level alphabet (GPT-2's), whose decoder replaces
+    only the invalid sequences, as `bytes.decode("utf-8", "replace")` and `mhc generate` do."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
     vocab = {f"<0x{b:02X}>": b for b in range(256)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
-    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    alphabet = byte_level_alphabet()
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace(f"<0x{b:02X}>", alphabet[b]) for b in range(256)]
+        + [decoders.ByteLevel()])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=max_len,
                                    eos_token="<0x00>", pad_token="<0x00>",
-                                   clean_up_tokenization_spaces=False)
+                                   padding_side="left", clean_up_tokenization_spaces=False)
     fast.save_pretrained(folder)
+
+
+def byte_level_alphabet() -> list[str]:
+    """The byte-level BPE alphabet (GPT-2's): the character standing for each byte 0..255.
+    Printable bytes other than space stand for themselves; the other 68, in byte order, for
+    U+0100 onwards."""
+    own = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+           *range(ord("®"), ord("ÿ") + 1)]
+    rest = iter(range(256, 512))
+    return [chr(b) if b in own else chr(next(rest)) for b in range(256)]
