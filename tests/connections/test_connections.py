@@ -413,6 +413,11 @@ def test_param_groups_wants_a_module():
         param_groups([conn])
     groups = param_groups(nn.ModuleList([conn]))
     assert {id(p) for g in groups for p in g["params"]} == {id(p) for p in conn.parameters()}
+    for bad in (-1, float("nan"), float("inf"), "0.1", True):
+        with pytest.raises(ValueError, match=f"weight_decay to be a finite number >= 0, "
+                                             f"got {re.escape(repr(bad))}"):
+            param_groups(conn, weight_decay=bad)
+    assert param_groups(conn, weight_decay=0)[0]["weight_decay"] == 0
 
 
 @pytest.mark.parametrize("kind", ALL_KINDS)
@@ -456,8 +461,13 @@ def test_flags_gates_and_iterations_are_checked():
         make_connection("hc", 8, 4, 0, nn.Identity(), dynamic="false")
     with pytest.raises(TypeError, match="expects check_finite to be True or False, got 1"):
         make_connection("mhc", 8, 4, 0, nn.Identity(), check_finite=1)
-    with pytest.raises(TypeError, match="expects sinkhorn_iters to be an int, got True"):
-        make_connection("mhc", 8, 4, 0, nn.Identity(), sinkhorn_iters=True)
+    for bad in (True, "20", 20.0, 2.5):  # a wrong type, not a wrong count
+        with pytest.raises(TypeError, match=f"expects sinkhorn_iters to be an int, got {bad!r}"):
+            make_connection("mhc", 8, 4, 0, nn.Identity(), sinkhorn_iters=bad)
+    with pytest.raises(TypeError, match="sinkhorn expects iters to be an int, got True"):
+        torch_mhc.sinkhorn(torch.randn(4, 4), iters=True)
+    assert make_connection("mhc", 8, 4, 0, nn.Identity(),
+                           sinkhorn_iters=np.int64(3)).sinkhorn_iters == 3
     for kind in ("mhc", "mhc-lite", "kromhc", "mhc-static-res"):
         with pytest.raises(ValueError, match="expects a finite gate_init, got inf"):
             make_connection(kind, 8, 4, 0, nn.Identity(), gate_init=float("inf"))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
+import numbers
 from collections.abc import Callable, Iterable
 
 import torch
@@ -141,6 +143,10 @@ def param_groups(
             f"param_groups expects an nn.Module (the model; wrap a list of modules in "
             f"nn.ModuleList), got {type(model).__name__}"
         )
+    if (isinstance(weight_decay, bool) or not isinstance(weight_decay, numbers.Real)
+            or not (math.isfinite(weight_decay) and weight_decay >= 0)):
+        raise ValueError(f"param_groups expects weight_decay to be a finite number >= 0, "
+                         f"got {weight_decay!r}")
     no_decay_ids = set()
     for module in model.modules():
         if isinstance(module, Connection):

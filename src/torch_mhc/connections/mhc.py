@@ -3,6 +3,7 @@ matrices by Sinkhorn (the shared initialisation is described in connections.base
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import torch
@@ -52,11 +53,15 @@ class ManifoldHyperConnection(Connection):
     ):
         super().__init__(dim, streams, branch, check_finite, impl)
         check_mixing_streams(self.streams, type(self).__name__)
-        if isinstance(sinkhorn_iters, bool):  # an int to isinstance, not a count
+        # a bool is an int to isinstance, not a count; "20" or 20.0 (a hand-edited config)
+        # is a wrong type, not a wrong count (numpy integers are counts)
+        if isinstance(sinkhorn_iters, bool) or not hasattr(sinkhorn_iters, "__index__"):
             raise TypeError(
-                f"{type(self).__name__} expects sinkhorn_iters to be an int, got {sinkhorn_iters!r}"
+                f"{type(self).__name__} expects sinkhorn_iters to be an int, got "
+                f"{sinkhorn_iters!r} ({type(sinkhorn_iters).__name__})"
             )
-        if not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 1:
+        sinkhorn_iters = operator.index(sinkhorn_iters)
+        if sinkhorn_iters < 1:
             raise ValueError(f"sinkhorn_iters must be >= 1, got {sinkhorn_iters!r}")
         n = self.streams
         owner = type(self).__name__

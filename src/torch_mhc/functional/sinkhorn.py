@@ -89,7 +89,10 @@ def _check(logits: torch.Tensor, iters: int, eps: float = 0.0) -> None:
         raise ValueError(
             f"sinkhorn expects square matrices of shape [..., n, n], got {tuple(logits.shape)}"
         )
-    if not isinstance(iters, int) or iters < 1:
+    if isinstance(iters, bool) or not isinstance(iters, int):  # True would run once
+        raise TypeError(f"sinkhorn expects iters to be an int, got {iters!r} "
+                        f"({type(iters).__name__})")
+    if iters < 1:
         raise ValueError(f"sinkhorn expects iters >= 1, got {iters!r}")
     # A negative eps can zero a row's or column's denominator; an infinite one makes every
     # entry inf / inf = NaN.
