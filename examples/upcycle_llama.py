@@ -37,7 +37,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=300, help="fine-tuning steps per model")
     p.add_argument("--pretrain-steps", type=int, default=200,
                    help="steps that train the tiny Llama before conversion (no --checkpoint)")
-    p.add_argument("--kind", default="mhc", help="connection kind (torch_mhc.CONNECTION_KINDS)")
+    p.add_argument("--kind", default="mhc", choices=torch_mhc.CONNECTION_KINDS,
+                   help="connection kind")
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)

@@ -71,6 +71,9 @@ def test_rerun_skips_every_finished_cell(smoke, capsys):
     capsys.readouterr()
     assert main([*flags(root, out), "--preset", "smoke"]) == 0
     printed = capsys.readouterr().out
+    assert printed.splitlines()[0].startswith(
+        f"sweep (smoke, modified): {len(cells)} cells, 0 to run, {len(cells)} recorded; "
+        f"1 job, into {out}")
     assert printed.count("skipped (recorded in sweep.json)") == len(cells)
     assert f"0 cells run, {len(cells)} skipped" in printed
     assert checkpoint_mtimes(out) == before

@@ -76,6 +76,10 @@ def sweep(out_dir: str | os.PathLike, grid: Grid, config: TrainConfig, *, jobs: 
         done = {Cell.of(r): r for r in state["cells"]}
         _write_state(out, state, done)
         todo = [c for c in cells if c not in done]
+        # said before the first cell, which may take minutes to report
+        say(f"sweep ({label}): {len(cells)} cells, {len(todo)} to run"
+            + (f", {len(cells) - len(todo)} recorded" if len(todo) < len(cells) else "")
+            + f"; {jobs} job{'s' if jobs > 1 else ''}, into {out}")
         bar = _progress_bar(len(cells), len(cells) - len(todo), progress)
         for i, c in enumerate(c for c in cells if c in done):
             say(f"[{i + 1}/{len(cells)}] {c.name}: skipped (recorded in {SWEEP_FILE})")
