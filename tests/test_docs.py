@@ -193,3 +193,18 @@ def test_the_wrapping_example_runs_every_kind_it_names():
                 residual = residual + block(residual)
             out = ns["torch_mhc"].reduce_streams(x)
         torch.testing.assert_close(out, residual, rtol=1e-5, atol=1e-5, msg=kind)
+
+
+_TOML = re.compile(r"^```toml[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_toml_examples_are_valid_run_configs(page: Path, tmp_path):
+    """Every fenced ```toml block is a `--config` file `mhc train` accepts: known keys of the
+    right types, values that validate once merged with the defaults."""
+    from torch_mhc.lm.config import TrainConfig, build_config
+
+    for i, m in enumerate(_TOML.finditer(page.read_text(encoding="utf-8"))):
+        path = tmp_path / f"block{i}.toml"
+        path.write_text(m.group(1))
+        build_config(TrainConfig(), path, {})

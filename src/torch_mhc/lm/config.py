@@ -13,7 +13,7 @@ A TOML file may put the model's fields at the top level or in a `[model]` table:
     data = "corpus/"
 
     [model]
-    residual = "mhc"
+    connection = "mhc"
     dim = 256
 
 An unknown key anywhere is a ConfigError naming it and the closest known key (a misspelt key
@@ -21,7 +21,7 @@ must not be ignored), as is a value of the wrong type; the file's values are val
 once merged with the flags (a file's n_heads may fit only the width a flag gives), before
 anything runs. Paths starting with ~ are expanded when the TrainConfig is built.
 
-Flags are generated from the dataclass fields (`--batch-size`, `--n-layers`, `--residual`,
+Flags are generated from the dataclass fields (`--batch-size`, `--n-layers`, `--connection`,
 booleans as `--compile / --no-compile`), so a new field gets its flag without editing here;
 only the help text lives in `HELP`.
 
