@@ -12,6 +12,8 @@ process; without one in a fresh process with TRITON_INTERPRET=1 from the start, 
 """
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -30,6 +32,7 @@ from tests.helpers.triton_env import (  # noqa: E402
 )
 from torch_mhc import HyperConnection, ManifoldHyperConnection  # noqa: E402
 from torch_mhc.connections import base  # noqa: E402
+from torch_mhc.connections.base import prepared_decoder  # noqa: E402
 from torch_mhc.connections.successors import make_variant  # noqa: E402
 from torch_mhc.functional.successors import VARIANT_KINDS  # noqa: E402
 
@@ -142,7 +145,7 @@ def test_the_prepared_launches_step_aside_where_they_do_not_apply():
 
 
 @kernel_test
-def test_a_wrong_branch_output_is_refused_and_another_dtype_or_layout_converted():
+def test_a_wrong_branch_output_is_refused_and_another_layout_converted():
     mode = ["plain"]
 
     def branch(h):
@@ -164,8 +167,33 @@ def test_a_wrong_branch_output_is_refused_and_another_dtype_or_layout_converted(
         mode[0] = "wide"
         with pytest.raises(ValueError, match="post_merge expects f of shape"):
             conn(x)
-        for mode[0] in ("double", "strided"):
-            assert torch.equal(conn(x), want)
+        mode[0] = "double"  # refused as the ops' post_merge refuses it
+        with pytest.raises(TypeError, match="post_merge supports float32, float16 and "
+                                            "bfloat16 tensors, got torch.float64"):
+            conn(x)
+        mode[0] = "strided"
+        assert torch.equal(conn(x), want)
+
+
+@kernel_test
+def test_a_decoder_keeps_no_call_s_tensors_and_outlives_a_call_it_refuses():
+    """The tensors a decoder was planned with (the first call's x, its branch input and
+    output) are not kept; a call it does not take (autocast) leaves it for the next."""
+    conn = _connection("mhc")
+    x = torch.randn(2, 1, 4, C, device=DEVICE)
+    first = torch.randn(2, 1, 4, C, device=DEVICE)
+    gone = weakref.ref(first)
+    with torch.no_grad():
+        out = conn(first)
+        del first, out
+        gc.collect()
+        assert gone() is None
+        (dec,) = _prepared(conn)
+        want = conn(x)
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):  # the ops' path, as without one
+            assert torch.equal(conn(x), _ops_path(conn, x))
+        assert _prepared(conn) == [dec] and prepared_decoder(conn, x) is dec
+        assert torch.equal(conn(x), want)
 
 
 @kernel_test

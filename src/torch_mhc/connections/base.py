@@ -47,7 +47,8 @@ from torch_mhc.runtime import diagnostics as _diag
 from torch_mhc.runtime import recompute as _recompute
 
 __all__ = ["Connection", "assign_parameter", "check_count", "check_eps", "check_flag",
-           "check_gate", "check_mixing_streams", "frozen_connections", "pre_bias", "res_bias"]
+           "check_gate", "check_mixing_streams", "frozen_connections", "pre_bias",
+           "prepared_decoder", "res_bias"]
 
 
 def check_count(value, owner: str, name: str, least: int) -> int:
@@ -319,7 +320,7 @@ class Connection(nn.Module):
         if (dec is None or dec.busy or _diag.ACTIVE is not None or self.check_finite
                 or _dispatch_modes() or _tracing() or func_transform_active()
                 or dec.impl_state != _ops.impl_state(self.impl)
-                or (not on_cpu and not dec.runs_on(x))):  # (a GPU's index, stream, autocast)
+                or (dec.checks_each_call and not dec.runs_on(x))):  # a GPU's stream, autocast
             return None
         blocks = getattr(_FROZEN, "open", None)
         block = blocks[-1] if blocks else 0  # the innermost open frozen_connections block
@@ -365,11 +366,13 @@ class Connection(nn.Module):
             return None
         state = _ops.impl_state(self.impl)
         if dec is None or dec.impl_state != state or not dec.current(args):
+            new = ops.decoder(self.decode_kind, args)
+            if new is None:  # this call only, maybe (autocast, another stream): an earlier
+                return None  # decoder stays, checked again at the next call
             if key not in decoders and len(decoders) >= _MAX_DECODERS:
                 del decoders[next(iter(decoders))]  # the oldest shape
-            dec = decoders[key] = ops.decoder(self.decode_kind, args)
-            if dec is not None:
-                dec.impl_state = state
+            dec = decoders[key] = new
+            dec.impl_state = state
         return dec
 
     def own_tensors(self, names: tuple[str, ...]) -> tuple:
@@ -424,6 +427,14 @@ class Connection(nn.Module):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, streams={self.streams}"
+
+
+def prepared_decoder(conn: Connection, x: torch.Tensor):
+    """The prepared decoding path (Ops.decoder's Decoder) that conn keeps for streams of x's
+    shape, dtype and kind of device on this thread, or None: for tools and tests that check
+    a decoding call took it."""
+    key = (x.shape, x.dtype, x.is_cpu, threading.get_ident())
+    return _DECODERS.get(id(conn), {}).get(key)
 
 
 def assign_parameter(param: torch.Tensor, value: torch.Tensor) -> None:

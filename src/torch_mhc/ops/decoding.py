@@ -41,6 +41,9 @@ class PreparedDecoder:
 
     __slots__ = ("size", "dtype", "steps", "tensor_marks", "options_from", "options", "busy",
                  "impl_state", "frozen_in")
+    # whether Connection asks runs_on(x) at every call (a GPU's current stream, autocast), or
+    # only when it builds or checks the decoder (the CPU's: x's key says it all)
+    checks_each_call = True
 
     def __init__(self, x: torch.Tensor, params: tuple):
         self.steps = param_updates.current()  # before any tables: a step after is seen

@@ -157,6 +157,8 @@ class Decoder(PreparedDecoder):
         self._maps_call, self._merge_call = lib.decoding_calls()
         self._lib = lib  # whose entry points the block holds: loaded while the block is used
 
+    checks_each_call = False
+
     def runs_on(self, x: torch.Tensor) -> bool:
         return x.is_cpu
 

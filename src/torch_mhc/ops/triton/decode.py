@@ -13,15 +13,19 @@ the call's x, f and outputs put in place of those it was planned with:
     out = dec.mix_out(x, branch(a))    # H_res x + H_post^T f
 
 The kernels and their arguments are those of the ops' path, so the results are the same
-bits (tests/ops/test_triton_decode.py). For mHC and its successors (HC's maps stay in torch
-on this implementation: no decoder), float32, float16 and bfloat16 streams of at most
-MAX_TOKENS tokens (a prompt's prefill takes the ops' path: a decoder's buffers are kept per
-shape), outside autocast (the ops' path casts there), on the device and CUDA stream the
-Decoder was built on (another stream could run a later call's maps over buffers an earlier
-call's merge has yet to read), and not while a CUDA graph is captured (a graph replays
-into the buffers it saw, which a Decoder rebuilt for new parameters would let go; the
-graph's own launches already spare the host). When a Decoder still applies:
-ops/decoding.py.
+bits (tests/ops/test_triton_decode.py, in Triton's interpreter). For mHC and its successors
+(HC's maps stay in torch on this implementation: no decoder), float32, float16 and bfloat16
+streams of at most MAX_TOKENS tokens in all (a decoding step of up to 32 sequences; a
+longer prompt's prefill takes the ops' path: a decoder's buffers, its maps and x @ phi's
+partial sums, grow with the tokens and are kept per shape), outside autocast (the ops'
+path casts there), on the CUDA stream the Decoder was built on (another stream could run a
+later call's maps over buffers an earlier call's merge has yet to read; each call asks
+x's device for its current stream), and not while a CUDA graph is captured (a graph
+replays into the buffers it saw, which a Decoder rebuilt for new parameters would let go;
+the graph's own launches already spare the host). Streams on another GPU than the current
+one launch under a device guard, as the ops' path does. The branch output f is checked as
+the ops' post_merge checks it, then converted to the streams' dtype and made contiguous.
+When a Decoder still applies: ops/decoding.py.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from torch_mhc.ops.triton import ops as _tri
 
 __all__ = ["MAX_TOKENS", "Decoder", "decoder"]
 
-MAX_TOKENS = 128
+MAX_TOKENS = 32
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -55,10 +59,8 @@ def decoder(kind: str, args: tuple) -> Decoder | None:
         return None
     if not (x.is_cuda or _tri.interpreted()) or torch.is_autocast_enabled(x.device.type):
         return None
-    if x.is_cuda and (torch.cuda.current_device() != x.device.index
-                      or torch.cuda.is_current_stream_capturing()):
-        return None  # Triton launches on the current device (the ops' path switches to
-        # x's); a CUDA graph keeps what the ops' path allocates, not a Decoder's buffers
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None  # a CUDA graph keeps what the ops' path allocates, not a Decoder's buffers
     if not all(type(t) in _PLAIN and t.device == x.device
                for t in args if isinstance(t, torch.Tensor)):
         return None  # meta, fake or wrapped tensors, or parameters elsewhere
@@ -80,23 +82,25 @@ def decoder(kind: str, args: tuple) -> Decoder | None:
 
 class _Prepared:
     """One planned launch, ready to run again with some tensor arguments replaced: `slots`
-    lists (argument index, name) of those the call supplies."""
+    lists (argument index, name) of those the call supplies; the tensors the launch was
+    planned with there are not kept (args holds None in their place)."""
 
-    __slots__ = ("launch", "run", "args", "slots", "kwargs")
+    __slots__ = ("name", "constexprs", "num_warps", "run", "args", "slots", "kwargs")
 
     def __init__(self, launch: _tri.Launch, placeholders: dict[int, str]):
-        self.launch = launch
+        self.name, self.num_warps = launch.name, launch.num_warps
+        self.constexprs = launch.constexprs
         self.run = launch.kernel[launch.grid]
-        self.args = launch.args
         self.slots = tuple((i, placeholders[id(a)]) for i, a in enumerate(launch.args)
                            if id(a) in placeholders)
+        self.args = tuple(None if id(a) in placeholders else a for a in launch.args)
         self.kwargs = {**launch.constexprs, **launch.options}
 
 
 class Decoder(PreparedDecoder):
     """One connection's prepared launches for streams of one shape, dtype and device."""
 
-    __slots__ = ("device", "stream", "a_shape", "maps", "_a_like", "_mix_in", "_mix_out")
+    __slots__ = ("device", "index", "stream", "a_shape", "maps", "_mix_in", "_mix_out")
 
     def __init__(self, kind: str, args: tuple):
         x, params = args[0], args[1:]
@@ -104,7 +108,8 @@ class Decoder(PreparedDecoder):
         *lead, n, c = x.shape
         t = x.numel() // (n * c)
         self.device, self.a_shape = x.device, torch.Size((*lead, c))
-        self.stream = _current_stream(x.device)
+        self.index = x.device.index if x.is_cuda else None
+        self.stream = _current_stream(self.index)
         x3 = x.view(t, n, c)
         phi, alpha, b_pre, b_post, b_res = (None if p is None else p.contiguous()
                                             for p in params[:5])
@@ -123,7 +128,6 @@ class Decoder(PreparedDecoder):
         # the buffers the launches write and read between calls (H_pre, H_post, H_res, the
         # logits, r and the partial sums): kept by the launches' arguments
         self.maps = maps
-        self._a_like = torch.empty(self.a_shape, dtype=x.dtype, device=x.device)
         names = {id(x3): "x", id(a): "a", id(f): "f", id(out): "out"}
         self._mix_in = [_Prepared(launch, names) for launch in (*maps_launches, *pre_launches)]
         self._mix_out = [_Prepared(launch, names) for launch in merge_launches]
@@ -131,15 +135,14 @@ class Decoder(PreparedDecoder):
     def runs_on(self, x: torch.Tensor) -> bool:
         if x.device != self.device or torch.is_autocast_enabled(x.device.type):
             return False
-        return not x.is_cuda or (torch.cuda.current_device() == x.device.index
-                                 and _current_stream(x.device) == self.stream
-                                 and not torch.cuda.is_current_stream_capturing())
+        return self.index is None or (_current_stream(self.index) == self.stream
+                                      and not torch.cuda.is_current_stream_capturing())
 
     def mix_in(self, x: torch.Tensor) -> torch.Tensor:
         """The maps (kept for mix_out) and the branch input a = sum_j H_pre[j] x[j]
         [..., C] of contiguous x [..., n, C] (shape, dtype and device as built)."""
-        a = torch.empty_like(self._a_like)
-        _launch("mhc_maps and pre_aggregate (decoding)", self._mix_in, {"x": x, "a": a})
+        a = x.new_empty(self.a_shape)
+        self._launch("mhc_maps and pre_aggregate (decoding)", self._mix_in, {"x": x, "a": a})
         return a
 
     def mix_out(self, x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
@@ -147,24 +150,36 @@ class Decoder(PreparedDecoder):
         if f.shape != self.a_shape:
             _ref.check_merge_shapes(x, f, *self.maps[1:3])
         if f.dtype is not self.dtype or not f.is_contiguous() or f.device != self.device:
+            _tri.check_tensors("post_merge", f)  # what the ops' path refuses, refused
             f = f.to(device=self.device, dtype=self.dtype).contiguous()
         out = torch.empty_like(x)  # x: contiguous, of the shape and dtype built for
-        _launch("post_merge (decoding)", self._mix_out, {"x": x, "f": f, "out": out})
+        self._launch("post_merge (decoding)", self._mix_out, {"x": x, "f": f, "out": out})
         return out
 
+    def _launch(self, op: str, prepared: list[_Prepared], tensors: dict) -> None:
+        """Run each prepared launch with `tensors` in its slots, on this decoder's GPU
+        (Triton launches on the current one)."""
+        if self.index is not None and torch.cuda.current_device() != self.index:
+            with torch.cuda.device(self.index):
+                return self._launch(op, prepared, tensors)
+        for p in prepared:
+            args = list(p.args)
+            for i, name in p.slots:
+                args[i] = tensors[name]
+            try:
+                p.run(*args, **p.kwargs)
+            except Exception as err:  # compile errors, launch failures: as the ops' path
+                raise _tri.launch_failed(op, p, list(tensors.values()), err) from err
 
-def _current_stream(device: torch.device) -> int | None:
-    """The raw handle of the device's current CUDA stream (None off a GPU)."""
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+
+# the handle Triton launches on, without the torch.cuda.Stream object the public call makes
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def _launch(op: str, prepared: list[_Prepared], tensors: dict[str, torch.Tensor]) -> None:
-    """Run each prepared launch with `tensors` in its slots."""
-    for p in prepared:
-        args = list(p.args)
-        for i, name in p.slots:
-            args[i] = tensors[name]
-        try:
-            p.run(*args, **p.kwargs)
-        except Exception as err:  # compile errors, launch failures: as the ops' path says them
-            raise _tri.launch_failed(op, p.launch, list(tensors.values()), err) from err
+def _current_stream(index: int | None) -> int | None:
+    """The raw handle of GPU `index`'s current CUDA stream (None off a GPU)."""
+    if index is None:
+        return None
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(index)
+    return torch.cuda.current_stream(index).cuda_stream

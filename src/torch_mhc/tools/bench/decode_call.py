@@ -26,6 +26,7 @@ import time
 import torch
 
 from torch_mhc.connections import frozen_connections
+from torch_mhc.connections.base import prepared_decoder
 from torch_mhc.connections.factory import make_connection
 from torch_mhc.runtime import param_updates
 from torch_mhc.tools.bench.timing import synchronize
@@ -36,7 +37,8 @@ __all__ = ["kept_rows", "markdown", "no_launches", "ops_path_call", "prepared_ma
 
 def profile_call(kind: str, impl: str, dim: int, streams: int, device: str, dtype: torch.dtype,
                  calls: int = 200, rounds: int = 5, profiled: int = 20, top: int = 20) -> dict:
-    """{device (its type), us_per_call: {median, min, max}, device_us_per_call, ops: [[name,
+    """{device (its type), prepared (the calls took a prepared decoding path), us_per_call:
+    {median, min, max}, device_us_per_call, ops: [[name,
     self host us, host us, device us, calls] per call, ...]} for one impl: the `top` rows of
     most host time, then the `top` of most device time (kernels) not among them. The
     residual kind runs on one stream."""
@@ -75,6 +77,7 @@ def profile_call(kind: str, impl: str, dim: int, streams: int, device: str, dtyp
     ops = [[e.key, e.self_cpu_time_total / profiled, e.cpu_time_total / profiled,
             e.self_device_time_total / profiled, e.count / profiled] for e in events]
     return {"device": dev.type,
+            "prepared": not path and prepared_decoder(conn, x) is not None,
             "us_per_call": {"median": statistics.median(per_round), "min": min(per_round),
                             "max": max(per_round)},
             "device_us_per_call": kernels_us / profiled,
@@ -83,10 +86,11 @@ def profile_call(kind: str, impl: str, dim: int, streams: int, device: str, dtyp
 
 def prepared_matches_ops(kinds, impl: str, dim: int, streams: int, device: str,
                          dtype: torch.dtype, batches=(1, 8)) -> list[dict]:
-    """Per kind and batch, one row {kind, batch, equal, max_abs_diff}: the connection's
-    call without autograd on one token a sequence (its prepared decoding path where `impl`
-    has one), twice, against its ops' path (ops_path_call), which run the same kernels or
-    loops: equal means the same bits both times."""
+    """Per kind and batch, one row {kind, batch, prepared, equal, max_abs_diff}: the
+    connection's call without autograd on one token a sequence, twice, against its ops' path
+    (ops_path_call), which run the same kernels or loops: prepared says the calls took a
+    prepared decoding path (else both sides are the ops' path), equal that they gave the
+    same bits both times."""
     dev = torch.device(device)
     rows = []
     for kind in kinds:
@@ -103,6 +107,7 @@ def prepared_matches_ops(kinds, impl: str, dim: int, streams: int, device: str,
             diff = max((first.float() - ops.float()).abs().max().item(),
                        (second.float() - ops.float()).abs().max().item())
             rows.append({"kind": kind, "batch": batch,
+                         "prepared": prepared_decoder(conn, x) is not None,
                          "equal": torch.equal(first, ops) and torch.equal(second, ops),
                          "max_abs_diff": diff})
     return rows
@@ -173,8 +178,9 @@ def markdown(results: dict) -> str:
         u = r["us_per_call"]
         kernels = (f", its kernels {r['device_us_per_call']:.1f} us on the device"
                    if r["device"] != "cpu" else "")
+        path = ", its prepared decoding path" if r.get("prepared") else ""
         lines += ["", f"### {impl}: {u['median']:.1f} us a call ({u['min']:.1f}-{u['max']:.1f})"
-                  f"{kernels}", "",
+                  f"{kernels}{path}", "",
                   "| op or kernel | host us (self) | host us (with children) | device us "
                   "| calls |", "|---|---:|---:|---:|---:|"]
         lines += [f"| {name} | {own:.1f} | {total:.1f} | {device:.1f} | {count:g} |"

@@ -89,7 +89,7 @@ def _section_lines(name: str, res: dict) -> list[str]:
             lines += ["", "The prepared decoding path against the ops' path (same bits "
                       "expected):"]
             lines += _table(res["prepared_equal"],
-                            ["kind", "batch", "equal", "max_abs_diff", "error"])
+                            ["kind", "batch", "prepared", "equal", "max_abs_diff", "error"])
         if "call" in res:
             lines += ["", "One mHC connection's call on one token without autograd, per op "
                       "implementation (host time per call by op, device time by kernel):",
