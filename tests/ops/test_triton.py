@@ -97,6 +97,83 @@ def test_mhc_maps_with_deepseek_epsilons_and_missing_gradients():
         assert_close(a.cpu(), e, 2e-5)
 
 
+def _made_by(t: torch.Tensor, name: str) -> bool:
+    """Whether an autograd node of class `name` made t (through reshapes and views)."""
+    node = t.grad_fn
+    while node is not None and name not in type(node).__name__:
+        parents = [n for n, _ in node.next_functions if n is not None]
+        node = parents[0] if len(parents) == 1 else None
+    return node is not None
+
+
+def _connection_ops(impl, fused: bool, iters: int = 5):
+    """A connection's ops around a branch f = a / 2 + b: its maps, branch input and merged
+    streams, with fused_dx (mhc_maps_pre and post_merge of `impl`) or the ops apart."""
+
+    def fn(x, phi, alpha, b_pre, b_post, b_res, b):
+        params = (phi, alpha, b_pre, b_post, b_res)
+        if fused:
+            h_pre, h_post, h_res, a, x_for_merge = impl.mhc_maps_pre(
+                x, *params, sinkhorn_iters=iters, fused_dx=True)
+            assert _made_by(x_for_merge, "_FusedMapsPre")  # the fused node's view of x
+            out = impl.post_merge(x_for_merge, a / 2 + b, h_post, h_res, fused_dx=True)
+        else:
+            h_pre, h_post, h_res = impl.mhc_maps(x, *params, sinkhorn_iters=iters)
+            a = impl.pre_aggregate(x, h_pre)
+            out = impl.post_merge(x, a / 2 + b, h_post, h_res)
+        return h_pre, h_post, h_res, a, out
+
+    return fn
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, n, c", [((2, 5), 4, 40), ((7,), 3, 33), ((3,), 8, 16)])
+def test_fused_dx_gives_the_gradients_of_the_ops_apart(tokens, n, c, dtype):
+    """mhc_maps_pre(..., fused_dx=True) with post_merge(..., fused_dx=True): x's gradient
+    through maps, aggregation and merge written once (mhc_maps_pre_bwd). Against the same
+    ops apart: the same outputs and parameter gradients, bit for bit (the same kernels and
+    float32 sums), x's gradient within the dtype's rounding (one rounding instead of three);
+    against the float32 reference: every gradient in float32, x's in every dtype (the
+    parameters' gradients in half precision take the rounded branch input and output, which
+    the reference does not round: tests of the ops apart hold those)."""
+    b = torch.randn(*tokens, c, generator=torch.Generator().manual_seed(n)).to(dtype)
+    inputs = [*maps_inputs(tokens, n, c, dtype), b.requires_grad_()]
+    ref_inputs = [t.detach().float().requires_grad_() for t in inputs]
+    out_ref, grad_ref = run(_connection_ops(reference, False), ref_inputs)
+    out_fused, grad_fused = run(_connection_ops(tri, True), _to(inputs, DEVICE))
+    out_apart, grad_apart = run(_connection_ops(tri, False), _to(inputs, DEVICE))
+    for a, b in zip(out_fused, out_apart, strict=True):
+        assert torch.equal(a, b)  # the same forward kernels
+    for a, b, e, name in zip(grad_fused, grad_apart, grad_ref, (*NAMES, "b"), strict=True):
+        assert a.dtype == b.dtype, name
+        if name == "x":
+            assert_close(a.cpu().float(), b.cpu().float(), TOL[dtype])
+            assert_close(a.cpu().float(), e, TOL[dtype])
+        else:
+            assert torch.equal(a, b), name
+            if dtype == torch.float32:
+                assert_close(a.cpu(), e, 2e-5 if name == "b" else 1e-4)
+
+
+@kernel_test
+def test_fused_dx_with_missing_gradients_autocast_and_without_autograd():
+    inputs = [*maps_inputs((6,), 4, 24, torch.float32, seed=2), torch.randn(6, 24)]
+    # only H_post reaches the loss: the aggregation's and the merge's gradients are None
+    grads = []
+    for impl, fused, dev in ((reference, False, "cpu"), (tri, True, DEVICE)):
+        ins = _to(inputs, dev)
+        _, h_post, *_ = _connection_ops(impl, fused)(*ins)
+        grads.append(torch.autograd.grad(h_post.sum(), ins[:6], materialize_grads=True))
+    for a, e in zip(*grads, strict=True):
+        assert_close(a.cpu(), e, 2e-5)
+    x, *params = _to(inputs[:6], DEVICE)
+    with torch.no_grad():
+        assert tri.mhc_maps_pre(x, *params, fused_dx=True)[4] is None  # nothing to fuse
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):  # the ops apart cast as before
+        assert tri.mhc_maps_pre(x, *params, fused_dx=True)[4] is None
+
+
 @kernel_test
 def test_mhc_maps_half_parameters():
     """A model cast to fp16 has fp16 phi and gates: loaded, computed in fp32."""
@@ -530,7 +607,8 @@ def test_merge_ops_accept_non_contiguous_inputs():
 
 
 OP_NAMES = ["mhc_maps_fwd", "mhc_maps_bwd", "pre_aggregate_fwd", "pre_aggregate_bwd",
-            "post_merge_fwd", "post_merge_bwd", "sinkhorn_fwd", "sinkhorn_bwd"]
+            "post_merge_fwd", "post_merge_bwd", "sinkhorn_fwd", "sinkhorn_bwd",
+            "mhc_maps_pre_bwd", "post_merge_bwd_no_dx"]
 
 
 def _op_samples():
@@ -555,6 +633,11 @@ def _op_samples():
         ("post_merge_bwd", (x, f, h_post, h_res, g)),
         ("sinkhorn_fwd", (h_res, 3, 0.0)),
         ("sinkhorn_bwd", (h_res, torch.randn_like(h_res), 3, 0.0)),
+        ("mhc_maps_pre_bwd", (mx, phi, alpha, b_pre, b_post, b_res, logits, r, h_pre_m, h_res_m,
+                              torch.randn_like(h_pre_m), torch.randn_like(h_post_m),
+                              torch.randn_like(h_res_m), torch.randn(3, 5, device=d),
+                              torch.randn_like(mx), 2, 0.0)),
+        ("post_merge_bwd_no_dx", (x, f, h_post, h_res, g)),
     ]
 
 

@@ -19,7 +19,8 @@ from torch_mhc.tools.bench import gpu_check
 ROOT = Path(__file__).resolve().parents[2]
 CASES = ("large", "nan_fill", "params", "compile", "contexts", "eps", "far_logits")
 OP_NAMES = ["mhc_maps_fwd", "mhc_maps_bwd", "pre_aggregate_fwd", "pre_aggregate_bwd",
-            "post_merge_fwd", "post_merge_bwd", "sinkhorn_fwd", "sinkhorn_bwd"]
+            "post_merge_fwd", "post_merge_bwd", "sinkhorn_fwd", "sinkhorn_bwd",
+            "mhc_maps_pre_bwd", "post_merge_bwd_no_dx"]
 # What a CPU cannot run, recorded as skipped rows with their reason.
 GPU_ONLY = {"CUDA graph", "non-default stream"}
 
@@ -95,7 +96,7 @@ def test_dry_run_writes_every_section(tmp_path):
     equal = sections["decode"]["result"]["prepared_equal"]
     assert {(r["kind"], r["batch"]) for r in equal} == {
         (k, b) for k in ("mhc", "mhc-lite", "kromhc", "mhc-static-res") for b in (1, 8)}
-    assert all(r["equal"] and r["max_abs_diff"] == 0.0 for r in equal), equal
+    assert all(r["prepared"] and r["equal"] and r["max_abs_diff"] == 0.0 for r in equal), equal
     for r in call.values():
         assert 0 < r["us_per_call"]["min"] <= r["us_per_call"]["median"] <= r["us_per_call"]["max"]
     assert ["_Sinkhorn", 1.0] in [[row[0], row[4]] for row in call["reference"]["ops"]]

@@ -23,9 +23,10 @@ decoding step without autograd: two native calls (ops/cpu/decode.py), or the Tri
 planned once (ops/triton/decode.py). Ops.fused_dx:
 mhc_maps_pre(..., fused_dx=True) and hc_maps_pre(..., fused_dx=True) also return x_for_merge,
 and post_merge(x_for_merge, f, h_post, h_res, fused_dx=True) leaves x's gradient through the
-merge to the maps node, so that a connection writes x's gradient once (hc_maps_pre's
-x_for_merge is None where it made no single node); so does variant_maps_pre(...,
-fused_dx=True).
+merge to the maps node, so that a connection writes x's gradient once (x_for_merge is None
+where the implementation made no single node: then the merge takes x and autograd adds the
+gradients); so does variant_maps_pre(..., fused_dx=True). `cpu` fuses every kind with maps of
+its own; `triton` fuses mHC's (ops/triton/ops.py (f)), not HC's or the successors'.
 
 The successors' maps (variant_maps, variant_maps_pre) are fused on `cpu` (ops/cpu/variants.py:
 mHC's native maps passes, forward and backward, with the kind's closed-form H_res in place of
@@ -135,7 +136,8 @@ class Ops:
     variant_maps: Callable
     variant_maps_pre: Callable
     # mhc_maps_pre(..., fused_dx=True) and post_merge(..., fused_dx=True) exist
-    # (ops/cpu/ops.py: x's gradient through maps, aggregation and merge written once).
+    # (ops/cpu/ops.py, ops/triton/ops.py (f): x's gradient through maps, aggregation and
+    # merge written once).
     fused_dx: bool = False
     # decoder(kind, decode_args) -> a prepared no-autograd path for one connection, or None
     # (ops/cpu/decode.py, ops/triton/decode.py; decode_args: the maps op's arguments, x first).

@@ -59,7 +59,7 @@ _SM = {80: (65536, 164 * 1024, 64, 32), 86: (65536, 100 * 1024, 48, 16),
        89: (65536, 100 * 1024, 48, 24), 90: (65536, 228 * 1024, 64, 32)}
 # Ops whose launches a variant changes: phi's dtype the map kernels, eps also Sinkhorn's.
 _VARIANT_OPS = ("variant_maps_fwd", "variant_maps_bwd")
-_MAPS_OPS = ("mhc_maps_fwd", "mhc_maps_bwd")
+_MAPS_OPS = ("mhc_maps_fwd", "mhc_maps_bwd", "mhc_maps_pre_bwd")
 _PHI_OPS = (*_MAPS_OPS, *_VARIANT_OPS)
 _EPS_OPS = (*_MAPS_OPS, "sinkhorn_fwd", "sinkhorn_bwd")
 # Kernels computing an operand (dz) that tf32 dots of other kernels read from memory: in a
@@ -106,10 +106,13 @@ def op_args(n: int, dtype: torch.dtype, tokens: int = 8192, channels: int = 4096
     return {
         "mhc_maps_fwd": (x, *params, iters, 1e-6, eps, 0.0),
         "mhc_maps_bwd": (x, *params, make(t, m), make(t), h_pre, h_post, h_res, iters, eps),
+        "mhc_maps_pre_bwd": (x, *params, make(t, m), make(t), h_pre, h_res, h_pre, h_post, h_res,
+                             f, x, iters, eps),
         "pre_aggregate_fwd": (x, h_pre),
         "pre_aggregate_bwd": (x, h_pre, f),
         "post_merge_fwd": (x, f, h_post, h_res),
         "post_merge_bwd": (x, f, h_post, h_res, x),
+        "post_merge_bwd_no_dx": (x, f, h_post, h_res, x),
         "sinkhorn_fwd": (make(t, n, n, dtype=dtype), iters, eps),
         "sinkhorn_bwd": (make(t, n, n, dtype=dtype), make(t, n, n, dtype=dtype), iters, eps),
         **variants,

@@ -480,10 +480,11 @@ def mhc_dx_kernel(
     x_ptr, phi_ptr, dz_ptr, coef_ptr, dx_ptr, T, K, k_per_split,
     N: tl.constexpr, NP: tl.constexpr, PW: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    R: tl.constexpr = -1, RW: tl.constexpr = 0,
+    R: tl.constexpr = -1, RW: tl.constexpr = 0, ADD: tl.constexpr = False,
 ):
     """dx = dz @ phi^T + coef * x for one token block over one split of K (R, RW: as
-    mhc_xphi_kernel's)."""
+    mhc_xphi_kernel's). ADD: dx += ..., in place (dx holds the aggregation's and the merge's
+    shares, merge_dx_kernel's FUSED), so that x's whole gradient is written once more only."""
     M: tl.constexpr = N * N + 2 * N if R < 0 else 2 * N + R
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     t_ok = t < T
@@ -506,11 +507,14 @@ def mhc_dx_kernel(
         wt_pp = tl.load(phi_ptr + k[None, :] * M + p[:, None],
                         mask=pp_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         m_xk = t_ok[:, None] & k_ok[None, :]
-        xk = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=m_xk, other=0.0).to(tl.float32)
+        offs = t[:, None] * K + k[None, :]
+        xk = tl.load(x_ptr + offs, mask=m_xk, other=0.0).to(tl.float32)
         dxk = coef[:, None] * xk
+        if ADD:
+            dxk += tl.load(dx_ptr + offs, mask=m_xk, other=0.0).to(tl.float32)
         dxk = tl.dot(dz_res, wt_res, dxk, input_precision=PRECISION)
         dxk = tl.dot(dz_pp, wt_pp, dxk, input_precision=PRECISION)
-        tl.store(dx_ptr + t[:, None] * K + k[None, :], dxk.to(dx_ptr.dtype.element_ty), mask=m_xk)
+        tl.store(dx_ptr + offs, dxk.to(dx_ptr.dtype.element_ty), mask=m_xk)
 
 
 @triton.jit
@@ -783,8 +787,10 @@ def pre_fwd_kernel(
 def pre_bwd_kernel(
     x_ptr, h_ptr, da_ptr, dx_ptr, dh_ptr, T, C,
     N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    WRITE_DX: tl.constexpr = True,
 ):
-    """dx[t, j, c] = h[t, j] da[t, c]; dh[t, j] = sum_c x[t, j, c] da[t, c] (loop over C)."""
+    """dx[t, j, c] = h[t, j] da[t, c]; dh[t, j] = sum_c x[t, j, c] da[t, c] (loop over C).
+    WRITE_DX False: dh only (dx_ptr None: mhc_dx_kernel's FUSED adds dx's share)."""
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     s = tl.arange(0, NP)
     t_ok, s_ok = t < T, s < N
@@ -800,8 +806,9 @@ def pre_bwd_kernel(
         m3 = m2[:, :, None] & c_ok[None, None, :]
         x = tl.load(x_ptr + offs, mask=m3, other=0.0).to(tl.float32)  # [BT, NP, BC]
         dh += tl.sum(x * da[:, None, :], axis=2)
-        dx = h[:, :, None] * da[:, None, :]
-        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=m3)
+        if WRITE_DX:
+            dx = h[:, :, None] * da[:, None, :]
+            tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=m3)
     tl.store(dh_ptr + t[:, None] * N + s[None, :], dh, mask=m2)
 
 
@@ -846,11 +853,15 @@ def merge_fwd_kernel(
 
 @triton.jit
 def merge_dx_kernel(
-    h_post_ptr, h_res_ptr, g_ptr, dx_ptr, df_ptr, T, C,
+    h_post_ptr, h_res_ptr, g_ptr, dx_ptr, df_ptr, T, C, h_pre_ptr, da_ptr,
     N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    MODE: tl.constexpr = 0,
 ):
     """dx[t, j] = sum_i H_res[t, i, j] g[t, i]; df[t] = sum_i H_post[t, i] g[t, i]; grid
-    (token blocks, channel blocks)."""
+    (token blocks, channel blocks). MODE 0: both (h_pre_ptr, da_ptr None); 1: df only
+    (dx_ptr None: the merge's backward under fused_dx); 2: dx plus the aggregation's share
+    H_pre[t, j] da[t] (h_post_ptr, df_ptr None: the first of the fused maps backward's
+    dx, which mhc_dx_kernel then adds its share to)."""
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     j = tl.arange(0, NP)
@@ -858,17 +869,25 @@ def merge_dx_kernel(
     t_ok, j_ok, c_ok = t3 < T, j3 < N, c3 < C
     dx = tl.zeros([BLOCK_T, NP, BLOCK_C], dtype=tl.float32)
     df = tl.zeros([BLOCK_T, 1, BLOCK_C], dtype=tl.float32)
+    if MODE == 2:
+        h_pre = tl.load(h_pre_ptr + t3 * N + j3, mask=t_ok & j_ok, other=0.0).to(tl.float32)
+        da = tl.load(da_ptr + t3 * C + c3, mask=t_ok & c_ok, other=0.0).to(tl.float32)
+        dx = h_pre * da  # [BT, NP, BC]
     for i in tl.static_range(N):
-        h_row = tl.load(h_res_ptr + (t3 * N + i) * N + j3, mask=t_ok & j_ok,
-                        other=0.0).to(tl.float32)  # [BT, NP, 1] = H_res[t, i, :]
-        hp = tl.load(h_post_ptr + t3 * N + i, mask=t_ok, other=0.0).to(tl.float32)  # [BT, 1, 1]
         gi = tl.load(g_ptr + (t3 * N + i) * C + c3, mask=t_ok & c_ok,
                      other=0.0).to(tl.float32)  # [BT, 1, BC]
-        dx += h_row * gi
-        df += hp * gi
-    tl.store(dx_ptr + (t3 * N + j3) * C + c3, dx.to(dx_ptr.dtype.element_ty),
-             mask=t_ok & j_ok & c_ok)
-    tl.store(df_ptr + t3 * C + c3, df.to(df_ptr.dtype.element_ty), mask=t_ok & c_ok)
+        if MODE != 1:
+            h_row = tl.load(h_res_ptr + (t3 * N + i) * N + j3, mask=t_ok & j_ok,
+                            other=0.0).to(tl.float32)  # [BT, NP, 1] = H_res[t, i, :]
+            dx += h_row * gi
+        if MODE != 2:
+            hp = tl.load(h_post_ptr + t3 * N + i, mask=t_ok, other=0.0).to(tl.float32)
+            df += hp * gi  # hp [BT, 1, 1]
+    if MODE != 1:
+        tl.store(dx_ptr + (t3 * N + j3) * C + c3, dx.to(dx_ptr.dtype.element_ty),
+                 mask=t_ok & j_ok & c_ok)
+    if MODE != 2:
+        tl.store(df_ptr + t3 * C + c3, df.to(df_ptr.dtype.element_ty), mask=t_ok & c_ok)
 
 
 @triton.jit

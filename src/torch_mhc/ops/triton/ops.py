@@ -73,7 +73,8 @@ from torch_mhc.ops.checks import (
 )
 from torch_mhc.ops.triton import kernels as _k
 
-__all__ = ["Launch", "PLANS", "hc_maps", "interpreted", "mhc_maps", "post_merge", "pre_aggregate",
+__all__ = ["FUSED_DX", "Launch", "PLANS", "hc_maps", "hc_maps_pre", "interpreted", "mhc_maps",
+           "mhc_maps_pre", "post_merge", "pre_aggregate",
            "sinkhorn", "variant_maps", "variant_maps_pre"]
 
 
@@ -211,9 +212,10 @@ def _run(op: str, launches: list[Launch], *inputs: Tensor) -> None:
                 raise launch_failed(op, launch, inputs, err) from err
 
 
-def launch_failed(op: str, launch: Launch, inputs, err: Exception) -> RuntimeError:
-    """The error of a launch of op that raised err: the kernel, the inputs' shapes and
-    dtypes, and the other implementations to select."""
+def launch_failed(op: str, launch, inputs, err: Exception) -> RuntimeError:
+    """The error of a launch of op (a Launch, or what has its name, constexprs and
+    num_warps) that raised err: the kernel, the inputs' shapes and dtypes, and the other
+    implementations to select."""
     shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in inputs)
     return RuntimeError(
         f"triton kernel {launch.name} of op {op} failed for inputs {shapes} "
@@ -475,9 +477,11 @@ def _(x, phi, alpha, b_pre, b_post, b_res, iters, norm_eps, sk_eps, pre_eps):
 
 
 def plan_maps_bwd(x, phi, alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post, g_res, iters,
-                  sk_eps, smem=None):
+                  sk_eps, smem=None, fused: tuple | None = None):
     """Launches of mhc_maps_bwd and its buffers (dx, dgate, dphi parts): the per-token
-    gradients (Sinkhorn's backward, dz), dx over token blocks x K splits, dphi."""
+    gradients (Sinkhorn's backward, dz), dx over token blocks x K splits, dphi. fused:
+    (h_pre, h_res, g, da), whose shares of x's gradient dx then holds too: merge_dx_kernel
+    writes H_res^T g + H_pre da first, mhc_dx_kernel adds the maps' share in place."""
     t, n, c = x.shape
     k, m, np_ = n * c, n * n + 2 * n, _padded(n)
     gcfg = kernel_config("maps_bwd", n, x.dtype)
@@ -487,8 +491,9 @@ def plan_maps_bwd(x, phi, alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post,
     scratch = x.new_empty((t, 2 * iters, np_), dtype=_F32)  # Sinkhorn's normalisers
     shape = dict(N=n, NP=np_, PW=_pp_width(n))
     precision = _precision(x.dtype)
-    tail, dx, dphi_parts = _plan_dx_dphi(x, phi, dz, coef, shape, smem)
-    launches = [
+    head, dx = ([], None) if fused is None else _plan_merge_share(x, *fused)
+    tail, dx, dphi_parts = _plan_dx_dphi(x, phi, dz, coef, shape, smem, dx=dx)
+    launches = [*head,
         Launch(_k.mhc_maps_bwd_kernel, (triton.cdiv(t, gcfg["BLOCK_T"]),),
                (alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post, g_res, dgate, dz, coef,
                 scratch, t, k, sk_eps, LINEAR_RANGE),
@@ -500,17 +505,33 @@ def plan_maps_bwd(x, phi, alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post,
     return launches, (dx, dgate, dphi_parts)
 
 
-def _plan_dx_dphi(x, phi, dz, coef, shape: dict, smem=None, res: int | None = None):
+def _plan_merge_share(x, h_pre, h_res, g, da) -> tuple[list, Tensor]:
+    """The launch writing dx = H_res^T g + H_pre da [T, n, C] (merge_dx_kernel's MODE 2: the
+    merge's and the aggregation's shares of x's gradient), and dx."""
+    t, n, c = x.shape
+    dx = torch.empty_like(x)
+    cfg = kernel_config("merge_dx", n, x.dtype)
+    block_t, block_c = _channel_blocks(n, c, cfg["TILE"])
+    return [Launch(_k.merge_dx_kernel, (triton.cdiv(t, block_t), triton.cdiv(c, block_c)),
+                   (None, h_res, g, dx, None, t, c, h_pre, da),
+                   dict(N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c,
+                        MODE=2), **_opts(cfg))], dx
+
+
+def _plan_dx_dphi(x, phi, dz, coef, shape: dict, smem=None, res: int | None = None,
+                  dx: Tensor | None = None):
     """The maps backward's last two launches, from the per-token kernel's dz [T, M] and coef
     [T]: dx = dz phi^T + coef x over token blocks x K splits, and dphi = x^T dz in parts over
     token splits (summed by the caller). shape: the kernels' N, NP, PW (and R, RW for a
-    successor's res columns, res its R). Returns (launches, dx, dphi parts [splits, K, M])."""
+    successor's res columns, res its R); dx: a gradient of x written by an earlier launch, to
+    which this one is added in place (mhc_dx_kernel's ADD). Returns (launches, dx, dphi parts
+    [splits, K, M])."""
     t, n, c = x.shape
     k, m = n * c, dz.shape[1]
     smem = smem or smem_limit(x.device)
     cfg = kernel_config("dx", n, x.dtype, phi.dtype, smem, res)
     dcfg = kernel_config("dphi", n, x.dtype, phi.dtype, smem, res)
-    dx = torch.empty_like(x)
+    add, dx = dx is not None, torch.empty_like(x) if dx is None else dx
     block_t = token_block(t, cfg["BLOCK_T"])
     blocks = triton.cdiv(t, block_t)
     splits, per_split = k_splits(k, blocks, cfg["BLOCK_K"])
@@ -525,7 +546,8 @@ def _plan_dx_dphi(x, phi, dz, coef, shape: dict, smem=None, res: int | None = No
     launches = [
         Launch(_k.mhc_dx_kernel, (blocks, splits),
                (x, tf32_operand(phi, x.dtype), dz, coef, dx, t, k, per_split),
-               dict(**shape, BLOCK_T=block_t, BLOCK_K=cfg["BLOCK_K"], PRECISION=precision),
+               dict(**shape, BLOCK_T=block_t, BLOCK_K=cfg["BLOCK_K"], PRECISION=precision,
+                    ADD=add),
                **_opts(cfg), reads=((1, blocks), (2, splits), (3, splits))),
         Launch(_k.mhc_dphi_kernel, (k_blocks, t_splits), (x, dz, dphi_parts, t, k, per_t_split),
                dict(**shape, BLOCK_T=dcfg["BLOCK_T"], BLOCK_K=dcfg["BLOCK_K"],
@@ -542,10 +564,16 @@ def _maps_bwd(
     iters: int, sk_eps: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of x, phi, alpha, b_pre, b_post, b_res (in their dtypes)."""
-    n = x.shape[1]
     launches, (dx, dgate, dphi_parts) = plan_maps_bwd(
         x, phi, alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post, g_res, iters, sk_eps)
     _run("mhc_maps (backward)", launches, x, phi)
+    return _maps_grads(dx, dgate, dphi_parts, logits, phi, alpha, b_pre, b_post, b_res)
+
+
+def _maps_grads(dx, dgate, dphi_parts, logits, phi, alpha, b_pre, b_post, b_res) -> tuple:
+    """The maps backward's outputs from its kernels' dx, per-token gate gradients dgate
+    [T, M] and dphi parts: gradients of x, phi, alpha, b_pre, b_post, b_res (their dtypes)."""
+    n = b_pre.shape[0]
     d_b = dgate.sum(dim=0)  # [M]: the biases' gradients in the logits' column order
     d_a = (dgate * logits).sum(dim=0)  # [M]: then summed per gate
     d_alpha = torch.stack([d_a[:n].sum(), d_a[n : 2 * n].sum(), d_a[2 * n :].sum()])
@@ -686,14 +714,15 @@ def _(x, h):
     return x.new_empty((x.shape[0], x.shape[2]))
 
 
-def plan_pre_bwd(x, h, da):
+def plan_pre_bwd(x, h, da, write_dx: bool = True):
+    """write_dx False: dh alone (dx None: the fused maps backward adds its share)."""
     t, n, c = x.shape
-    dx, dh = torch.empty_like(x), torch.empty_like(h)
+    dx, dh = torch.empty_like(x) if write_dx else None, torch.empty_like(h)
     cfg = kernel_config("pre_bwd", n, x.dtype)
     block_t, block_c = _channel_blocks(n, c, cfg["TILE"])
     return [Launch(_k.pre_bwd_kernel, (triton.cdiv(t, block_t),), (x, h, da, dx, dh, t, c),
                    dict(N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t,
-                        BLOCK_C=block_c), **_opts(cfg))], (dx, dh)
+                        BLOCK_C=block_c, WRITE_DX=write_dx), **_opts(cfg))], (dx, dh)
 
 
 @torch.library.custom_op("torch_mhc::pre_aggregate_bwd", mutates_args=())
@@ -763,15 +792,18 @@ def _(x, f, h_post, h_res):
     return torch.empty_like(x)
 
 
-def plan_merge_bwd(x, f, h_post, h_res, g):
+def plan_merge_bwd(x, f, h_post, h_res, g, write_dx: bool = True):
+    """write_dx False: df, dH_post and dH_res (dx None: the fused maps backward adds its
+    share)."""
     t, n, c = x.shape
-    dx, df = torch.empty_like(x), torch.empty_like(f)
+    dx, df = torch.empty_like(x) if write_dx else None, torch.empty_like(f)
     dh_post, dh_res = torch.empty_like(h_post), torch.empty_like(h_res)
     dx_cfg, dh_cfg = kernel_config("merge_dx", n, x.dtype), kernel_config("merge_dh", n, x.dtype)
     block_t, block_c = _channel_blocks(n, c, dx_cfg["TILE"])  # the same TILE in both
     consts = dict(N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c)
     return [Launch(_k.merge_dx_kernel, (triton.cdiv(t, block_t), triton.cdiv(c, block_c)),
-                   (h_post, h_res, g, dx, df, t, c), consts, **_opts(dx_cfg)),
+                   (h_post, h_res, g, dx, df, t, c, None, None),
+                   dict(consts, MODE=0 if write_dx else 1), **_opts(dx_cfg)),
             # g is read by all n + 1 programs of a token block, neighbours in the grid: the
             # re-reads come from L2, so the bytes model counts g once
             Launch(_k.merge_dh_kernel, ((n + 1) * triton.cdiv(t, block_t),),
@@ -809,17 +841,22 @@ def _merge_backward(ctx, g):
 _merge_fwd.register_autograd(_merge_backward, setup_context=_merge_setup)
 
 
-def post_merge(x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor) -> Tensor:
-    """H_res x + H_post^T f: [..., n, C], [..., C], [..., n], [..., n, n] -> [..., n, C]."""
+def post_merge(x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor, *,
+               fused_dx: bool = False) -> Tensor:
+    """H_res x + H_post^T f: [..., n, C], [..., C], [..., n], [..., n, n] -> [..., n, C].
+
+    fused_dx=True: x is the x_for_merge of mhc_maps_pre(..., fused_dx=True), whose backward
+    adds the merge's share of x's gradient (section (f))."""
     check_tensors("post_merge", x, f)
     _ref.check_merge_shapes(x, f, h_post, h_res)
     n, c = x.shape[-2:]
-    out = _merge_fwd(
+    args = (
         x.reshape(-1, n, c).contiguous(),
         f.to(x.dtype).reshape(-1, c).contiguous(),
         h_post.reshape(-1, n).to(_F32).contiguous(),
         h_res.reshape(-1, n, n).to(_F32).contiguous(),
     )
+    out = _FusedMerge.apply(*args) if fused_dx else _merge_fwd(*args)
     return out.reshape(x.shape)
 
 
@@ -1126,11 +1163,169 @@ def variant_maps(kind, x, phi, alpha, b_pre, b_post, b_res=None, norm_eps=1e-6):
     return h_pre.reshape(*lead, n), h_post.reshape(*lead, n), h_res.reshape(*lead, n, n)
 
 
-def variant_maps_pre(kind, x, phi, alpha, b_pre, b_post, b_res=None, norm_eps=1e-6):
+def variant_maps_pre(kind, x, phi, alpha, b_pre, b_post, b_res=None, norm_eps=1e-6, *,
+                     fused_dx: bool = False):
     """variant_maps plus pre_aggregate(x, H_pre) [..., C] in x's dtype (the kernels'
-    pre-aggregation, as mhc_maps then pre_aggregate)."""
+    pre-aggregation, as mhc_maps then pre_aggregate); fused_dx=True appends None (x's
+    gradient is not fused for the successors here: the merge takes x)."""
     h_pre, h_post, h_res = variant_maps(kind, x, phi, alpha, b_pre, b_post, b_res, norm_eps)
-    return h_pre, h_post, h_res, pre_aggregate(x, h_pre)
+    maps = (h_pre, h_post, h_res, pre_aggregate(x, h_pre))
+    return (*maps, None) if fused_dx else maps
+
+
+# ---------------------------------------------------------------------------------------------
+# (f) x's gradient written once: mhc_maps_pre and post_merge with fused_dx=True
+# ---------------------------------------------------------------------------------------------
+# x feeds a connection's maps, its aggregation and its merge, so autograd would add three
+# [T, n, C] gradients (two elementwise passes, in the streams' dtype). With fused_dx the
+# maps and the aggregation are one node that also returns x_for_merge (x itself, as a view);
+# the merge's backward hands its upstream gradient g to x_for_merge unchanged, and the maps'
+# dx kernel adds H_pre[j] da + sum_i H_res[i, j] g[i] to its own share: one write of dx.
+
+
+@torch.library.custom_op("torch_mhc::mhc_maps_pre_bwd", mutates_args=())
+def _maps_pre_bwd(
+    x: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Tensor, b_res: Tensor,
+    logits: Tensor, r: Tensor, h_pre: Tensor, h_res: Tensor, g_pre: Tensor, g_post: Tensor,
+    g_res: Tensor, da: Tensor, g_merge: Tensor, iters: int, sk_eps: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of x, phi, alpha, b_pre, b_post, b_res of the maps and the aggregation a
+    (upstream da), x's including the merge's share H_res^T g_merge."""
+    launches, (_, dh) = plan_pre_bwd(x, h_pre, da, write_dx=False)  # the aggregation's dH_pre
+    _run("mhc_maps_pre (backward)", launches, x, h_pre)
+    launches, (dx, dgate, dphi_parts) = plan_maps_bwd(
+        x, phi, alpha, b_pre, b_post, b_res, logits, r, g_pre + dh, g_post, g_res, iters,
+        sk_eps, fused=(h_pre, h_res, g_merge, da))
+    _run("mhc_maps_pre (backward)", launches, x, phi)
+    return _maps_grads(dx, dgate, dphi_parts, logits, phi, alpha, b_pre, b_post, b_res)
+
+
+@_maps_pre_bwd.register_fake
+def _(x, phi, alpha, b_pre, b_post, b_res, logits, r, h_pre, h_res, g_pre, g_post, g_res, da,
+      g_merge, iters, sk_eps):
+    return (
+        torch.empty_like(x), torch.empty_like(phi), torch.empty_like(alpha),
+        torch.empty_like(b_pre), torch.empty_like(b_post), torch.empty_like(b_res),
+    )
+
+
+def plan_maps_pre_bwd(x, phi, alpha, b_pre, b_post, b_res, logits, r, h_pre, h_res, g_pre,
+                      g_post, g_res, da, g_merge, iters, sk_eps, smem=None):
+    """mhc_maps_pre_bwd's launches (for the ahead-of-time check; the op adds the first
+    launch's dH_pre to g_pre between the two groups) and outputs (dx, dgate, dphi parts)."""
+    pre, _ = plan_pre_bwd(x, h_pre, da, write_dx=False)
+    maps, out = plan_maps_bwd(x, phi, alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post,
+                              g_res, iters, sk_eps, smem, fused=(h_pre, h_res, g_merge, da))
+    return pre + maps, out
+
+
+@torch.library.custom_op("torch_mhc::post_merge_bwd_no_dx", mutates_args=())
+def _merge_bwd_no_dx(
+    x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor, g: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The merge's gradients but x's: f, H_post, H_res."""
+    launches, (_, df, dh_post, dh_res) = plan_merge_bwd(x, f, h_post, h_res, g, write_dx=False)
+    _run("post_merge (backward)", launches, x, f, h_res)
+    return df, dh_post, dh_res
+
+
+@_merge_bwd_no_dx.register_fake
+def _(x, f, h_post, h_res, g):
+    return torch.empty_like(f), torch.empty_like(h_post), torch.empty_like(h_res)
+
+
+def plan_merge_bwd_no_dx(x, f, h_post, h_res, g):
+    """post_merge_bwd_no_dx's launches and outputs (for the ahead-of-time check)."""
+    return plan_merge_bwd(x, f, h_post, h_res, g, write_dx=False)
+
+
+class _FusedMapsPre(torch.autograd.Function):
+    """mhc_maps_pre(..., fused_dx=True) on [T, n, C]: H_pre, H_post, H_res, a and
+    x_for_merge; the backward writes x's gradient once (section (f))."""
+
+    @staticmethod
+    def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, iters, norm_eps, sk_eps, pre_eps):
+        ctx.set_materialize_grads(False)  # unused outputs' gradients arrive as None
+        h_pre, h_post, h_res, logits, r = torch.ops.torch_mhc.mhc_maps_fwd(
+            x, phi, alpha, b_pre, b_post, b_res, iters, norm_eps, sk_eps, pre_eps)
+        a = torch.ops.torch_mhc.pre_aggregate_fwd(x, h_pre)
+        ctx.save_for_backward(x, phi, alpha, b_pre, b_post, b_res, logits, r, h_pre, h_res)
+        ctx.iters, ctx.sk_eps = iters, sk_eps
+        return h_pre, h_post, h_res, a, x.view_as(x)
+
+    @staticmethod
+    @_first_order
+    def backward(ctx, g_pre, g_post, g_res, g_a, g_merge):
+        x, phi, alpha, b_pre, b_post, b_res, logits, r, h_pre, h_res = ctx.saved_tensors
+        t, n, c = x.shape
+        g_pre, g_post, g_res = _dense_map_grads(x, g_pre, g_post, g_res)
+        da = (x.new_zeros((t, c)) if g_a is None else g_a.to(x.dtype).contiguous())
+        g_merge = torch.zeros_like(x) if g_merge is None else g_merge.to(x.dtype).contiguous()
+        grads = torch.ops.torch_mhc.mhc_maps_pre_bwd(
+            x, phi, alpha, b_pre, b_post, b_res, logits, r, h_pre, h_res, g_pre, g_post,
+            g_res, da, g_merge, ctx.iters, ctx.sk_eps)
+        return (*grads, None, None, None, None)
+
+
+class _FusedMerge(torch.autograd.Function):
+    """post_merge(..., fused_dx=True) on [T, n, C]: the merge, whose backward hands g to
+    x_for_merge unchanged (section (f))."""
+
+    @staticmethod
+    def forward(ctx, x, f, h_post, h_res):
+        ctx.save_for_backward(x, f, h_post, h_res)
+        return torch.ops.torch_mhc.post_merge_fwd(x, f, h_post, h_res)
+
+    @staticmethod
+    @_first_order
+    def backward(ctx, g):
+        x, f, h_post, h_res = ctx.saved_tensors
+        g = g.to(x.dtype).contiguous()
+        df, dh_post, dh_res = torch.ops.torch_mhc.post_merge_bwd_no_dx(x, f, h_post, h_res, g)
+        return g, df, dh_post, dh_res
+
+
+FUSED_DX = True  # ops.Ops.fused_dx: mhc_maps_pre and post_merge take fused_dx (section (f))
+
+
+def _fusable(x: Tensor, *params: Tensor) -> bool:
+    """Whether fused_dx makes one node: a gradient may be needed and no autocast region
+    casts the maps' inputs (the maps' op casts x and phi there, the aggregation does not;
+    the unfused ops keep exactly that)."""
+    return (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *params))
+            and not torch.is_autocast_enabled(x.device.type))
+
+
+def mhc_maps_pre(x, phi, alpha, b_pre, b_post, b_res, sinkhorn_iters=20, norm_eps=1e-6,
+                 sinkhorn_eps=0.0, pre_eps=0.0, *, fused_dx: bool = False):
+    """mhc_maps then pre_aggregate(x, H_pre); fused_dx=True also returns x_for_merge, for
+    post_merge(x_for_merge, ..., fused_dx=True): x itself where no gradient is taken or under
+    autocast (the ops stay apart there), else the fused node's view of x (section (f))."""
+    params = (phi, alpha, b_pre, b_post, b_res)
+    if not (fused_dx and _fusable(x, *params)):
+        h_pre, h_post, h_res = mhc_maps(x, *params, sinkhorn_iters, norm_eps, sinkhorn_eps,
+                                        pre_eps)
+        maps = (h_pre, h_post, h_res, pre_aggregate(x, h_pre))
+        return (*maps, None) if fused_dx else maps
+    check_tensors("mhc_maps", x, phi)
+    check_maps_scalars("mhc_maps", sinkhorn_iters, norm_eps, sinkhorn_eps, pre_eps)
+    check_mhc_shapes("mhc_maps", x, *params)
+    lead, (n, c) = x.shape[:-2], x.shape[-2:]
+    h_pre, h_post, h_res, a, x_for_merge = _FusedMapsPre.apply(
+        x.reshape(-1, n, c).contiguous(), *(p.contiguous() for p in params),
+        int(sinkhorn_iters), float(norm_eps), float(sinkhorn_eps), float(pre_eps))
+    return (h_pre.reshape(*lead, n), h_post.reshape(*lead, n), h_res.reshape(*lead, n, n),
+            a.reshape(*lead, c), x_for_merge.reshape(x.shape))
+
+
+def hc_maps_pre(x, w, s_alpha, s_beta, static_pre, static_post, static_res, norm_eps=1e-6, *,
+                fused_dx: bool = False):
+    """hc_maps then pre_aggregate; fused_dx=True appends None (HC's maps are torch ops here:
+    no single node to hand the merge's gradient to)."""
+    h_pre, h_post, h_res = hc_maps(x, w, s_alpha, s_beta, static_pre, static_post, static_res,
+                                   norm_eps)
+    maps = (h_pre, h_post, h_res, pre_aggregate(x, h_pre))
+    return (*maps, None) if fused_dx else maps
 
 
 # Every custom op's plan, for the ahead-of-time compile check (ops/triton/aot.py).
@@ -1145,4 +1340,6 @@ PLANS = {
     "sinkhorn_bwd": plan_sinkhorn_bwd,
     "variant_maps_fwd": plan_variant_fwd,
     "variant_maps_bwd": plan_variant_bwd,
+    "mhc_maps_pre_bwd": plan_maps_pre_bwd,
+    "post_merge_bwd_no_dx": plan_merge_bwd_no_dx,
 }
