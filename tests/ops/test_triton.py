@@ -133,7 +133,7 @@ def test_fused_dx_gives_the_gradients_of_the_ops_apart(tokens, n, c, dtype):
     """mhc_maps_pre(..., fused_dx=True) with post_merge(..., fused_dx=True): x's gradient
     through maps, aggregation and merge written once (mhc_maps_pre_bwd). Against the same
     ops apart: the same outputs and parameter gradients, bit for bit (the same kernels and
-    float32 sums), x's gradient within the dtype's rounding (one rounding instead of three);
+    float32 sums), x's gradient within the dtype's rounding (rounded twice, not three times);
     against the float32 reference: every gradient in float32, x's in every dtype (the
     parameters' gradients in half precision take the rounded branch input and output, which
     the reference does not round: tests of the ops apart hold those)."""

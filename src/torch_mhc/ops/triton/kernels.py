@@ -483,8 +483,9 @@ def mhc_dx_kernel(
     R: tl.constexpr = -1, RW: tl.constexpr = 0, ADD: tl.constexpr = False,
 ):
     """dx = dz @ phi^T + coef * x for one token block over one split of K (R, RW: as
-    mhc_xphi_kernel's). ADD: dx += ..., in place (dx holds the aggregation's and the merge's
-    shares, merge_dx_kernel's FUSED), so that x's whole gradient is written once more only."""
+    mhc_xphi_kernel's). ADD: dx += ..., in place: dx holds the merge's and the aggregation's
+    shares (merge_dx_kernel's MODE 2), and the sum is x's whole gradient through a connection
+    (ops/triton/ops.py (f))."""
     M: tl.constexpr = N * N + 2 * N if R < 0 else 2 * N + R
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     t_ok = t < T
@@ -790,7 +791,7 @@ def pre_bwd_kernel(
     WRITE_DX: tl.constexpr = True,
 ):
     """dx[t, j, c] = h[t, j] da[t, c]; dh[t, j] = sum_c x[t, j, c] da[t, c] (loop over C).
-    WRITE_DX False: dh only (dx_ptr None: mhc_dx_kernel's FUSED adds dx's share)."""
+    WRITE_DX False: dh only (dx_ptr None: merge_dx_kernel's MODE 2 writes dx's share)."""
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     s = tl.arange(0, NP)
     t_ok, s_ok = t < T, s < N

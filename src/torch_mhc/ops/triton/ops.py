@@ -9,6 +9,8 @@ so torch.compile(fullgraph=True) traces through them and CUDA graphs capture the
     torch_mhc::sinkhorn_fwd / sinkhorn_bwd           (d)
     torch_mhc::variant_maps_fwd / variant_maps_bwd   (e) mHC's successors' maps: (a)'s matmul
                                                      kernels, the kind's H_res in Sinkhorn's place
+    torch_mhc::mhc_maps_pre_bwd                      (f) backwards with fused_dx: (a) and (b)'s
+    torch_mhc::post_merge_bwd_no_dx                      with x's whole gradient, (c)'s without
 
 The public functions below have the contracts of functional.maps (same shapes, maps in
 float32, aggregation and merge in the streams' dtype) and flatten the leading dimensions
@@ -179,7 +181,8 @@ class Launch:
     enable_fp_fusion: bool = True
     # Tensors the launch's programs read more than once between them, as (argument index,
     # times): phi read once per token block, dz once per K block (the bytes model,
-    # ops/triton/traffic.py). Every other tensor argument is read or written once.
+    # ops/triton/traffic.py); dx twice where mhc_dx_kernel adds to it (read, then written).
+    # Every other tensor argument is read or written once.
     reads: tuple[tuple[int, int], ...] = ()
 
     @property
@@ -548,7 +551,8 @@ def _plan_dx_dphi(x, phi, dz, coef, shape: dict, smem=None, res: int | None = No
                (x, tf32_operand(phi, x.dtype), dz, coef, dx, t, k, per_split),
                dict(**shape, BLOCK_T=block_t, BLOCK_K=cfg["BLOCK_K"], PRECISION=precision,
                     ADD=add),
-               **_opts(cfg), reads=((1, blocks), (2, splits), (3, splits))),
+               **_opts(cfg),
+               reads=((1, blocks), (2, splits), (3, splits), *([(4, 2)] if add else []))),
         Launch(_k.mhc_dphi_kernel, (k_blocks, t_splits), (x, dz, dphi_parts, t, k, per_t_split),
                dict(**shape, BLOCK_T=dcfg["BLOCK_T"], BLOCK_K=dcfg["BLOCK_K"],
                     PRECISION=precision),
@@ -802,7 +806,7 @@ def plan_merge_bwd(x, f, h_post, h_res, g, write_dx: bool = True):
     block_t, block_c = _channel_blocks(n, c, dx_cfg["TILE"])  # the same TILE in both
     consts = dict(N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c)
     return [Launch(_k.merge_dx_kernel, (triton.cdiv(t, block_t), triton.cdiv(c, block_c)),
-                   (h_post, h_res, g, dx, df, t, c, None, None),
+                   (h_post, h_res if write_dx else None, g, dx, df, t, c, None, None),
                    dict(consts, MODE=0 if write_dx else 1), **_opts(dx_cfg)),
             # g is read by all n + 1 programs of a token block, neighbours in the grid: the
             # re-reads come from L2, so the bytes model counts g once
@@ -1174,13 +1178,15 @@ def variant_maps_pre(kind, x, phi, alpha, b_pre, b_post, b_res=None, norm_eps=1e
 
 
 # ---------------------------------------------------------------------------------------------
-# (f) x's gradient written once: mhc_maps_pre and post_merge with fused_dx=True
+# (f) x's gradient in one buffer: mhc_maps_pre and post_merge with fused_dx=True
 # ---------------------------------------------------------------------------------------------
 # x feeds a connection's maps, its aggregation and its merge, so autograd would add three
-# [T, n, C] gradients (two elementwise passes, in the streams' dtype). With fused_dx the
-# maps and the aggregation are one node that also returns x_for_merge (x itself, as a view);
-# the merge's backward hands its upstream gradient g to x_for_merge unchanged, and the maps'
-# dx kernel adds H_pre[j] da + sum_i H_res[i, j] g[i] to its own share: one write of dx.
+# [T, n, C] gradients (three writes, then two elementwise adds reading four and writing two,
+# in the streams' dtype). With fused_dx the maps and the aggregation are one node that also
+# returns x_for_merge (x itself, as a view); the merge's backward hands its upstream gradient
+# g to x_for_merge unchanged, and the maps' backward writes sum_i H_res[i, j] g[i] +
+# H_pre[j] da into dx (merge_dx_kernel, MODE 2) and adds its own share in place
+# (mhc_dx_kernel, ADD): two writes and one read of dx, rounded to the streams' dtype twice.
 
 
 @torch.library.custom_op("torch_mhc::mhc_maps_pre_bwd", mutates_args=())
@@ -1299,8 +1305,9 @@ def _fusable(x: Tensor, *params: Tensor) -> bool:
 def mhc_maps_pre(x, phi, alpha, b_pre, b_post, b_res, sinkhorn_iters=20, norm_eps=1e-6,
                  sinkhorn_eps=0.0, pre_eps=0.0, *, fused_dx: bool = False):
     """mhc_maps then pre_aggregate(x, H_pre); fused_dx=True also returns x_for_merge, for
-    post_merge(x_for_merge, ..., fused_dx=True): x itself where no gradient is taken or under
-    autocast (the ops stay apart there), else the fused node's view of x (section (f))."""
+    post_merge(x_for_merge, ..., fused_dx=True): the fused node's view of x (section (f)),
+    or None where no gradient is taken or under autocast (the ops stay apart there, and the
+    merge takes x unfused)."""
     params = (phi, alpha, b_pre, b_post, b_res)
     if not (fused_dx and _fusable(x, *params)):
         h_pre, h_post, h_res = mhc_maps(x, *params, sinkhorn_iters, norm_eps, sinkhorn_eps,
