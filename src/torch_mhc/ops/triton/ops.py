@@ -1247,7 +1247,7 @@ def plan_merge_bwd_no_dx(x, f, h_post, h_res, g):
 
 class _FusedMapsPre(torch.autograd.Function):
     """mhc_maps_pre(..., fused_dx=True) on [T, n, C]: H_pre, H_post, H_res, a and
-    x_for_merge; the backward writes x's gradient once (section (f))."""
+    x_for_merge; the backward builds x's whole gradient in one buffer (section (f))."""
 
     @staticmethod
     def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, iters, norm_eps, sk_eps, pre_eps):
@@ -1265,7 +1265,7 @@ class _FusedMapsPre(torch.autograd.Function):
         x, phi, alpha, b_pre, b_post, b_res, logits, r, h_pre, h_res = ctx.saved_tensors
         t, n, c = x.shape
         g_pre, g_post, g_res = _dense_map_grads(x, g_pre, g_post, g_res)
-        da = (x.new_zeros((t, c)) if g_a is None else g_a.to(x.dtype).contiguous())
+        da = x.new_zeros((t, c)) if g_a is None else g_a.to(x.dtype).contiguous()
         g_merge = torch.zeros_like(x) if g_merge is None else g_merge.to(x.dtype).contiguous()
         grads = torch.ops.torch_mhc.mhc_maps_pre_bwd(
             x, phi, alpha, b_pre, b_post, b_res, logits, r, h_pre, h_res, g_pre, g_post,
