@@ -268,7 +268,7 @@ def test_bad_input_errors():
                                              "its H_pre = sigmoid"):  # residual: refused
             make_connection(kind, 8, 1, 0, nn.Identity())
     make_connection("hc", 8, 1, 0, nn.Identity())  # HC's H_pre = e_k: one stream is exact
-    with pytest.raises(ValueError, match="sinkhorn_iters must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="expects sinkhorn_iters >= 1, got 0"):
         ManifoldHyperConnection(8, 4, 0, nn.Identity(), sinkhorn_iters=0)
     with pytest.raises(ValueError, match="unknown connection kind 'mhcc'"):
         make_connection("mhcc", 8, 4, 0, nn.Identity())
@@ -413,9 +413,12 @@ def test_param_groups_wants_a_module():
         param_groups([conn])
     groups = param_groups(nn.ModuleList([conn]))
     assert {id(p) for g in groups for p in g["params"]} == {id(p) for p in conn.parameters()}
-    for bad in (-1, float("nan"), float("inf"), "0.1", True):
+    for bad in (-1, float("nan"), float("inf")):
         with pytest.raises(ValueError, match=f"weight_decay to be a finite number >= 0, "
-                                             f"got {re.escape(repr(bad))}"):
+                                             f"got {re.escape(repr(float(bad)))}"):
+            param_groups(conn, weight_decay=bad)
+    for bad in ("0.1", True):
+        with pytest.raises(TypeError, match="weight_decay to be a float, got"):
             param_groups(conn, weight_decay=bad)
     assert param_groups(conn, weight_decay=0)[0]["weight_decay"] == 0
 

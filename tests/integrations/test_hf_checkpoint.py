@@ -489,7 +489,7 @@ def test_connection_tensors_must_be_finite_floats_of_the_right_shape(tmp_path, e
     ({"kind": "mhc", "streams": 3, "options": {"pre_eps": float("nan")}},
      r"pre_eps to be a finite number >= 0, got nan"),
     ({"kind": "mhc", "streams": 3, "options": {"sinkhorn_iters": 0}},
-     r"sinkhorn_iters must be >= 1, got 0"),
+     r"expects sinkhorn_iters >= 1, got 0"),
     ({"kind": "mhc", "streams": 3, "options": {"sinkhorn_iters": True}},
      r"sinkhorn_iters to be an int, got True"),
     ({"kind": "mhc", "streams": 3, "options": {"norm_eps": "1e-6"}},

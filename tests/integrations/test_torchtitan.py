@@ -105,7 +105,7 @@ def test_ready_configs_are_converted():
         (dict(kind="hc", options={"sinkhorn_iters": 5}), TypeError,
          "'hc' (HyperConnection) takes no option(s) ['sinkhorn_iters']"),
         (dict(options={"sinkhorn_iters": 0}), ValueError,
-         "MhcConverter: sinkhorn_iters must be >= 1, got 0"),
+         "MhcConverter: ManifoldHyperConnection expects sinkhorn_iters >= 1, got 0"),
     ],
 )
 def test_bad_settings_are_refused(kwargs, error, message):

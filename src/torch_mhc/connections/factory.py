@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import math
-import numbers
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
-from torch_mhc.connections.base import Connection, check_count, check_mixing_streams
+from torch_mhc.connections.base import (
+    Connection,
+    check_count,
+    check_eps,
+    check_mixing_streams,
+)
 from torch_mhc.connections.hc import HyperConnection
 from torch_mhc.connections.mhc import ManifoldHyperConnection
 from torch_mhc.connections.residual import Residual
@@ -143,10 +146,7 @@ def param_groups(
             f"param_groups expects an nn.Module (the model; wrap a list of modules in "
             f"nn.ModuleList), got {type(model).__name__}"
         )
-    if (isinstance(weight_decay, bool) or not isinstance(weight_decay, numbers.Real)
-            or not (math.isfinite(weight_decay) and weight_decay >= 0)):
-        raise ValueError(f"param_groups expects weight_decay to be a finite number >= 0, "
-                         f"got {weight_decay!r}")
+    weight_decay = check_eps(weight_decay, "param_groups", "weight_decay", positive=False)
     no_decay_ids = set()
     for module in model.modules():
         if isinstance(module, Connection):

@@ -3,7 +3,6 @@ matrices by Sinkhorn (the shared initialisation is described in connections.base
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 
 import torch
@@ -53,18 +52,10 @@ class ManifoldHyperConnection(Connection):
     ):
         super().__init__(dim, streams, branch, check_finite, impl)
         check_mixing_streams(self.streams, type(self).__name__)
-        # a bool is an int to isinstance, not a count; "20" or 20.0 (a hand-edited config)
-        # is a wrong type, not a wrong count (numpy integers are counts)
-        if isinstance(sinkhorn_iters, bool) or not hasattr(sinkhorn_iters, "__index__"):
-            raise TypeError(
-                f"{type(self).__name__} expects sinkhorn_iters to be an int, got "
-                f"{sinkhorn_iters!r} ({type(sinkhorn_iters).__name__})"
-            )
-        sinkhorn_iters = operator.index(sinkhorn_iters)
-        if sinkhorn_iters < 1:
-            raise ValueError(f"sinkhorn_iters must be >= 1, got {sinkhorn_iters!r}")
         n = self.streams
         owner = type(self).__name__
+        # "20" or 20.0 (a hand-edited config) and True are wrong types, not wrong counts
+        sinkhorn_iters = check_count(sinkhorn_iters, owner, "sinkhorn_iters", 1)
         layer_index = check_count(layer_index, owner, "layer_index", 0)
         norm_eps = check_eps(norm_eps, owner, "norm_eps", positive=True)
         pre_eps = check_eps(pre_eps, owner, "pre_eps", positive=False)
