@@ -35,6 +35,7 @@ from torch_mhc.connections import base  # noqa: E402
 from torch_mhc.connections.base import prepared_decoder  # noqa: E402
 from torch_mhc.connections.successors import make_variant  # noqa: E402
 from torch_mhc.functional.successors import VARIANT_KINDS  # noqa: E402
+from torch_mhc.tools.bench.decode_call import ops_path_call  # noqa: E402
 
 C = 24
 
@@ -56,12 +57,6 @@ def _prepared(conn) -> list:
             if isinstance(d, decode.Decoder)]
 
 
-def _ops_path(conn, x):
-    """The connection's call through the custom ops (no prepared launches)."""
-    h_in, state = conn.mix_in(x)
-    return conn.mix_out(x, conn.branch(h_in), state)
-
-
 @kernel_test
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lead", [(1, 1), (3, 1), (2,)])
@@ -73,7 +68,7 @@ def test_decoding_equals_the_ops_path_bit_for_bit(kind, n, lead, dtype):
     with torch.no_grad():
         out = conn(x)
         again = conn(x)  # the second call runs the prepared launches again
-        through_ops = _ops_path(conn, x)
+        through_ops = ops_path_call(conn, x)
         ref = copy.deepcopy(conn).to("cpu", torch.float32)
         ref.impl = "reference"
         expected = ref(x.cpu().float())
@@ -115,11 +110,11 @@ def test_decoding_follows_changes_of_the_parameters_and_options(kind):
     with torch.no_grad():
         after_step = conn(x)
         assert (after_step - before).abs().max() > 1e-5
-        assert torch.equal(after_step, _ops_path(conn, x))
+        assert torch.equal(after_step, ops_path_call(conn, x))
         conn.norm_eps = 10.0
         after_option = conn(x)
         assert (after_option - after_step).abs().max() > 1e-5
-        assert torch.equal(after_option, _ops_path(conn, x))
+        assert torch.equal(after_option, ops_path_call(conn, x))
 
 
 @kernel_test
@@ -191,7 +186,7 @@ def test_a_decoder_keeps_no_call_s_tensors_and_outlives_a_call_it_refuses():
         (dec,) = _prepared(conn)
         want = conn(x)
         with torch.autocast(DEVICE, dtype=torch.bfloat16):  # the ops' path, as without one
-            assert torch.equal(conn(x), _ops_path(conn, x))
+            assert torch.equal(conn(x), ops_path_call(conn, x))
         assert _prepared(conn) == [dec] and prepared_decoder(conn, x) is dec
         assert torch.equal(conn(x), want)
 

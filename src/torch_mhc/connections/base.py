@@ -108,8 +108,7 @@ def check_gate(value, owner: str) -> float:
     return float(value)
 
 
-# id(connection) -> {(streams shape, dtype, on the CPU, thread): Decoder or None}; outside the
-# modules,
+# id(connection) -> {(streams shape, dtype, x.is_cpu, thread): Decoder}; outside the modules,
 # whose deep copies and pickles must not carry native argument blocks. A plain dict (its get
 # is one C call, a WeakKeyDictionary's three Python ones); an entry leaves with its module.
 _DECODERS: dict[int, dict] = {}
@@ -314,8 +313,7 @@ class Connection(nn.Module):
         decoders = _DECODERS.get(id(self))
         if decoders is None or type(x) is not torch.Tensor or not self._plain_input_check:
             return None
-        on_cpu = x.is_cpu
-        dec = decoders.get((x.shape, x.dtype, on_cpu, threading.get_ident()))
+        dec = decoders.get((x.shape, x.dtype, x.is_cpu, threading.get_ident()))
         # _may_decode's checks (the trace's made above), spelled out: each call costs here
         if (dec is None or dec.busy or _diag.ACTIVE is not None or self.check_finite
                 or _dispatch_modes() or _tracing() or func_transform_active()

@@ -137,7 +137,7 @@ class Ops:
     variant_maps_pre: Callable
     # mhc_maps_pre(..., fused_dx=True) and post_merge(..., fused_dx=True) exist
     # (ops/cpu/ops.py, ops/triton/ops.py (f): x's gradient through maps, aggregation and
-    # merge written once).
+    # merge built in one buffer, not added by autograd).
     fused_dx: bool = False
     # decoder(kind, decode_args) -> a prepared no-autograd path for one connection, or None
     # (ops/cpu/decode.py, ops/triton/decode.py; decode_args: the maps op's arguments, x first).

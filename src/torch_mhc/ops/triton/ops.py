@@ -511,14 +511,20 @@ def plan_maps_bwd(x, phi, alpha, b_pre, b_post, b_res, logits, r, g_pre, g_post,
 def _plan_merge_share(x, h_pre, h_res, g, da) -> tuple[list, Tensor]:
     """The launch writing dx = H_res^T g + H_pre da [T, n, C] (merge_dx_kernel's MODE 2: the
     merge's and the aggregation's shares of x's gradient), and dx."""
-    t, n, c = x.shape
     dx = torch.empty_like(x)
+    return [_merge_dx_launch(x, (None, h_res, g, dx, None), (h_pre, da), mode=2)], dx
+
+
+def _merge_dx_launch(x, args: tuple, extra: tuple = (None, None), mode: int = 0) -> Launch:
+    """merge_dx_kernel over x's tokens and channels: args (h_post, h_res, g, dx, df), extra
+    (h_pre, da), mode its MODE (0: dx and df, 1: df, 2: dx with the aggregation's share)."""
+    t, n, c = x.shape
     cfg = kernel_config("merge_dx", n, x.dtype)
     block_t, block_c = _channel_blocks(n, c, cfg["TILE"])
-    return [Launch(_k.merge_dx_kernel, (triton.cdiv(t, block_t), triton.cdiv(c, block_c)),
-                   (None, h_res, g, dx, None, t, c, h_pre, da),
-                   dict(N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c,
-                        MODE=2), **_opts(cfg))], dx
+    return Launch(_k.merge_dx_kernel, (triton.cdiv(t, block_t), triton.cdiv(c, block_c)),
+                  (*args, t, c, *extra),
+                  dict(N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c,
+                       MODE=mode), **_opts(cfg))
 
 
 def _plan_dx_dphi(x, phi, dz, coef, shape: dict, smem=None, res: int | None = None,
@@ -802,12 +808,11 @@ def plan_merge_bwd(x, f, h_post, h_res, g, write_dx: bool = True):
     t, n, c = x.shape
     dx, df = torch.empty_like(x) if write_dx else None, torch.empty_like(f)
     dh_post, dh_res = torch.empty_like(h_post), torch.empty_like(h_res)
-    dx_cfg, dh_cfg = kernel_config("merge_dx", n, x.dtype), kernel_config("merge_dh", n, x.dtype)
-    block_t, block_c = _channel_blocks(n, c, dx_cfg["TILE"])  # the same TILE in both
+    dh_cfg = kernel_config("merge_dh", n, x.dtype)
+    block_t, block_c = _channel_blocks(n, c, dh_cfg["TILE"])  # merge_dx's TILE too
     consts = dict(N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c)
-    return [Launch(_k.merge_dx_kernel, (triton.cdiv(t, block_t), triton.cdiv(c, block_c)),
-                   (h_post, h_res if write_dx else None, g, dx, df, t, c, None, None),
-                   dict(consts, MODE=0 if write_dx else 1), **_opts(dx_cfg)),
+    return [_merge_dx_launch(x, (h_post, h_res if write_dx else None, g, dx, df),
+                             mode=0 if write_dx else 1),
             # g is read by all n + 1 programs of a token block, neighbours in the grid: the
             # re-reads come from L2, so the bytes model counts g once
             Launch(_k.merge_dh_kernel, ((n + 1) * triton.cdiv(t, block_t),),

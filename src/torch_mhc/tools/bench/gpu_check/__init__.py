@@ -38,9 +38,11 @@ runs the op twice (bitwise determinism):
     step         training step of the reference LM (d = 2048, 16 blocks, bf16, batch 8 x
                  1024): residual, HC, mHC, mHC + recompute, as ratios to the residual, with
                  peak memory
-    decode       KV-cached greedy generation tokens/s, residual vs HC vs mHC; one mHC
-                 connection's call on one token without autograd, triton and reference:
-                 its time, the host time per op and the kernels' device time
+    decode       KV-cached greedy generation tokens/s, residual vs HC vs mHC; the prepared
+                 decoding path against the ops' path (ran, same bits), per kind and batch;
+                 one mHC connection's call on one token without autograd (triton, its ops
+                 path triton/ops, reference): its time, the host time per op and the
+                 kernels' device time
     sinkhorn     Sinkhorn forward and backward time: triton kernels, inductor, reference
     inductor     the correctness check for the `inductor` ops (n = 4; last, as Inductor
                  compiles a graph per op and dtype; skipped in the dry run, where
