@@ -170,7 +170,8 @@ BAD = {
     "nan": (lambda f: _rewrite_connections(f, lambda t: t[PHI].view(-1)[3:5].fill_(
         float("nan"))), r"model.layers.0.mhc_attn.phi holds .*NaN"),
     "option": (lambda f: _rewrite_config(f, lambda c: c["mhc_conversion"]["options"].update(
-        sinkhorn_iters=0)), r"sinkhorn_iters must be (>= 1|an int >= 1), got 0"),
+        sinkhorn_iters=0)),
+        r"(expects sinkhorn_iters >= 1|sinkhorn_iters must be an int >= 1), got 0"),
     "streams": (lambda f: _rewrite_config(f, lambda c: c["mhc_conversion"].update(
         streams=-1)), r"streams must be an int >= 1.*got -1"),
     "kind": (lambda f: _rewrite_config(f, lambda c: c["mhc_conversion"].update(kind="mhcc")),
