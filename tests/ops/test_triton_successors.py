@@ -268,6 +268,25 @@ def test_connection_triton_equals_reference_and_compiles_fullgraph():
     assert_connection_matches_reference(conn_ref, conn_tri, x, upstream)
 
 
+@kernel_test
+def test_connection_compiles_for_several_stream_counts_in_one_process():
+    """Recompiling the connection's code for other shapes (here T, then n), torch.compile
+    makes those dimensions dynamic; mHC-lite's n! must still come out an int
+    (math.factorial refused the stream count as a SymInt)."""
+    from torch_mhc import MHCLite
+
+    torch._dynamo.reset()
+    c = 12
+    for n, t in ((2, 5), (2, 7), (3, 5), (4, 6)):
+        torch.manual_seed(n)
+        conn_ref = perturbed(MHCLite(c, n, 1, Branch(c), impl="reference"))
+        conn_tri = MHCLite(c, n, 1, Branch(c), impl="triton")
+        conn_tri.load_state_dict(conn_ref.state_dict())
+        conn_tri.to(DEVICE)
+        assert_connection_matches_reference(conn_ref, conn_tri, torch.randn(2, t, n, c),
+                                            torch.randn(2, t, n, c))
+
+
 @pytest.mark.skipif(RUN_HERE, reason="the kernel tests run in this process")
 def test_kernels_in_a_fresh_interpreter_process():
     """Run this module's kernel tests where TRITON_INTERPRET=1 precedes any triton import."""

@@ -34,6 +34,7 @@ __all__ = [
 VARIANT_KINDS = ("mhc-lite", "kromhc", "mhc-static-res")
 # n! logits per token: 120 at n = 5; beyond, they outgrow the rest of the connection.
 MHC_LITE_MAX_STREAMS = 5
+_FACTORIALS = tuple(math.factorial(k) for k in range(MHC_LITE_MAX_STREAMS + 1))
 
 
 def permutation_matrices(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -92,7 +93,10 @@ def res_count(kind: str, n: int) -> int:
     """R, the res logits per token: n! (mhc-lite), log2 n (kromhc), 0 (mhc-static-res)."""
     check_variant(kind, n)
     if kind == "mhc-lite":
-        return math.factorial(n)
+        # A table, not math.factorial: where torch.compile has made the stream dimension
+        # dynamic (it does after recompiling for another n) n is a SymInt, which
+        # math.factorial cannot take and indexing specializes on.
+        return _FACTORIALS[n]
     # int(): under torch.jit.trace a shape read from a tensor is a traced value, not an int
     return int(n).bit_length() - 1 if kind == "kromhc" else 0
 
