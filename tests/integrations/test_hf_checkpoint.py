@@ -307,6 +307,41 @@ def test_earlier_format_still_loads(tmp_path):
 # The model class
 
 
+def test_the_task_auto_classes_build_their_task_s_class(tmp_path):
+    """AutoModelFor<task>.from_pretrained(folder) builds the base model type's class for the
+    task, as transformers does for a plain folder: a saved classifier comes back with its
+    trained head, a causal LM's folder gives a classifier with a new head and the folder's
+    decoder and connections; a head class that keeps its decoder under another name than the
+    saved class (whose weights transformers would not load at all) is refused."""
+    ids, mask = _batch()
+    classifier = _converted(transformers.LlamaForSequenceClassification,
+                            transformers.LlamaConfig(**COMMON, num_labels=3))
+    cls_folder = mhc_hf.save_pretrained(classifier, tmp_path / "cls")
+    loaded = transformers.AutoModelForSequenceClassification.from_pretrained(cls_folder)
+    assert type(loaded) is transformers.LlamaForSequenceClassification
+    assert torch.equal(_logits(loaded, ids, mask), _logits(classifier, ids, mask))
+    causal = transformers.AutoModelForCausalLM.from_pretrained(cls_folder)
+    assert type(causal) is transformers.LlamaForCausalLM
+
+    lm = _converted()
+    lm_folder = mhc_hf.save_pretrained(lm, tmp_path / "lm")
+    saved = dict(mhc_hf.connection_parameters(lm))
+    for auto, cls in ((transformers.AutoModelForSequenceClassification,
+                       transformers.LlamaForSequenceClassification),
+                      (transformers.AutoModelForTokenClassification,
+                       transformers.LlamaForTokenClassification)):
+        model = auto.from_pretrained(lm_folder)
+        assert type(model) is cls
+        got = dict(mhc_hf.connection_parameters(model))
+        assert got.keys() == saved.keys()
+        assert all(torch.equal(got[k], saved[k]) for k in saved)
+        assert torch.equal(model.model.embed_tokens.weight, lm.model.embed_tokens.weight)
+    with pytest.raises(ValueError, match=r"AutoModelForQuestionAnswering builds "
+                                         r"LlamaForQuestionAnswering, which keeps its decoder "
+                                         r"under 'transformer'.*load it as a LlamaForCausalLM"):
+        transformers.AutoModelForQuestionAnswering.from_pretrained(lm_folder)
+
+
 def test_model_class_comes_from_the_config(tmp_path):
     ids, mask = _batch()
     config = transformers.LlamaConfig(**COMMON, num_labels=3)

@@ -234,6 +234,68 @@ def test_portable_checkpoints_load_with_transformers_alone(tmp_path):
     assert {f: _digest(f) for f in before} == before
 
 
+# Runs with torch_mhc unimportable: the task Auto classes on a classifier's and a causal LM's
+# folders (the folder's own code), writes tasks.json.
+TASK_WORKER = r"""
+import json, sys
+sys.modules["torch_mhc"] = None
+import torch
+import transformers
+
+ref = torch.load("tasks.pt")
+out = {}
+model = transformers.AutoModelForSequenceClassification.from_pretrained(
+    "cls", trust_remote_code=True).eval()
+with torch.no_grad():
+    logits = model(ref["ids"], attention_mask=ref["mask"]).logits
+out["cls"] = [type(model).__name__, ((logits - ref["logits"]).abs().max()
+                                     / ref["logits"].abs().max()).item()]
+for auto in ("AutoModelForSequenceClassification", "AutoModelForTokenClassification"):
+    model = getattr(transformers, auto).from_pretrained("lm", trust_remote_code=True)
+    got = {k: v for k, v in model.state_dict().items() if ".mhc_" in k}
+    out[auto] = [type(model).__name__, sorted(got) == sorted(ref["connections"]),
+                 all(torch.equal(got[k], ref["connections"][k]) for k in got)]
+try:
+    transformers.AutoModelForQuestionAnswering.from_pretrained("lm", trust_remote_code=True)
+    out["qa"] = None
+except ValueError as e:
+    out["qa"] = str(e)
+json.dump(out, open("tasks.json", "w"))
+"""
+
+
+def test_the_folders_code_builds_the_task_auto_classes_classes(tmp_path):
+    """The folder's own code, where torch-mhc is not importable, builds what the library's
+    registered Auto classes build (test_hf_checkpoint's task test): the saved classifier with
+    its head, a causal LM's decoder and connections under a task head, and refuses a head
+    class that keeps its decoder under another name."""
+    torch.manual_seed(0)
+    ids, mask = _batch()
+    classifier = transformers.LlamaForSequenceClassification(
+        transformers.LlamaConfig(**COMMON, num_labels=3)).eval()
+    mhc_hf.convert(classifier, "mhc", streams=3)
+    _perturb(classifier)
+    mhc_hf.save_pretrained(classifier, tmp_path / "cls")
+    lm = FAMILIES["llama"][0]().eval()
+    mhc_hf.convert(lm, "mhc", streams=3)
+    _perturb(lm)
+    mhc_hf.save_pretrained(lm, tmp_path / "lm")
+    connections = {k: v for k, v in lm.state_dict().items() if ".mhc_" in k}
+    torch.save({"ids": ids, "mask": mask, "logits": _logits(classifier, ids, mask),
+                "connections": connections}, tmp_path / "tasks.pt")
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": ""}
+    run = subprocess.run([sys.executable, "-c", TASK_WORKER], cwd=tmp_path, env=env, text=True,
+                         capture_output=True, stdin=subprocess.DEVNULL, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads((tmp_path / "tasks.json").read_text())
+    assert got["cls"][0] == "LlamaForSequenceClassification" and got["cls"][1] <= REL, got
+    assert got["AutoModelForSequenceClassification"] == \
+        ["LlamaForSequenceClassification", True, True]
+    assert got["AutoModelForTokenClassification"] == ["LlamaForTokenClassification", True, True]
+    assert got["qa"] is not None and "keeps its decoder under 'transformer'" in got["qa"]
+
+
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_the_base_class_refuses_the_folder(tmp_path, name):
     """The base architecture's own class (LlamaForCausalLM.from_pretrained(folder), with or

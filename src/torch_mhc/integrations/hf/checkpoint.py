@@ -61,6 +61,7 @@ from torch_mhc.integrations.hf.remote.checkpoint_torch_mhc import (
 from torch_mhc.integrations.hf.remote.configuration_torch_mhc import (
     LOADING_OPTIONS,
     ignoring_connection_keys,
+    task_class,
 )
 
 __all__ = ["save_pretrained", "from_pretrained", "push_to_hub"]
@@ -177,6 +178,13 @@ def from_pretrained(path: str | os.PathLike, **kwargs) -> nn.Module:
     spreads the model over several devices or offloads it is refused: load it onto one device,
     then dispatch it with accelerate.
     """
+    return load_for(None, path, **kwargs)
+
+
+def load_for(auto_class: str | None, path: str | os.PathLike, **kwargs) -> nn.Module:
+    """from_pretrained for transformers' Auto class auto_class (one of TASK_AUTO_CLASSES),
+    which builds the base model type's class for its task (a new head where the checkpoint
+    holds another); None: the class the checkpoint was saved from."""
     from transformers import AutoConfig
 
     if "config" in kwargs:
@@ -204,7 +212,7 @@ def from_pretrained(path: str | os.PathLike, **kwargs) -> nn.Module:
     else:
         config = AutoConfig.from_pretrained(path)
     conversion = _conversion_record(config, tensors, path)
-    cls = _model_class(config, path)
+    cls = task_class(_model_class(config, path), type(config), auto_class)
     _check_device_map(kwargs.get("device_map"))
     with ignoring_connection_keys(cls):
         model = cls.from_pretrained(path, **kwargs)

@@ -24,11 +24,49 @@ PASSED_ON = {"output_hidden_states": False, "return_dict": True, "output_attenti
 # Loading options the base class's from_pretrained takes in its **kwargs: passed to it, not set
 # on the base config (dtype="auto" there breaks the load; attn_implementation is lost there)
 LOADING_OPTIONS = ("dtype", "torch_dtype", "attn_implementation")
+# The Auto classes of the tasks a converted decoder serves: each loads the base model type's
+# class for its task (a causal LM saved, a sequence classifier asked for: the classifier, its
+# head new, as transformers does for a plain folder). Their classes' names in
+# modeling_torch_mhc are "TorchMHC" + the part after "AutoModel".
+TASK_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSequenceClassification",
+                     "AutoModelForTokenClassification", "AutoModelForQuestionAnswering")
 # where transformers finds this folder's code (config.json's auto_map)
 AUTO_MAP = {
     "AutoConfig": "configuration_torch_mhc.TorchMHCConfig",
-    "AutoModelForCausalLM": "modeling_torch_mhc.TorchMHCForCausalLM",
+    **{auto: f"modeling_torch_mhc.TorchMHC{auto[len('AutoModel'):]}"
+       for auto in TASK_AUTO_CLASSES},
 }
+
+
+def task_class(saved: type, config_class: type, auto_class: str | None) -> type:
+    """The class a load builds: the one the folder was saved from (auto_class None), or the
+    base model type's class for auto_class's task (one of TASK_AUTO_CLASSES), as transformers
+    builds a plain folder's model for the Auto class asked. AutoModelForCausalLM for a model
+    type without a causal LM class builds the saved class."""
+    if auto_class is None:
+        return saved
+    if auto_class not in TASK_AUTO_CLASSES:
+        raise ValueError(f"expected one of {TASK_AUTO_CLASSES}, got {auto_class!r}")
+    import transformers
+
+    try:
+        cls = getattr(transformers, auto_class)._model_mapping[config_class]
+    except KeyError:
+        if auto_class == "AutoModelForCausalLM":
+            return saved
+        raise ValueError(
+            f"transformers has no {auto_class} class for model type "
+            f"{config_class.model_type!r}; this folder holds a converted {saved.__name__}"
+        ) from None
+    if cls.base_model_prefix != saved.base_model_prefix:
+        # (transformers itself loads none of such a folder's weights, without a word)
+        raise ValueError(
+            f"{auto_class} builds {cls.__name__}, which keeps its decoder under "
+            f"{cls.base_model_prefix!r}; the {saved.__name__} this folder holds keeps it under "
+            f"{saved.base_model_prefix!r}, so none of the folder's weights would load: load it "
+            f"as a {saved.__name__}"
+        )
+    return cls
 
 
 # The base architecture's own class reads the folder's base_config: transformers' config
@@ -42,8 +80,10 @@ AUTO_MAP = {
 # change). (transformers never writes either key into config.json.)
 REFUSED = "refused by torch-mhc:"
 NOT_THE_BASE_MODEL = (f"{REFUSED} this folder holds a converted model; load it with "
-                      "AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True) or "
-                      "torch_mhc.hf.from_pretrained(folder), not with its base class (where "
+                      "AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True) "
+                      "(a classifier: AutoModelForSequenceClassification or "
+                      "AutoModelForTokenClassification) or torch_mhc.hf.from_pretrained(folder), "
+                      "not with its base class (where "
                       "torch_mhc.hf.from_pretrained itself stops here, the installed torch-mhc "
                       "is older than the folder: update torch-mhc)")
 # the implementations a load may choose: they carry the sentence in base_config, and a

@@ -1,10 +1,13 @@
-"""A causal LM converted by torch-mhc, loaded by transformers alone (trust_remote_code=True).
+"""A model converted by torch-mhc, loaded by transformers alone (trust_remote_code=True).
 
     model = AutoModelForCausalLM.from_pretrained(folder_or_repo, trust_remote_code=True)
 
 builds the base model named in config.json's base_config (e.g. LlamaForCausalLM) with
 transformers, converts its decoder layers as torch_mhc.hf.convert does and loads the
-connections from mhc_connections.safetensors. The model returned is an instance of the base
+connections from mhc_connections.safetensors. AutoModelForSequenceClassification,
+AutoModelForTokenClassification and AutoModelForQuestionAnswering build the base model type's
+class for their task instead (e.g. LlamaForSequenceClassification; a head the folder does not
+hold starts new, as from a plain folder). The model returned is an instance of the base
 class whose decoder layers run two connections each (mhc_attn around norm1 + attention,
 mhc_mlp around norm2 + MLP); the first layer expands the hidden states to n streams, the last
 one reduces them (the mean) before the final norm. The connections here compute their maps
@@ -35,7 +38,12 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .checkpoint_torch_mhc import CODE_FILES, CONNECTIONS_FILE, is_connection, write_folder
-from .configuration_torch_mhc import LOADING_OPTIONS, TorchMHCConfig, ignoring_connection_keys
+from .configuration_torch_mhc import (
+    LOADING_OPTIONS,
+    TorchMHCConfig,
+    ignoring_connection_keys,
+    task_class,
+)
 from .connections import MAX_LITE_STREAMS, make_connection
 
 _IMPLS = ("auto", "reference", "cpu", "triton", "inductor")
@@ -243,8 +251,10 @@ def _base_class(config: TorchMHCConfig) -> type:
     return cls
 
 
-def load(path, config: TorchMHCConfig | None, model_args: tuple, kwargs: dict) -> nn.Module:
-    """The converted model saved in path (a folder or a Hub repository)."""
+def load(path, config: TorchMHCConfig | None, model_args: tuple, kwargs: dict,
+         auto_class: str | None = None) -> nn.Module:
+    """The converted model saved in path (a folder or a Hub repository): the class it was
+    saved from, or auto_class's for its base model type (configuration's task_class)."""
     from transformers.utils import cached_file
 
     hub = {k: kwargs[k] for k in _HUB if k in kwargs}
@@ -252,7 +262,8 @@ def load(path, config: TorchMHCConfig | None, model_args: tuple, kwargs: dict) -
         config = TorchMHCConfig.from_pretrained(path, **hub)
     check_conversion(config.mhc_conversion)  # before any weight is read
     check_layers(config.mhc_layers, None)
-    cls = _base_class(config)
+    base_type = type(config.base()[0])  # (the base config's checks first)
+    cls = task_class(_base_class(config), base_type, auto_class)
     kwargs = {k: v for k, v in kwargs.items() if k not in ("trust_remote_code", "code_revision")}
     params = {*inspect.signature(cls.from_pretrained).parameters, *LOADING_OPTIONS}
     named = {k: v for k, v in kwargs.items() if k in params}
@@ -282,20 +293,39 @@ class PortableSave:
                             {name: here / name for name in CODE_FILES})
 
 
-class TorchMHCForCausalLM(PreTrainedModel):
-    """Loads the converted base model (see the module docstring); it is never built itself."""
+class _TorchMHCAuto(PreTrainedModel):
+    """Loads the converted base model for auto_class (see the module docstring); it is never
+    built itself."""
 
     config_class = TorchMHCConfig
     base_model_prefix = "model"
+    auto_class = "AutoModelForCausalLM"
 
     def __init__(self, config, *args, **kwargs):
-        raise TypeError("a torch-mhc converted model is built from its checkpoint: "
-                        "AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)")
+        raise TypeError(f"a torch-mhc converted model is built from its checkpoint: "
+                        f"{self.auto_class}.from_pretrained(path, trust_remote_code=True)")
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, **kwargs):
-        return load(pretrained_model_name_or_path, config, model_args, kwargs)
+        return load(pretrained_model_name_or_path, config, model_args, kwargs, cls.auto_class)
 
     @classmethod
     def _from_config(cls, config, **kwargs):
         cls(config)
+
+
+# config.json's auto_map names these (configuration's AUTO_MAP)
+class TorchMHCForCausalLM(_TorchMHCAuto):
+    auto_class = "AutoModelForCausalLM"
+
+
+class TorchMHCForSequenceClassification(_TorchMHCAuto):
+    auto_class = "AutoModelForSequenceClassification"
+
+
+class TorchMHCForTokenClassification(_TorchMHCAuto):
+    auto_class = "AutoModelForTokenClassification"
+
+
+class TorchMHCForQuestionAnswering(_TorchMHCAuto):
+    auto_class = "AutoModelForQuestionAnswering"
