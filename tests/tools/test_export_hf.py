@@ -215,7 +215,9 @@ def test_refusals_leave_everything_as_it_was(runs, tmp_path, capsys):
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     code, _, err = run(["export-hf", runs["mhc"], out], capsys)
-    assert_one_line_error(code, err, "exists and is not empty; pass --overwrite")
+    # (not a hint to pass --overwrite, which would not replace it either)
+    assert_one_line_error(code, err, "exists, is not empty and is not an earlier export")
+    assert "pass --overwrite" not in err
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     # --overwrite replaces an earlier export only: not a user's file, nor a training run
     code, _, err = run(["export-hf", runs["mhc"], out, "--overwrite"], capsys)
@@ -231,6 +233,8 @@ def test_refusals_leave_everything_as_it_was(runs, tmp_path, capsys):
     (out / "keep.txt").unlink()
     code, _, err = run(["export-hf", runs["mhc"], out], capsys)
     assert code == 0, err
+    code, _, err = run(["export-hf", runs["hc"], out], capsys)
+    assert_one_line_error(code, err, "holds an earlier export; pass --overwrite to replace it")
     code, _, err = run(["export-hf", runs["hc"], out, "--overwrite"], capsys)
     assert code == 0, err  # an export replaced by another
     assert {p.name for p in out.iterdir()} == FILES

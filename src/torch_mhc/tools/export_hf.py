@@ -185,13 +185,13 @@ def _check_out_dir(given: Path, out: Path, run: Path, overwrite: bool) -> None:
         raise UsageError(f"{given} is the current folder or holds it, which the export would "
                          "replace; name another folder (e.g. a new one inside it)")
     if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise UsageError(f"{given} exists and is not empty; pass --overwrite to replace it")
-        if not _is_export(out):
+        if not _is_export(out):  # (--overwrite would not help: say so before suggesting it)
             raise UsageError(
-                f"{given} is not an earlier export (no config.json of model_type "
-                f"{MODEL_TYPE!r}); --overwrite replaces only an export, so that no run or "
-                "other file is lost: name another folder")
+                f"{given} exists, is not empty and is not an earlier export (no config.json "
+                f"of model_type {MODEL_TYPE!r}); --overwrite replaces only an export, so that "
+                "no run or other file is lost: name another folder")
+        if not overwrite:
+            raise UsageError(f"{given} holds an earlier export; pass --overwrite to replace it")
 
 
 def _is_export(folder: Path) -> bool:
