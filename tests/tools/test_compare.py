@@ -109,10 +109,11 @@ def test_report_md_contents(tiny_report):
         assert f"({name})" in md
 
 
-def test_compare_refuses_a_file_as_out(tmp_path, capsys):
+@pytest.mark.parametrize("flag", ["--out", "--out-dir"])  # --out-dir: as `mhc train` names it
+def test_compare_refuses_a_file_as_out(tmp_path, capsys, flag):
     target = tmp_path / "report"
     target.write_text("keep me")
-    assert main(["compare", "--out", str(target), "--preset", "tiny"]) == 2
+    assert main(["compare", flag, str(target), "--preset", "tiny"]) == 2
     err = capsys.readouterr().err
     assert err.strip() == (f"mhc compare: error: --out {target} exists and is a file, expected "
                            "a folder (or nothing)")

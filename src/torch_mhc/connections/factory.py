@@ -116,10 +116,17 @@ def _check_options(kind: str, kwargs: dict) -> None:
     cls, takes = _CLASSES[kind], connection_options(kind)
     unknown = sorted(set(kwargs) - set(takes))
     if unknown:
-        close = {u: difflib.get_close_matches(u, takes, n=1) for u in unknown}
-        hints = "".join(f" ({u}: did you mean {c[0]}?)" for u, c in close.items() if c)
         raise TypeError(f"make_connection: {kind!r} ({cls.__name__}) takes no option(s) "
-                        f"{unknown}{hints}; its options: {', '.join(takes)}")
+                        f"{unknown}{option_hints(unknown, takes)}; its options: "
+                        f"{', '.join(takes)}")
+
+
+def option_hints(unknown: Iterable[str], takes: Iterable[str]) -> str:
+    """' (sinkhorn_iter: did you mean sinkhorn_iters?)' for each unknown option name close to
+    one of takes; '' for none."""
+    takes = list(takes)
+    close = {u: difflib.get_close_matches(u, takes, n=1) for u in unknown}
+    return "".join(f" ({u}: did you mean {c[0]}?)" for u, c in close.items() if c)
 
 
 def check_streams(kind: str, n: int) -> None:

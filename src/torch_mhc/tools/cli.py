@@ -164,7 +164,8 @@ def _add_compare(subparsers) -> None:
         "same seed, data order and steps, on one or more seeds; write report.json, report.md "
         "and PNG figures to --out. Precedence: preset < --config file < flags.",
     )
-    p.add_argument("--out", required=True, metavar="DIR", help="folder for the report")
+    p.add_argument("--out", "--out-dir", dest="out", required=True, metavar="DIR",
+                   help="folder for the report")
     p.add_argument("--preset", default="default", choices=_compare_presets(),
                    help="size of the comparison (default: default, about 5 min on 2 cores)")
     p.add_argument("--config", metavar="FILE.toml", help="TOML file of config keys")

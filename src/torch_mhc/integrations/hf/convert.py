@@ -26,6 +26,7 @@ from torch import nn
 
 from torch_mhc import __version__
 from torch_mhc.connections import Connection, connection_options, make_connection
+from torch_mhc.connections.factory import option_hints
 from torch_mhc.integrations.hf.layers import (
     ConversionError,
     branches,
@@ -106,8 +107,8 @@ def check_options(kind: str, streams: int, options: dict) -> None:
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(
-            f"unknown connection option(s) {unknown} for kind {kind!r}; expected "
-            f"{sorted(known) if known else 'none'}"
+            f"unknown connection option(s) {unknown}{option_hints(unknown, sorted(known))} "
+            f"for kind {kind!r}; expected {sorted(known) if known else 'none'}"
         )
     make_connection(kind, 8, streams, 0, lambda h: h, **options)
 

@@ -50,7 +50,8 @@ def _list_of(kind: type, what: str):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", required=True, metavar="DIR", help="folder of the sweep")
+    p.add_argument("--out", "--out-dir", dest="out", required=True, metavar="DIR",
+                   help="folder of the sweep")
     p.add_argument("--preset", default=None, choices=sorted(PRESETS),
                    help=f"grid and training settings (default: {DEFAULT_PRESET}; smoke: "
                    "seconds, for tests)")

@@ -28,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="steps of every continuation")
     parser.add_argument("--seeds", type=int, default=1, metavar="S",
                         help="continue on S seeds, paired across kinds (default: 1)")
-    parser.add_argument("--out", required=True, metavar="DIR", help="folder of the results")
+    parser.add_argument("--out", "--out-dir", dest="out", required=True, metavar="DIR",
+                        help="folder of the results")
     parser.add_argument("--streams", type=int, default=None, metavar="n",
                         help="streams of the converted kinds (default: the run's streams)")
     parser.add_argument("--seed", type=int, default=None,
