@@ -421,6 +421,9 @@ def test_unknown_connection_options_are_refused():
                                          r"'impl', 'norm_eps', 'pre_eps', 'res_init_diag', "
                                          r"'sinkhorn_eps', 'sinkhorn_iters'\]"):
         mhc_hf.convert(model, "mhc", zz=2, bogus=1, sinkhorn_iters=7)
+    with pytest.raises(ValueError, match=r"\['sinkhorn_iter'\] \(sinkhorn_iter: did you mean "
+                                         r"sinkhorn_iters\?\) for kind 'mhc'"):
+        mhc_hf.convert(model, "mhc", sinkhorn_iter=7)
     with pytest.raises(ValueError, match=r"\['sinkhorn_iters'\] for kind 'hc'; expected "
                                          r"\['check_finite', 'dynamic', 'impl', 'norm_eps'\]"):
         mhc_hf.convert(model, "hc", sinkhorn_iters=7)
