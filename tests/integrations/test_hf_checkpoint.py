@@ -340,6 +340,14 @@ def test_the_task_auto_classes_build_their_task_s_class(tmp_path):
                                          r"LlamaForQuestionAnswering, which keeps its decoder "
                                          r"under 'transformer'.*load it as a LlamaForCausalLM"):
         transformers.AutoModelForQuestionAnswering.from_pretrained(lm_folder)
+    # the bare decoder's folder: its connections lack the heads' prefix; AutoModelForCausalLM
+    # builds the saved class, as it did before the task classes
+    bare_folder = mhc_hf.save_pretrained(_converted(transformers.LlamaModel), tmp_path / "bare")
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(bare_folder)) \
+        is transformers.LlamaModel
+    with pytest.raises(ValueError, match=r"holds the bare decoder LlamaModel, whose connections "
+                                         r"are stored without the prefix 'model'"):
+        transformers.AutoModelForSequenceClassification.from_pretrained(bare_folder)
 
 
 def test_model_class_comes_from_the_config(tmp_path):

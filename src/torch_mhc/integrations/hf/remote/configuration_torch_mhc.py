@@ -41,32 +41,37 @@ AUTO_MAP = {
 def task_class(saved: type, config_class: type, auto_class: str | None) -> type:
     """The class a load builds: the one the folder was saved from (auto_class None), or the
     base model type's class for auto_class's task (one of TASK_AUTO_CLASSES), as transformers
-    builds a plain folder's model for the Auto class asked. AutoModelForCausalLM for a model
-    type without a causal LM class builds the saved class."""
+    builds a plain folder's model for the Auto class asked. Where that class cannot take the
+    folder's decoder and connections as they are stored (a model type without that task's
+    class; a class keeping its decoder under another name; a folder of the bare decoder,
+    stored without the heads' prefix), AutoModelForCausalLM builds the saved class and the
+    other Auto classes refuse."""
     if auto_class is None:
         return saved
     if auto_class not in TASK_AUTO_CLASSES:
         raise ValueError(f"expected one of {TASK_AUTO_CLASSES}, got {auto_class!r}")
     import transformers
 
-    try:
-        cls = getattr(transformers, auto_class)._model_mapping[config_class]
-    except KeyError:
-        if auto_class == "AutoModelForCausalLM":
-            return saved
-        raise ValueError(
-            f"transformers has no {auto_class} class for model type "
-            f"{config_class.model_type!r}; this folder holds a converted {saved.__name__}"
-        ) from None
-    if cls.base_model_prefix != saved.base_model_prefix:
+    mapping = getattr(transformers, auto_class)._model_mapping
+    cls = mapping[config_class] if config_class in mapping else None
+    if cls is saved:
+        return cls
+    if cls is None:
+        why = f"transformers has no {auto_class} class for model type {config_class.model_type!r}"
+    elif transformers.AutoModel._model_mapping.get(config_class, None) is saved:
+        why = (f"{auto_class} builds {cls.__name__}; this folder holds the bare decoder "
+               f"{saved.__name__}, whose connections are stored without the prefix "
+               f"{cls.base_model_prefix!r} {cls.__name__} gives them")
+    elif cls.base_model_prefix != saved.base_model_prefix:
         # (transformers itself loads none of such a folder's weights, without a word)
-        raise ValueError(
-            f"{auto_class} builds {cls.__name__}, which keeps its decoder under "
-            f"{cls.base_model_prefix!r}; the {saved.__name__} this folder holds keeps it under "
-            f"{saved.base_model_prefix!r}, so none of the folder's weights would load: load it "
-            f"as a {saved.__name__}"
-        )
-    return cls
+        why = (f"{auto_class} builds {cls.__name__}, which keeps its decoder under "
+               f"{cls.base_model_prefix!r}; the {saved.__name__} this folder holds keeps it "
+               f"under {saved.base_model_prefix!r}, so none of the folder's weights would load")
+    else:
+        return cls
+    if auto_class == "AutoModelForCausalLM":
+        return saved
+    raise ValueError(f"{why}: load it as a {saved.__name__} (torch_mhc.hf.from_pretrained)")
 
 
 # The base architecture's own class reads the folder's base_config: transformers' config
