@@ -320,8 +320,9 @@ def test_the_task_auto_classes_build_their_task_s_class(tmp_path):
     loaded = transformers.AutoModelForSequenceClassification.from_pretrained(cls_folder)
     assert type(loaded) is transformers.LlamaForSequenceClassification
     assert torch.equal(_logits(loaded, ids, mask), _logits(classifier, ids, mask))
-    causal = transformers.AutoModelForCausalLM.from_pretrained(cls_folder)
-    assert type(causal) is transformers.LlamaForCausalLM
+    # AutoModelForCausalLM builds the saved class, whatever it is (as it always has)
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(cls_folder)) \
+        is transformers.LlamaForSequenceClassification
 
     lm = _converted()
     lm_folder = mhc_hf.save_pretrained(lm, tmp_path / "lm")
@@ -336,17 +337,27 @@ def test_the_task_auto_classes_build_their_task_s_class(tmp_path):
         assert got.keys() == saved.keys()
         assert all(torch.equal(got[k], saved[k]) for k in saved)
         assert torch.equal(model.model.embed_tokens.weight, lm.model.embed_tokens.weight)
+    # the head's labels given to the load reach the base config
+    five = transformers.AutoModelForSequenceClassification.from_pretrained(lm_folder,
+                                                                           num_labels=5)
+    assert five.config.num_labels == 5 and five.score.out_features == 5
+    named = transformers.AutoModelForSequenceClassification.from_pretrained(
+        lm_folder, id2label={0: "neg", 1: "pos", 2: "mid"},
+        problem_type="multi_label_classification")
+    assert named.config.id2label == {0: "neg", 1: "pos", 2: "mid"}
+    assert named.score.out_features == 3
+    assert named.config.problem_type == "multi_label_classification"
     with pytest.raises(ValueError, match=r"AutoModelForQuestionAnswering builds "
                                          r"LlamaForQuestionAnswering, which keeps its decoder "
-                                         r"under 'transformer'.*load it as a LlamaForCausalLM"):
+                                         r"under 'transformer'.*load it as the LlamaForCausalLM "
+                                         r"it was saved as, with AutoModelForCausalLM"):
         transformers.AutoModelForQuestionAnswering.from_pretrained(lm_folder)
-    # the bare decoder's folder: its connections lack the heads' prefix; AutoModelForCausalLM
-    # builds the saved class, as it did before the task classes
+    # the bare decoder's folder: its connections lack the heads' prefix
     bare_folder = mhc_hf.save_pretrained(_converted(transformers.LlamaModel), tmp_path / "bare")
     assert type(transformers.AutoModelForCausalLM.from_pretrained(bare_folder)) \
         is transformers.LlamaModel
     with pytest.raises(ValueError, match=r"holds the bare decoder LlamaModel, whose connections "
-                                         r"are stored without the prefix 'model'"):
+                                         r"are stored without the prefix 'model' that"):
         transformers.AutoModelForSequenceClassification.from_pretrained(bare_folder)
 
 

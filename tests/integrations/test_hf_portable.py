@@ -255,6 +255,11 @@ for auto in ("AutoModelForSequenceClassification", "AutoModelForTokenClassificat
     got = {k: v for k, v in model.state_dict().items() if ".mhc_" in k}
     out[auto] = [type(model).__name__, sorted(got) == sorted(ref["connections"]),
                  all(torch.equal(got[k], ref["connections"][k]) for k in got)]
+five = transformers.AutoModelForSequenceClassification.from_pretrained(
+    "lm", trust_remote_code=True, num_labels=5)
+out["labels"] = [five.config.num_labels, five.score.out_features]
+out["causal"] = type(transformers.AutoModelForCausalLM.from_pretrained(
+    "cls", trust_remote_code=True)).__name__
 try:
     transformers.AutoModelForQuestionAnswering.from_pretrained("lm", trust_remote_code=True)
     out["qa"] = None
@@ -267,8 +272,9 @@ json.dump(out, open("tasks.json", "w"))
 def test_the_folders_code_builds_the_task_auto_classes_classes(tmp_path):
     """The folder's own code, where torch-mhc is not importable, builds what the library's
     registered Auto classes build (test_hf_checkpoint's task test): the saved classifier with
-    its head, a causal LM's decoder and connections under a task head, and refuses a head
-    class that keeps its decoder under another name."""
+    its head, a causal LM's decoder and connections under a task head with the labels asked
+    for, the saved class through AutoModelForCausalLM, and refuses a head class that keeps
+    its decoder under another name."""
     torch.manual_seed(0)
     ids, mask = _batch()
     classifier = transformers.LlamaForSequenceClassification(
@@ -293,6 +299,8 @@ def test_the_folders_code_builds_the_task_auto_classes_classes(tmp_path):
     assert got["AutoModelForSequenceClassification"] == \
         ["LlamaForSequenceClassification", True, True]
     assert got["AutoModelForTokenClassification"] == ["LlamaForTokenClassification", True, True]
+    assert got["labels"] == [5, 5]
+    assert got["causal"] == "LlamaForSequenceClassification"  # the saved class
     assert got["qa"] is not None and "keeps its decoder under 'transformer'" in got["qa"]
 
 

@@ -139,6 +139,10 @@ def test_errors():
                                   torch.ones(3), torch.zeros(3), torch.zeros(3), torch.zeros(1))
     with pytest.raises(ValueError, match="unknown variant"):
         ref.variant_maps("mhc", x, None, None, None, None)
+    for kind in ref.VARIANT_KINDS:  # (mhc-lite's n! table would take -1 as its last entry)
+        for n in (0, -1):
+            with pytest.raises(ValueError, match=rf"{kind} needs n >= 1 streams, got {n}"):
+                ref.res_count(kind, n)
     with pytest.raises(ValueError, match="expects phi"):
         cpu_variants.variant_maps("kromhc", torch.randn(2, 4, 4), torch.zeros(16, 9),
                                   torch.ones(3), torch.zeros(4), torch.zeros(4), torch.zeros(2))

@@ -75,6 +75,8 @@ def check_variant(kind: str, n: int) -> None:
     """Raise a ValueError if `kind` is not a successor or cannot use n streams."""
     if kind not in VARIANT_KINDS:
         raise ValueError(f"unknown variant {kind!r}; expected one of {VARIANT_KINDS}")
+    if n < 1:
+        raise ValueError(f"{kind} needs n >= 1 streams, got {n}")
     if kind == "mhc-lite" and n > MHC_LITE_MAX_STREAMS:
         raise ValueError(
             f"mhc-lite mixes all n! permutation matrices and supports n <= "

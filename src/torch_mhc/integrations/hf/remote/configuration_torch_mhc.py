@@ -20,14 +20,18 @@ CONVERSION_KEY = "mhc_conversion"  # the base config's attribute that records th
 OWN_KEYS = ("base_model_type", "base_config", CONVERSION_KEY, "mhc_layers")
 # settings a load may pass (AutoModel puts them on this config), with their defaults: a value
 # other than the default reaches the base config
-PASSED_ON = {"output_hidden_states": False, "return_dict": True, "output_attentions": False}
+PASSED_ON = {"output_hidden_states": False, "return_dict": True, "output_attentions": False,
+             # a task head's labels (num_labels=5 sets both maps), for the task Auto classes
+             "id2label": {0: "LABEL_0", 1: "LABEL_1"}, "label2id": {"LABEL_0": 0, "LABEL_1": 1},
+             "problem_type": None}
 # Loading options the base class's from_pretrained takes in its **kwargs: passed to it, not set
 # on the base config (dtype="auto" there breaks the load; attn_implementation is lost there)
 LOADING_OPTIONS = ("dtype", "torch_dtype", "attn_implementation")
-# The Auto classes of the tasks a converted decoder serves: each loads the base model type's
-# class for its task (a causal LM saved, a sequence classifier asked for: the classifier, its
-# head new, as transformers does for a plain folder). Their classes' names in
-# modeling_torch_mhc are "TorchMHC" + the part after "AutoModel".
+# The Auto classes that load a converted folder: AutoModelForCausalLM the class it was saved
+# from, whatever it is; the others the base model type's class for their task (a causal LM
+# saved, a sequence classifier asked for: the classifier, its head new, as transformers does
+# for a plain folder). Their classes' names in modeling_torch_mhc are "TorchMHC" + the part
+# after "AutoModel".
 TASK_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSequenceClassification",
                      "AutoModelForTokenClassification", "AutoModelForQuestionAnswering")
 # where transformers finds this folder's code (config.json's auto_map)
@@ -39,14 +43,13 @@ AUTO_MAP = {
 
 
 def task_class(saved: type, config_class: type, auto_class: str | None) -> type:
-    """The class a load builds: the one the folder was saved from (auto_class None), or the
-    base model type's class for auto_class's task (one of TASK_AUTO_CLASSES), as transformers
-    builds a plain folder's model for the Auto class asked. Where that class cannot take the
-    folder's decoder and connections as they are stored (a model type without that task's
-    class; a class keeping its decoder under another name; a folder of the bare decoder,
-    stored without the heads' prefix), AutoModelForCausalLM builds the saved class and the
-    other Auto classes refuse."""
-    if auto_class is None:
+    """The class a load builds: the one the folder was saved from (auto_class None or
+    AutoModelForCausalLM), or the base model type's class for auto_class's task (one of
+    TASK_AUTO_CLASSES), as transformers builds a plain folder's model for the Auto class
+    asked. A ValueError where that class cannot take the folder's decoder and connections as
+    they are stored: a model type without the task's class, a class keeping its decoder under
+    another name, a folder of the bare decoder (stored without the heads' prefix)."""
+    if auto_class is None or auto_class == "AutoModelForCausalLM":
         return saved
     if auto_class not in TASK_AUTO_CLASSES:
         raise ValueError(f"expected one of {TASK_AUTO_CLASSES}, got {auto_class!r}")
@@ -54,14 +57,14 @@ def task_class(saved: type, config_class: type, auto_class: str | None) -> type:
 
     mapping = getattr(transformers, auto_class)._model_mapping
     cls = mapping[config_class] if config_class in mapping else None
-    if cls is saved:
-        return cls
     if cls is None:
         why = f"transformers has no {auto_class} class for model type {config_class.model_type!r}"
+    elif cls is saved:
+        return cls
     elif transformers.AutoModel._model_mapping.get(config_class, None) is saved:
         why = (f"{auto_class} builds {cls.__name__}; this folder holds the bare decoder "
                f"{saved.__name__}, whose connections are stored without the prefix "
-               f"{cls.base_model_prefix!r} {cls.__name__} gives them")
+               f"{cls.base_model_prefix!r} that {cls.__name__} gives them")
     elif cls.base_model_prefix != saved.base_model_prefix:
         # (transformers itself loads none of such a folder's weights, without a word)
         why = (f"{auto_class} builds {cls.__name__}, which keeps its decoder under "
@@ -69,9 +72,9 @@ def task_class(saved: type, config_class: type, auto_class: str | None) -> type:
                f"under {saved.base_model_prefix!r}, so none of the folder's weights would load")
     else:
         return cls
-    if auto_class == "AutoModelForCausalLM":
-        return saved
-    raise ValueError(f"{why}: load it as a {saved.__name__} (torch_mhc.hf.from_pretrained)")
+    raise ValueError(f"{why}: load it as the {saved.__name__} it was saved as, with "
+                     f"AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True) "
+                     f"or torch_mhc.hf.from_pretrained(folder)")
 
 
 # The base architecture's own class reads the folder's base_config: transformers' config
@@ -86,8 +89,9 @@ def task_class(saved: type, config_class: type, auto_class: str | None) -> type:
 REFUSED = "refused by torch-mhc:"
 NOT_THE_BASE_MODEL = (f"{REFUSED} this folder holds a converted model; load it with "
                       "AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True) "
-                      "(a classifier: AutoModelForSequenceClassification or "
-                      "AutoModelForTokenClassification) or torch_mhc.hf.from_pretrained(folder), "
+                      "(the class it was saved as; for a task's head, AutoModelFor"
+                      "SequenceClassification, TokenClassification or QuestionAnswering) or "
+                      "torch_mhc.hf.from_pretrained(folder), "
                       "not with its base class (where "
                       "torch_mhc.hf.from_pretrained itself stops here, the installed torch-mhc "
                       "is older than the folder: update torch-mhc)")

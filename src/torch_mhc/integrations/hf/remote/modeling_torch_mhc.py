@@ -262,12 +262,12 @@ def load(path, config: TorchMHCConfig | None, model_args: tuple, kwargs: dict,
         config = TorchMHCConfig.from_pretrained(path, **hub)
     check_conversion(config.mhc_conversion)  # before any weight is read
     check_layers(config.mhc_layers, None)
-    base_type = type(config.base()[0])  # (the base config's checks first)
-    cls = task_class(_base_class(config), base_type, auto_class)
+    saved = _base_class(config)
     kwargs = {k: v for k, v in kwargs.items() if k not in ("trust_remote_code", "code_revision")}
-    params = {*inspect.signature(cls.from_pretrained).parameters, *LOADING_OPTIONS}
+    params = {*inspect.signature(saved.from_pretrained).parameters, *LOADING_OPTIONS}
     named = {k: v for k, v in kwargs.items() if k in params}
     base_config, unused = config.base(**{k: v for k, v in kwargs.items() if k not in params})
+    cls = task_class(saved, type(base_config), auto_class)
     file = cached_file(path, CONNECTIONS_FILE, **hub)
     with ignoring_connection_keys(cls):
         model = cls.from_pretrained(path, *model_args, config=base_config, **named, **unused)
