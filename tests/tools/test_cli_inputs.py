@@ -377,6 +377,29 @@ def test_a_refused_run_says_only_why(tmp_path, tiny_flags, capsys):
     assert_one_line_error(code, err, "exists: pass resume (--resume) to continue that run")
 
 
+def test_resuming_another_run_into_a_folder_holding_one_is_refused(tmp_path, tiny_flags, capsys):
+    """--resume PATH forks the run at PATH into out_dir; where out_dir holds a run of its own
+    that would replace it (its checkpoints, its metrics) without a word. Its own checkpoint
+    as PATH continues it."""
+    x, y = tmp_path / "x", tmp_path / "y"
+    for out, kind in ((x, "mhc"), (y, "residual")):
+        code, _, err = run(["train", *tiny_flags, "--steps", "2", "--connection", kind,
+                            "--out-dir", out], capsys)
+        assert code == 0, err
+    before = {p: p.read_bytes() for p in sorted(x.rglob("*")) if p.is_file()}
+    code, _, err = run(["train", *tiny_flags, "--steps", "4", "--out-dir", x, "--resume", y],
+                       capsys)
+    assert_one_line_error(code, err, f"ckpt exists: resuming {y} into {x} would replace the "
+                                     "run there")
+    assert {p: p.read_bytes() for p in sorted(x.rglob("*")) if p.is_file()} == before
+    code, _, err = run(["train", *tiny_flags, "--steps", "4", "--out-dir", x, "--resume",
+                        x / "ckpt"], capsys)
+    assert code == 0, err
+    code, _, err = run(["train", *tiny_flags, "--steps", "4", "--out-dir", tmp_path / "fork",
+                        "--resume", y], capsys)
+    assert code == 0, err
+
+
 def test_a_refused_comparison_says_only_why(tmp_path, compare_flags, capsys):
     """As mhc train: the warmup warning waits until nothing refuses the comparison, and is
     said once when it runs."""

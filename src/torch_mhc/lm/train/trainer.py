@@ -277,14 +277,20 @@ class Trainer:
                 refuse_symlink(out / name, "the run writes there")
         except SymlinkRefused as e:
             raise ConfigError(e.strerror) from None
-        if cfg.resume is False and not cfg.overwrite:
+        if not cfg.overwrite and not self._resumes_own_run():
             for name in (*ckpt.CANDIDATES, *_OLD_CHECKPOINTS):
-                if (out / name).exists():
+                if not (out / name).exists():
+                    continue
+                if cfg.resume is False:
                     raise ConfigError(
                         f"{out / name} exists: pass resume (--resume) to continue that run, or "
                         "overwrite (--overwrite) to start a new one in its place, or choose "
-                        "another out_dir"
-                    )
+                        "another out_dir")
+                raise ConfigError(
+                    f"{out / name} exists: resuming {cfg.resume} into {out} would replace the "
+                    f"run there (its checkpoints and metrics); choose another out_dir, pass "
+                    f"overwrite (--overwrite) to replace it, or resume (--resume) without a "
+                    f"path to continue the run in {out}")
         if par.is_rank0():
             stale = remove_stale_temp_files(out)
             partial = par.remove_unfinished_save(out / ckpt.LAST_CHECKPOINT,
@@ -292,6 +298,19 @@ class Trainer:
             for p in stale + ([partial] if partial else []):
                 self.printer(f"removed {p.name}, left by an earlier run that stopped mid-write")
         par.barrier()
+
+    def _resumes_own_run(self) -> bool:
+        """Whether this launch continues the run in out_dir: resume = True, or the path of
+        out_dir's own checkpoint (a path that names no checkpoint is left to the resume's
+        own error)."""
+        resume = self.cfg.resume
+        if not isinstance(resume, str):
+            return resume is True
+        try:
+            path = ckpt.find_checkpoint(resume)
+        except ckpt.CheckpointError:
+            return True
+        return path.resolve().parent == Path(self.cfg.out_dir).resolve()
 
     def _open_resume(self) -> tuple[Path | None, dict | None]:
         if self.cfg.resume is False:
