@@ -330,7 +330,8 @@ def test_generate_with_and_without_cache(tmp_path, tiny_flags, capsys):
     code, text, err = run(["generate", "--checkpoint", out, "--prompt", "x" * 20], capsys)
     assert code == 0, err
     assert ("[13 new tokens: as many as the model's max_seq_len 32 leaves after the 20-byte "
-            "prompt; --no-cache" in err)  # positions 0-31 hold the prompt and 12 of them
+            "prompt (the last new token is never fed back, so it takes no position); "
+            "--no-cache" in err)  # positions 0-31 hold the prompt and 12 of them
     assert "[13 tokens in" in err and len(text.encode()) >= 20
     code, text, err = run(["generate", "--checkpoint", out, "--prompt", "x" * 20,
                            "--no-cache", "--temperature", "0"], capsys)

@@ -400,6 +400,31 @@ def test_resuming_another_run_into_a_folder_holding_one_is_refused(tmp_path, tin
     assert code == 0, err
 
 
+def test_an_op_implementation_that_cannot_run_is_bad_input(tmp_path, tiny_flags, capsys,
+                                                           monkeypatch):
+    """TORCH_MHC_IMPL naming no implementation, or the triton ops on the CPU, is the user's
+    input (exit 2, one line), not an internal error; `mhc bench` says so before it runs, and
+    its usage errors are one line like every command's."""
+    monkeypatch.setenv("TORCH_MHC_IMPL", "foo")
+    code, _, err = run(["train", *tiny_flags, "--steps", "1"], capsys)
+    assert_one_line_error(code, err, "environment variable TORCH_MHC_IMPL: unknown op "
+                                     "implementation 'foo'")
+    code, _, err = run(["bench", "--quick", "--only", "saved"], capsys)
+    assert_one_line_error(code, err, "TORCH_MHC_IMPL: unknown op implementation 'foo'")
+    monkeypatch.delenv("TORCH_MHC_IMPL")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    code, _, err = run(["bench", "--quick", "--only", "saved", "--impl", "triton"], capsys)
+    assert_one_line_error(code, err, "impl='triton': the triton ops run on a GPU, got device "
+                                     "cpu")
+    monkeypatch.setenv("TORCH_MHC_IMPL", "triton")
+    code, _, err = run(["train", *tiny_flags, "--steps", "1"], capsys)
+    assert_one_line_error(code, err, "TORCH_MHC_IMPL=triton: the triton ops run on a GPU")
+    monkeypatch.delenv("TORCH_MHC_IMPL")
+    code, _, err = run(["bench", "--quick", "--only", "stepp"], capsys)
+    assert_one_line_error(code, err, "mhc bench: error: argument --only: unknown benchmark(s) "
+                                     "['stepp']")
+
+
 def test_a_refused_comparison_says_only_why(tmp_path, compare_flags, capsys):
     """As mhc train: the warmup warning waits until nothing refuses the comparison, and is
     said once when it runs."""

@@ -143,10 +143,13 @@ class TrainConfig:
         self._validate_numbers()
         self._validate_choices()
         self._validate_paths()
+        from torch_mhc import ops
+
         try:
             device = resolve_device(self.device)
             resolve_dtype(self.dtype, device)
-        except ValueError as e:
+            ops.check_runs_on("auto", device)  # TORCH_MHC_IMPL, which "auto" reads
+        except (ValueError, ops.ImplUnavailableError) as e:
             raise ConfigError(str(e)) from None
         self._validate_parallel()
 

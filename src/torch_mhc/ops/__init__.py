@@ -68,6 +68,7 @@ from torch_mhc.functional import maps as reference
 from torch_mhc.functional import successors as reference_successors
 from torch_mhc.functional.sinkhorn import func_transform_active
 from torch_mhc.ops import checks
+from torch_mhc.ops.checks import ImplUnavailableError, UnknownImplError
 
 # Imported here, outside any torch.compile trace: importing `cpu` registers its custom ops
 # (its native library is built or loaded by the first native op, ops/cpu/native.py).
@@ -77,8 +78,11 @@ from torch_mhc.ops.cpu import variants as cpu_variants
 
 __all__ = [
     "IMPLS",
+    "ImplUnavailableError",
     "Ops",
+    "UnknownImplError",
     "check_impl_name",
+    "check_runs_on",
     "cpu",
     "get_impl",
     "impl_state",
@@ -152,7 +156,8 @@ def check_impl_name(name: str) -> str:
     """Return name if it is "auto" or an implementation; else raise a ValueError."""
     if name == "auto" or name in IMPLS:
         return name
-    raise ValueError(f"unknown op implementation {name!r}; expected one of {('auto', *IMPLS)}")
+    raise UnknownImplError(f"unknown op implementation {name!r}; expected one of "
+                           f"{('auto', *IMPLS)}")
 
 
 def set_default_impl(name: str | None) -> None:
@@ -218,8 +223,8 @@ def resolve_impl_name(
         try:
             if check_impl_name(env) != "auto":
                 return env
-        except ValueError as err:
-            raise ValueError(f"environment variable {ENV_VAR}: {err}") from None
+        except UnknownImplError as err:
+            raise UnknownImplError(f"environment variable {ENV_VAR}: {err}") from None
     if isinstance(device, torch.device):  # a connection's x.device, at every call
         device_type = device.type
     else:
@@ -229,6 +234,21 @@ def resolve_impl_name(
     if device_type == "cuda" and _triton_available():
         return "triton"
     return "reference"
+
+
+def check_runs_on(name: str, device: torch.device | str,
+                  dtype: torch.dtype | None = None) -> str:
+    """resolve_impl_name(name, device, dtype), checked to run there: ImplUnavailableError for
+    the triton ops off the GPU (unless Triton's interpreter runs them, TRITON_INTERPRET=1), as
+    a command checks its input before it starts rather than at the first op."""
+    resolved = resolve_impl_name(name, device, dtype)
+    device = torch.device(device)
+    if (resolved == "triton" and device.type != "cuda"
+            and os.environ.get("TRITON_INTERPRET") != "1"):
+        chosen = f"impl={name!r}" if name != "auto" else f"{ENV_VAR}=triton"
+        raise ImplUnavailableError(f"{chosen}: the triton ops run on a GPU, got device "
+                                   f"{device}; on the CPU use cpu, reference or inductor")
+    return resolved
 
 
 def _composed_maps_pre(module, maps: Callable) -> Callable:

@@ -18,8 +18,17 @@ import numbers
 
 import torch
 
-__all__ = ["check_hc_scalars", "check_hc_shapes", "check_maps_scalars", "check_mhc_shapes",
-           "check_sinkhorn_scalars", "first_derivatives_only"]
+__all__ = ["ImplUnavailableError", "UnknownImplError", "check_hc_scalars", "check_hc_shapes",
+           "check_maps_scalars", "check_mhc_shapes", "check_sinkhorn_scalars",
+           "first_derivatives_only"]
+
+
+class UnknownImplError(ValueError):
+    """An op implementation's name that is none of them (an argument, or TORCH_MHC_IMPL)."""
+
+
+class ImplUnavailableError(RuntimeError):
+    """An op implementation asked for where it cannot run (the triton ops on CPU tensors)."""
 
 
 def first_derivatives_only(impl: str):

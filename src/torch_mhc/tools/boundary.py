@@ -18,8 +18,9 @@ import warnings
 
 from torch_mhc.tools.errors import UsageError
 
-__all__ = ["EXIT_INTERNAL", "EXIT_STATUS", "RaisingParser", "Signals", "fail", "parse",
-           "parse_error", "positive_int", "rank0", "report", "warn_warmup", "warnings_as_lines"]
+__all__ = ["EXIT_INTERNAL", "EXIT_STATUS", "OneLineParser", "RaisingParser", "Signals", "fail",
+           "parse", "parse_error", "positive_int", "rank0", "report", "warn_warmup",
+           "warnings_as_lines"]
 
 EXIT_STATUS = """exit status:
   0    the run finished
@@ -37,8 +38,25 @@ EXIT_STATUS = """exit status:
 EXIT_INTERNAL = 4
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with one-line errors: `mhc train: error: ...`, exit code 2; a flag must be
+    given whole (argparse's prefixes would take `mhc sweep --lr 0.1` as --lrs)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 class RaisingParser(argparse.ArgumentParser):
-    """argparse whose usage errors raise UsageError (the caller prints one line)."""
+    """argparse whose usage errors raise UsageError (the caller prints one line); flags given
+    whole, as OneLineParser's."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         raise UsageError(message)
@@ -194,9 +212,12 @@ def _known_error(prog: str, e: BaseException) -> int:
         storage_errno,
         storage_problem,
     )
+    from torch_mhc.ops.checks import ImplUnavailableError, UnknownImplError
 
     if isinstance(e, ConfigError):  # every rank has the same config: one rank says it
         return fail(prog, f"error: {_one_line(e)}", EXIT_BAD_INPUT, quiet=not rank0())
+    if isinstance(e, UnknownImplError | ImplUnavailableError):  # TORCH_MHC_IMPL, or --impl
+        return fail(prog, f"error: {_one_line(e)}", EXIT_BAD_INPUT)
     if isinstance(e, CheckpointError):
         return fail(prog, f"error: {_one_line(e)}", EXIT_BAD_INPUT)
     if isinstance(e, TrainingDiverged):

@@ -47,6 +47,7 @@ from torch_mhc.tools import boundary
 from torch_mhc.tools.bench.command import BENCH_TOOLS, run_bench, run_bench_tool
 from torch_mhc.tools.boundary import (
     EXIT_STATUS,
+    OneLineParser,
     RaisingParser,
     fail,
     parse,
@@ -61,13 +62,6 @@ __all__ = ["BENCH_TOOLS", "DELEGATED", "EXIT_STATUS", "SUBCOMMANDS", "UsageError
 # what each command imports beyond torch, and the extra that installs it
 _EXTRA_MODULES = {"train": ("numpy", "tqdm"), "compare": ("numpy", "tqdm", "matplotlib"),
                   "upcycle": ("numpy", "tqdm", "matplotlib"), "generate": ("numpy", "tqdm")}
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: `mhc train: error: ...`, exit code 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _require_extra(command: str) -> None:
@@ -350,7 +344,8 @@ def _generate(args: argparse.Namespace, device) -> int:
         new_tokens = min(_DEFAULT_NEW_TOKENS, room) if args.use_cache else _DEFAULT_NEW_TOKENS
         if new_tokens < _DEFAULT_NEW_TOKENS:
             print(f"[{new_tokens} new token{'s' if new_tokens > 1 else ''}: as many as the "
-                  f"model's max_seq_len {cfg.max_seq_len} leaves after the {t0}-byte prompt; "
+                  f"model's max_seq_len {cfg.max_seq_len} leaves after the {t0}-byte prompt "
+                  f"(the last new token is never fed back, so it takes no position); "
                   f"--no-cache slides the context window for more]", file=sys.stderr, flush=True)
     elif args.use_cache and new_tokens > room:
         raise UsageError(
@@ -449,7 +444,7 @@ DELEGATED: dict[str, Callable[[list[str]], int]] = {"cost": _run_cost, "bench": 
 def build_parser() -> argparse.ArgumentParser:
     from torch_mhc import __version__
 
-    parser = _Parser(prog="mhc", description="torch-mhc: residual, HC and mHC side by side.")
+    parser = OneLineParser(prog="mhc", description="torch-mhc: residual, HC and mHC side by side.")
     parser.add_argument("--version", action="version", version=f"torch-mhc {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in SUBCOMMANDS:

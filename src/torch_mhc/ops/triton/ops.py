@@ -67,6 +67,7 @@ from torch_mhc.functional import maps as _ref
 from torch_mhc.functional import successors as _succ
 from torch_mhc.functional.sinkhorn import LINEAR_RANGE
 from torch_mhc.ops.checks import (
+    ImplUnavailableError,
     check_hc_scalars,
     check_maps_scalars,
     check_mhc_shapes,
@@ -385,7 +386,7 @@ def check_tensors(name: str, *tensors: Tensor) -> None:
                 "use impl='cpu' or 'reference' for other dtypes"
             )
         if t.device.type not in ("cuda", "meta") and not _INTERPRETED:
-            raise RuntimeError(
+            raise ImplUnavailableError(
                 f"triton {name} needs CUDA tensors, got a tensor on {t.device}; use impl='cpu', "
                 "or set TRITON_INTERPRET=1 before torch_mhc.ops.triton.kernels is imported "
                 "to run the kernels in Triton's interpreter"

@@ -4,10 +4,10 @@ switches pick the tool wherever they stand on the line (`BENCH_TOOLS`, `run_benc
 
 from __future__ import annotations
 
-import argparse
 import importlib
 
-from torch_mhc.tools.boundary import fail, parse, parse_error
+from torch_mhc.ops.checks import ImplUnavailableError
+from torch_mhc.tools.boundary import OneLineParser, fail, parse, parse_error
 from torch_mhc.tools.errors import UsageError
 
 __all__ = ["BENCH_TOOLS", "run_bench", "run_bench_tool"]
@@ -19,15 +19,15 @@ def run_bench(argv: list[str]) -> int:
             return run_bench_tool(switch, [a for a in argv if a not in BENCH_TOOLS])
     from torch_mhc.tools.bench import suite
 
-    parser = argparse.ArgumentParser(prog="mhc bench", description=suite.DESCRIPTION,
-                                     epilog=suite.EPILOG)
+    parser = OneLineParser(prog="mhc bench", description=suite.DESCRIPTION,
+                           epilog=suite.EPILOG)
     suite.add_arguments(parser)
     args = parse(parser, argv)
     if isinstance(args, int):
         return args
     try:
         suite.check_arguments(args)
-    except (UsageError, ValueError) as e:
+    except (UsageError, ValueError, ImplUnavailableError) as e:
         return fail("mhc bench", f"error: {e}", 2)
     return suite.run_command(args, argv)
 
@@ -47,7 +47,7 @@ def run_bench_tool(switch: str, argv: list[str], prog: str = "mhc bench") -> int
     `<prog>: error: ...`. Returns the exit status."""
     module, tool_prog = BENCH_TOOLS[switch]
     tool = importlib.import_module(module)  # imported only when its switch is given
-    parser = argparse.ArgumentParser(prog=tool_prog, description=tool.__doc__.splitlines()[0])
+    parser = OneLineParser(prog=tool_prog, description=tool.__doc__.splitlines()[0])
     tool.add_arguments(parser)
     args = parse(parser, argv)
     if isinstance(args, int):

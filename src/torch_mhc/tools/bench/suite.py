@@ -207,8 +207,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         args.repeats = 2
     if args.warmup < 0:
         raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
-    _ops.check_impl_name(args.impl)
     _check_device(args.device)
+    _ops.check_runs_on(args.impl, args.device, DTYPES[args.dtype])
     if args.json is not None:
         check_json_path(args.json)
     if args.streams < 2:
