@@ -359,6 +359,15 @@ def test_unknown_flag_points_at_the_subcommand_help(capsys):
                           "(see mhc train --help)")
 
 
+def test_a_flag_is_given_whole(tmp_path, capsys):
+    """argparse would take a prefix of a flag for it: `mhc sweep --lr 0.1` as --lrs."""
+    code, _, err = run(["sweep", "--out", tmp_path / "s", "--lr", "0.1"], capsys)
+    assert_one_line_error(code, err, "unrecognized arguments: --lr 0.1")
+    code, _, err = run(["train", "--ste", "3"], capsys)
+    assert_one_line_error(code, err, "unrecognized arguments: --ste 3")
+    assert not (tmp_path / "s").exists()
+
+
 def test_warmup_not_shorter_than_steps_warns_once(tmp_path, tiny_flags, capsys):
     code, _, err = run(["train", *tiny_flags, "--steps", "2", "--warmup", "5"], capsys)
     assert code == 0, err
