@@ -183,19 +183,17 @@ def compare(out_dir: str | os.PathLike, preset: str = "default", *,
     if on_start is not None:
         on_start()
 
-    # One throwaway step first, so that the one-time costs of a process (thread pools, kernel
-    # initialisation, lazily loaded libraries) land in none of the measured runs; and every
-    # page of the memory-mapped corpus read once, so that no run's peak RSS is charged for
-    # the pages its random batches happen to fault in first.
+    # One throwaway step of each kind first, checkpoint included, so that the one-time costs
+    # of a process (thread pools, kernel initialisation, lazily loaded libraries, the
+    # checkpoint writer) land in none of the measured runs: with the first kind's step alone,
+    # whichever kind ran first measured about 2 MiB more peak memory than it did later
+    # (--preset tiny). And every page of the memory-mapped corpus is read once, so that no
+    # run's peak RSS is charged for the pages its random batches happen to fault in first.
     # The thread count is set once for all of them (each run's own setting is then the count
     # it finds), so that no run starts by resizing torch's thread pool.
     int(np.asarray(corpus.tokens[::4096], dtype=np.int64).sum())
     with torch_threads(base.threads):
-        try:
-            train(replace(configs[kinds[0], seed_list[0]], steps=1, warmup=0, out_dir=None,
-                          eval_batches=1, quiet=True, progress=False), corpus=corpus)
-        except TrainingDiverged:  # the measured run stops alike and is reported as stopped
-            pass
+        _warm_up(configs, kinds, seed_list[0], corpus, out)
         results = _train_runs(configs, kinds, corpus, several_seeds=seeds > 1)
     report = _report(base, preset_label(preset, base), results, corpus,
                      time.perf_counter() - t_start)
@@ -207,6 +205,25 @@ def compare(out_dir: str | os.PathLike, preset: str = "default", *,
                   "earlier comparison into this folder (this one replaces it)",
                   file=sys.stderr, flush=True)
     return report
+
+
+def _warm_up(configs: dict, kinds: tuple[str, ...], seed: int, corpus, out: Path) -> None:
+    """One step of each kind, its checkpoint written into out/.warmup (the same path on every
+    rank under torchrun; removed after)."""
+    folder = out / ".warmup"
+    for kind in kinds:
+        cfg = replace(configs[kind, seed], steps=1, warmup=0, eval_batches=1, quiet=True,
+                      progress=False, out_dir=str(folder / kind), overwrite=True)
+        try:
+            train(cfg, corpus=corpus)
+        except TrainingDiverged:  # the measured run stops alike and is reported as such
+            pass
+        except RunInterrupted as e:  # its checkpoint is the warm-up's, nothing to resume
+            raise e.saying(f"interrupted in the warm-up step of {kind}, before any measured "
+                           "run; run `mhc compare` again to start it over") from None
+    par.barrier()
+    if _rank0():
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _train_runs(configs: dict, kinds: tuple[str, ...], corpus, several_seeds: bool
