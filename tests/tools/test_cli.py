@@ -188,10 +188,14 @@ def test_corrupt_and_mismatched_checkpoints(tmp_path, tiny_flags, capsys, reseal
     code, _, err = run(["generate", "--checkpoint", tampered], capsys)
     assert_one_line_error(code, err, "the weights do not fit the model")
     # a single-file checkpoint of an older version: one line, not a traceback
-    old = tmp_path / "last.pt"
+    old = tmp_path / "old" / "last.pt"
+    old.parent.mkdir()
     torch.save({"model": {}}, old)
     code, _, err = run(["generate", "--checkpoint", old], capsys)
     assert_one_line_error(code, err, "is a file", "no longer read")
+    code, _, err = run(["generate", "--checkpoint", old.parent], capsys)  # its folder
+    assert_one_line_error(code, err, f"no checkpoint at {old.parent}", "it holds last.pt, a "
+                          "single-file checkpoint of an earlier version, which is no longer read")
 
 
 def _files(folder) -> dict:

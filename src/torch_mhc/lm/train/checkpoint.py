@@ -114,9 +114,12 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
         if _is_checkpoint(candidate):
             return candidate
     runs = _runs_inside(path)
+    old = [name for name in ("last.pt", "prev.pt") if (path / name).is_file()]
     hint = (f"; it holds the runs {', '.join(runs)} (a `mhc compare`, `mhc upcycle` or "
             f"`mhc sweep` folder holds one run per kind or cell): pass one of them, e.g. "
-            f"{path / runs[0]}" if runs else "")
+            f"{path / runs[0]}" if runs else
+            f"; it holds {old[0]}, a single-file checkpoint of an earlier version, which is "
+            "no longer read" if old else "")
     raise CheckpointError(f"no checkpoint at {path} (neither a checkpoint folder nor a run "
                           f"folder holding {LAST_CHECKPOINT}/){hint}")
 
