@@ -143,6 +143,20 @@ def test_bad_input_is_one_line_and_exit_2(upcycled, capsys):
     assert not (root / "bad").exists()  # refused before anything was written
 
 
+def test_a_comparison_s_folder_points_at_its_residual_run(upcycled, capsys):
+    """--from a `mhc compare` folder (one run per kind): the residual run is the one to pass,
+    not the first run in it by name."""
+    root, _, _ = upcycled
+    cmp = root / "cmp"
+    if not cmp.exists():
+        shutil.copytree(root / "res", cmp / "residual")
+        shutil.copytree(root / "res", cmp / "hc")
+    assert main(["upcycle", "--from", str(cmp), "--steps", "1", "--out", str(root / "bad2")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"mhc upcycle: error: --from {cmp} holds a comparison's runs, not one run: "
+                   f"pass its residual run, --from {cmp / 'residual'}")
+
+
 def test_a_warmup_past_the_steps_is_warned_of(upcycled, capsys):
     """As mhc train and compare warn: the learning rate would never reach its peak. Once,
     when the first continuation starts; an upcycling refused says only why."""

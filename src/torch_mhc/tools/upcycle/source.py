@@ -57,6 +57,14 @@ class SourceRun:
         return float(history[-1]["val_loss"]) if history else None
 
 
+def _holds_run(folder: Path) -> bool:
+    try:
+        find_checkpoint(folder)
+    except CheckpointError:
+        return False
+    return True
+
+
 def read_source(path: str) -> SourceRun:
     """The run at `path`, checked to be a finished residual run (ConfigError otherwise)."""
     folder = Path(path).expanduser()
@@ -69,6 +77,9 @@ def read_source(path: str) -> SourceRun:
         checkpoint = find_checkpoint(folder)
         state = read_run_state(checkpoint)
     except CheckpointError as e:
+        if _holds_run(folder / "residual"):  # a comparison's folder: its residual run
+            raise ConfigError(f"{where} holds a comparison's runs, not one run: pass its "
+                              f"residual run, --from {folder / 'residual'}") from None
         raise ConfigError(f"{where} is not a `mhc train` run: {e}") from None
     connection = state["model_config"].get("connection")
     if connection != "residual":
