@@ -153,7 +153,8 @@ _loaded: dict[str, Ops] = {}
 
 
 def check_impl_name(name: str) -> str:
-    """Return name if it is "auto" or an implementation; else raise a ValueError."""
+    """Return name if it is "auto" or an implementation; else raise UnknownImplError (a
+    ValueError)."""
     if name == "auto" or name in IMPLS:
         return name
     raise UnknownImplError(f"unknown op implementation {name!r}; expected one of "

@@ -1,4 +1,5 @@
-"""Checks of the ops' scalar arguments, shared by every implementation.
+"""Checks of the ops' scalar arguments, shared by every implementation, and the errors for
+an implementation that does not exist or cannot run where it is asked to.
 
 A kernel takes sinkhorn_iters as a loop count and writes 2 * iters normalisers per token to a
 scratch buffer: zero iterations would index past an empty buffer, so the ops refuse it rather

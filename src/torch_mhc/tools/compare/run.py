@@ -184,11 +184,11 @@ def compare(out_dir: str | os.PathLike, preset: str = "default", *,
         on_start()
 
     # One throwaway step of each kind first, checkpoint included, so that the one-time costs
-    # of a process (thread pools, kernel initialisation, lazily loaded libraries, the
-    # checkpoint writer) land in none of the measured runs: with the first kind's step alone,
-    # whichever kind ran first measured about 2 MiB more peak memory than it did later
-    # (--preset tiny). And every page of the memory-mapped corpus is read once, so that no
-    # run's peak RSS is charged for the pages its random batches happen to fault in first.
+    # of a process (thread pools, kernel initialisation, each kind's lazily loaded libraries,
+    # the checkpoint writer) land in none of the measured runs: at small sizes they are a few
+    # MiB, as large as a run's own growth, and would fall on whichever kind runs first. And
+    # every page of the memory-mapped corpus is read once, so that no run's peak RSS is
+    # charged for the pages its random batches happen to fault in first.
     # The thread count is set once for all of them (each run's own setting is then the count
     # it finds), so that no run starts by resizing torch's thread pool.
     int(np.asarray(corpus.tokens[::4096], dtype=np.int64).sum())
