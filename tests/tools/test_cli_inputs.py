@@ -355,14 +355,22 @@ def test_generate_help_states_defaults(capsys):
 
 def test_unknown_flag_points_at_the_subcommand_help(capsys):
     code, _, err = run(["train", "--bogus"], capsys)
-    assert_one_line_error(code, err, "mhc train: error: unrecognized arguments: --bogus",
-                          "(see mhc train --help)")
+    assert_one_line_error(code, err, "mhc train: error: unrecognized arguments: --bogus "
+                                     "(see mhc train --help)")  # no flag close to it
+    # a misspelt flag: the closest one of its command (as the TOML keys get theirs)
+    code, _, err = run(["train", "--conection", "mhc"], capsys)
+    assert_one_line_error(code, err, "unrecognized arguments: --conection mhc (--conection: "
+                                     "did you mean --connection?) (see mhc train --help)")
+    code, _, err = run(["bench", "--quick", "--sizez=3"], capsys)
+    assert_one_line_error(code, err, "mhc bench: error: unrecognized arguments: --sizez=3 "
+                                     "(--sizez: did you mean --sizes?)")
 
 
 def test_a_flag_is_given_whole(tmp_path, capsys):
     """argparse would take a prefix of a flag for it: `mhc sweep --lr 0.1` as --lrs."""
     code, _, err = run(["sweep", "--out", tmp_path / "s", "--lr", "0.1"], capsys)
-    assert_one_line_error(code, err, "unrecognized arguments: --lr 0.1")
+    assert_one_line_error(code, err, "unrecognized arguments: --lr 0.1 (--lr: did you mean "
+                                     "--lrs?)")
     code, _, err = run(["train", "--ste", "3"], capsys)
     assert_one_line_error(code, err, "unrecognized arguments: --ste 3")
     assert not (tmp_path / "s").exists()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import errno
 import os
 import select
@@ -19,8 +20,8 @@ import warnings
 from torch_mhc.tools.errors import UsageError
 
 __all__ = ["EXIT_INTERNAL", "EXIT_STATUS", "OneLineParser", "RaisingParser", "Signals", "fail",
-           "parse", "parse_error", "positive_int", "rank0", "report", "warn_warmup",
-           "warnings_as_lines"]
+           "parse", "parse_error", "positive_int", "rank0", "report", "unrecognized",
+           "warn_warmup", "warnings_as_lines"]
 
 EXIT_STATUS = """exit status:
   0    the run finished
@@ -40,14 +41,38 @@ EXIT_INTERNAL = 4
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse with one-line errors: `mhc train: error: ...`, exit code 2; a flag must be
-    given whole (argparse's prefixes would take `mhc sweep --lr 0.1` as --lrs)."""
+    given whole (argparse's prefixes would take `mhc sweep --lr 0.1` as --lrs), and an
+    unknown one gets the closest known flag of its command."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(unrecognized(self, parsed, extras))
+        return parsed
+
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def unrecognized(parser: argparse.ArgumentParser, parsed: argparse.Namespace,
+                 extras: list[str]) -> str:
+    """"unrecognized arguments: ..." for what parser left over, each unknown flag followed by
+    the closest flag of the parser or of the subcommand parsed (`--conection: did you mean
+    --connection?`)."""
+    flags = [*parser._option_string_actions]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(parsed, action.dest, None) or "")
+            flags += [*chosen._option_string_actions] if chosen is not None else []
+    given = [e.split("=")[0] for e in extras if e.startswith("-")]
+    hints = "".join(f" ({g}: did you mean {close[0]}?)" for g in given
+                    for close in [difflib.get_close_matches(g, flags, n=1, cutoff=0.75)]
+                    if close)
+    return f"unrecognized arguments: {' '.join(extras)}{hints}"
 
 
 class RaisingParser(argparse.ArgumentParser):

@@ -52,6 +52,7 @@ from torch_mhc.tools.boundary import (
     fail,
     parse,
     rank0,
+    unrecognized,
     warn_warmup,
 )
 from torch_mhc.tools.errors import UsageError
@@ -486,8 +487,7 @@ def _dispatch(argv: list[str]) -> int:
         return e.code if isinstance(e.code, int) else 0
     prog = f"mhc {args.command}"
     if unknown:  # the subcommand's help lists its flags, the top level's does not
-        return fail(prog, f"error: unrecognized arguments: {' '.join(unknown)} (see {prog} "
-                    "--help)", 2)
+        return fail(prog, f"error: {unrecognized(parser, args, unknown)} (see {prog} --help)", 2)
     return args.run(args)
 
 
