@@ -313,7 +313,7 @@ class Connection(nn.Module):
         decoders = _DECODERS.get(id(self))
         if decoders is None or type(x) is not torch.Tensor or not self._plain_input_check:
             return None
-        dec = decoders.get((x.shape, x.dtype, x.is_cpu, threading.get_ident()))
+        dec = decoders.get((x.shape, x.dtype, x.is_cpu, threading.get_ident()))  # _decoder_key
         # _may_decode's checks (the trace's made above), spelled out: each call costs here
         if (dec is None or dec.busy or _diag.ACTIVE is not None or self.check_finite
                 or _dispatch_modes() or _tracing() or func_transform_active()
@@ -358,7 +358,7 @@ class Connection(nn.Module):
         if decoders is None:
             decoders = _DECODERS[id(self)] = {}
             weakref.finalize(self, _DECODERS.pop, id(self), None)
-        key = (x.shape, x.dtype, x.is_cpu, threading.get_ident())
+        key = _decoder_key(x)
         dec = decoders.get(key)
         if dec is not None and dec.busy:  # called again from its own branch: the ops' path
             return None
@@ -431,8 +431,13 @@ def prepared_decoder(conn: Connection, x: torch.Tensor):
     """The prepared decoding path (Ops.decoder's Decoder) that conn keeps for streams of x's
     shape, dtype and kind of device on this thread, or None: for tools and tests that check
     a decoding call took it."""
-    key = (x.shape, x.dtype, x.is_cpu, threading.get_ident())
-    return _DECODERS.get(id(conn), {}).get(key)
+    return _DECODERS.get(id(conn), {}).get(_decoder_key(x))
+
+
+def _decoder_key(x: torch.Tensor) -> tuple:
+    """A connection's decoders' key: the streams' shape, dtype and kind of device, and the
+    thread (Connection._prepared_decoder's lookup, run at every token, spells it out)."""
+    return x.shape, x.dtype, x.is_cpu, threading.get_ident()
 
 
 def assign_parameter(param: torch.Tensor, value: torch.Tensor) -> None:

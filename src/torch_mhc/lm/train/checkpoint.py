@@ -40,6 +40,7 @@ __all__ = [
     "CANDIDATES",
     "CHECKPOINT_FORMAT",
     "LAST_CHECKPOINT",
+    "OLD_CHECKPOINTS",
     "PREVIOUS_CHECKPOINT",
     "check_resumable",
     "find_checkpoint",
@@ -56,6 +57,8 @@ LAST_CHECKPOINT = "ckpt"
 PREVIOUS_CHECKPOINT = "ckpt.prev"
 # where a run folder may hold a complete checkpoint, newest first (ckpt.old: a stopped rotation)
 CANDIDATES = (LAST_CHECKPOINT, "ckpt.old", PREVIOUS_CHECKPOINT)
+# an earlier version's single-file checkpoints in a run folder: no longer read, named when met
+OLD_CHECKPOINTS = ("last.pt", "prev.pt")
 _RUN_STATE_KEYS = ("format", "model_config", "train_config", "step")
 _RESUME_KEYS = ("sampler", "rng", "history", "spike")
 
@@ -114,7 +117,7 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
         if _is_checkpoint(candidate):
             return candidate
     runs = _runs_inside(path)
-    old = [name for name in ("last.pt", "prev.pt") if (path / name).is_file()]
+    old = [name for name in OLD_CHECKPOINTS if (path / name).is_file()]
     hint = (f"; it holds the runs {', '.join(runs)} (a `mhc compare`, `mhc upcycle` or "
             f"`mhc sweep` folder holds one run per kind or cell): pass one of them, e.g. "
             f"{path / runs[0]}" if runs else

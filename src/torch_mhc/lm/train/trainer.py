@@ -61,7 +61,6 @@ __all__ = ["TrainResult", "Trainer", "load_training_corpus", "train"]
 
 _HISTORIES = ("loss_history", "grad_norm_history", "lr_history", "val_history", "gain_history")
 # checkpoints of older versions that a fresh run must not silently replace either
-_OLD_CHECKPOINTS = ("last.pt", "prev.pt")
 # every name the run writes, renames or removes in out_dir: none may be a symbolic link
 _RUN_FILES = (*ckpt.CANDIDATES, "ckpt.partial", "ckpt.deleting", "ckpt.old.deleting",
               "ckpt.prev.deleting", "metrics.jsonl", "tb")
@@ -278,7 +277,7 @@ class Trainer:
         except SymlinkRefused as e:
             raise ConfigError(e.strerror) from None
         if not cfg.overwrite and not self._resumes_own_run():
-            for name in (*ckpt.CANDIDATES, *_OLD_CHECKPOINTS):
+            for name in (*ckpt.CANDIDATES, *ckpt.OLD_CHECKPOINTS):
                 if not (out / name).exists():
                     continue
                 if cfg.resume is False:

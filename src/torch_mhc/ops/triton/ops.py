@@ -1236,7 +1236,7 @@ def _merge_bwd_no_dx(
     x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor, g: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The merge's gradients but x's: f, H_post, H_res."""
-    launches, (_, df, dh_post, dh_res) = plan_merge_bwd(x, f, h_post, h_res, g, write_dx=False)
+    launches, (_, df, dh_post, dh_res) = plan_merge_bwd_no_dx(x, f, h_post, h_res, g)
     _run("post_merge (backward)", launches, x, f, h_res)
     return df, dh_post, dh_res
 
