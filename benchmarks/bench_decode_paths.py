@@ -71,8 +71,7 @@ def _library_from(source: str, tmp: str) -> native.NativeOps:
     if lib is None or command is None:
         raise SystemExit("--against needs the native library and a C compiler")
     out = Path(tmp) / "against.so"
-    native_build._compile(command, [*native_build.FLAGS, *native_build.OPENMP,
-                                    *native_build.tuning_flags()], out, Path(source))
+    native_build._compile(command, native_build.library_flags(), out, Path(source))
     handle = ctypes.CDLL(str(out))
     # a block with its entry points first (90c52e6 on); its size where the source says it
     sizes = []

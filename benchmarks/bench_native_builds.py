@@ -22,6 +22,13 @@ the other cannot give.
     python benchmarks/bench_native_builds.py --against 49cfb2d --pass step --threads 2 \
         --clock wall --repeats 20
 
+`--with-cflags FLAGS` (repeatable) adds a build of this checkout's native.c with FLAGS added
+to the others', so that one source is timed against itself under other flags; a define it
+names (-DTORCH_MHC_SKINNY_W=8) takes the place of the library's define of that name:
+
+    python benchmarks/bench_native_builds.py --with-cflags=-DTORCH_MHC_SKINNY_W=8 \
+        --pass "maps forward"
+
 `--pass connection` times the connection ops of --kind (mhc or hc: HC's backward is a pass
 of its own) forward and backward through autograd, T tokens of n = 4 streams around an
 identity branch (`tools/bench/workloads.connection_step`, what `mhc bench --ops` times), with
@@ -66,6 +73,11 @@ def _source_at(rev: str) -> str:
     return proc.stdout
 
 
+def _macro(flag: str) -> str | None:
+    """The macro a -D flag defines (-DNAME=VALUE: NAME), else None."""
+    return flag[2:].split("=", 1)[0] if flag.startswith("-D") else None
+
+
 def _build(source: str, cflags: list[str], out_dir: Path, name: str) -> native.NativeOps:
     command = build._compiler()
     if command is None:
@@ -74,8 +86,9 @@ def _build(source: str, cflags: list[str], out_dir: Path, name: str) -> native.N
     src.write_text(source)
     lib = out_dir / f"{name}.so"
     print(f"building {name} ...", file=sys.stderr, flush=True)
-    build._compile(command, [*build.FLAGS, *build.OPENMP, *build.tuning_flags(), *cflags],
-                   lib, src)
+    named = {_macro(f) for f in cflags} - {None}
+    ours = [f for f in build.library_flags() if _macro(f) not in named]
+    build._compile(command, [*ours, *cflags], lib, src)
     return native.NativeOps(lib)
 
 
@@ -112,8 +125,10 @@ def _time_restoring(make_steps, repeats: int, clock: str) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--against", nargs="+", required=True, metavar="REV",
+    p.add_argument("--against", nargs="+", default=[], metavar="REV",
                    help="git revisions whose native.c to build beside this checkout's")
+    p.add_argument("--with-cflags", action="append", default=[], metavar="FLAGS",
+                   help="also build this checkout's native.c with FLAGS added (repeatable)")
     p.add_argument("--pass", dest="name", default="maps backward",
                    choices=(*PASSES, STEP, CONNECTION))
     p.add_argument("--kind", choices=("mhc", "hc"), default="mhc",
@@ -128,6 +143,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="process CPU time (one thread) or wall time (two threads share it)")
     p.add_argument("--json", help="also write the JSON here")
     args = p.parse_args(argv)
+    if not args.against and not args.with_cflags:
+        p.error("nothing to time this checkout against: give --against REV or --with-cflags "
+                "FLAGS")
     if min(args.tokens, args.dim, args.threads, args.layers) < 1 or args.repeats < 2:
         p.error("--tokens, --dim, --threads and --layers must be >= 1 and --repeats >= 2, "
                 f"got {args.tokens}, {args.dim}, {args.threads}, {args.layers}, "
@@ -135,11 +153,14 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     cflags = shlex.split(args.cflags)
     # every source first, so that a wrong revision is refused before a minute of building
-    sources = {"this checkout": build.SOURCE.read_text(),
-               **{rev: _source_at(rev) for rev in args.against}}
+    here = build.SOURCE.read_text()
+    sources = {"this checkout": (here, cflags),
+               **{rev: (_source_at(rev), cflags) for rev in args.against},
+               **{f"this checkout, {extra}": (here, [*cflags, *shlex.split(extra)])
+                  for extra in args.with_cflags}}
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {name: _build(text, cflags, Path(tmp), f"build{i}")
-                for i, (name, text) in enumerate(sources.items())}
+        libs = {name: _build(text, flags, Path(tmp), f"build{i}")
+                for i, (name, (text, flags)) in enumerate(sources.items())}
         if args.name == STEP:
             times = _time_restoring(lambda: _model_steps(libs, args.dim, args.layers),
                                     args.repeats, args.clock)
@@ -157,7 +178,8 @@ def main(argv: list[str] | None = None) -> None:
              else {"tokens": args.tokens})
     if args.name == CONNECTION:
         shape["kind"] = args.kind
-    config = {"pass": args.name, "against": args.against, "cflags": args.cflags, **shape,
+    config = {"pass": args.name, "against": args.against, "cflags": args.cflags,
+              "with_cflags": args.with_cflags, **shape,
               "streams": 4, "dim": args.dim, "threads": args.threads,
               "repeats": args.repeats, "clock": args.clock}
     print(script_report(config, results, args.json))

@@ -93,7 +93,7 @@ def patched_library(out_dir: Path) -> ctypes.CDLL:
     if command is None:
         raise SystemExit("no C compiler (cc, gcc or clang on PATH, or set CC)")
     print("building the patched native.c ...", file=sys.stderr, flush=True)
-    build._compile(command, [*build.FLAGS, *build.OPENMP, *build.tuning_flags()], lib, src)
+    build._compile(command, build.library_flags(), lib, src)
     dll = ctypes.CDLL(str(lib))
     P, I, D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
     for name, types in {"seam_fwd": [P] * 13 + [I] * 6, "seam_bwd": [P] * 19 + [I] * 6,

@@ -1106,14 +1106,23 @@ def test_mhc_maps_with_rows_hundreds_apart_are_finite_and_exact(cpu_path):
         assert_close(got, want, 2e-5)
 
 
-def test_tuning_flags_ask_for_wide_vectors_on_intel_avx512_only(monkeypatch):
+def test_tuning_flags_ask_for_wide_vectors_where_512_bit_fmas_are_whole(monkeypatch):
     monkeypatch.delenv("CFLAGS", raising=False)
-    lines = {"vendor_id": "vendor_id\t: GenuineIntel", "flags": "flags\t: fpu avx2 avx512f"}
+    lines = {"vendor_id": "vendor_id\t: GenuineIntel", "flags": "flags\t: fpu avx2 avx512f",
+             "cpu family": "cpu family\t: 6"}
     monkeypatch.setattr(native_build, "_cpuinfo", lambda field: lines[field])
     assert native_build.tuning_flags() == ["-DTORCH_MHC_SKINNY_W=16"]
     lines["flags"] = "flags\t: fpu avx2"
     assert native_build.tuning_flags() == []
-    lines.update(vendor_id="vendor_id\t: AuthenticAMD", flags="flags\t: fpu avx2 avx512f")
+    # Zen 4 splits a 512-bit FMA in two halves; Zen 5 (family 26) and later do not
+    lines.update({"vendor_id": "vendor_id\t: AuthenticAMD", "flags": "flags\t: fpu avx512f",
+                  "cpu family": "cpu family\t: 25"})
+    assert native_build.tuning_flags() == []
+    lines["cpu family"] = "cpu family\t: 26"
+    assert native_build.tuning_flags() == ["-DTORCH_MHC_SKINNY_W=16"]
+    lines["flags"] = "flags\t: fpu avx2"
+    assert native_build.tuning_flags() == []
+    lines.update({"flags": "flags\t: fpu avx512f", "cpu family": ""})  # no such line
     assert native_build.tuning_flags() == []
     # CFLAGS choosing the width itself: no define of ours to clash with it
     lines.update(vendor_id="vendor_id\t: GenuineIntel")
@@ -1126,8 +1135,10 @@ def narrow_library(tmp_path_factory) -> native.NativeOps:
     """The library built with 8-float skinny vectors whatever the CPU."""
     _need_native()
     out = tmp_path_factory.mktemp("narrow") / "narrow.so"
-    native_build._compile(native_build._compiler(),
-                          [*native_build.FLAGS, "-DTORCH_MHC_SKINNY_W=8"], out)
+    command = native_build._compiler()
+    flags = native_build.library_flags(openmp=False)
+    native_build._compile(command, [f for f in flags if "SKINNY_W" not in f]
+                          + ["-DTORCH_MHC_SKINNY_W=8"], out)
     return native.NativeOps(out)
 
 

@@ -660,6 +660,28 @@ def test_native_builds_script_reads_a_commits_source_and_refuses_a_wrong_one(cap
     assert "--repeats >= 2, got 2048, 512, 1, 8, 1" in capsys.readouterr().err
 
 
+def test_native_builds_script_builds_with_other_flags_in_place_of_the_librarys(monkeypatch,
+                                                                              capsys, tmp_path):
+    """--with-cflags: a build of this checkout's source with the flags added, a define it names
+    taking the place of the library's own define of that name (not both on one command line);
+    nothing to time against is refused before anything is built."""
+    from torch_mhc.ops.cpu import build
+
+    module = _bench_script("bench_native_builds")
+    with pytest.raises(SystemExit):
+        module.main([])
+    assert "--against REV or --with-cflags" in capsys.readouterr().err
+    commands = []
+    monkeypatch.setattr(build, "_compiler", lambda: ["cc"])
+    monkeypatch.setattr(build, "library_flags",
+                        lambda openmp=True: ["-O3", "-DTORCH_MHC_SKINNY_W=16", "-DKEEP=1"])
+    monkeypatch.setattr(build, "_compile", lambda command, flags, lib, src: commands.append(
+        flags))
+    monkeypatch.setattr(module.native, "NativeOps", lambda path: path)
+    module._build("int x;", ["-DTORCH_MHC_SKINNY_W=8", "-mno-avx512f"], tmp_path, "b")
+    assert commands == [["-O3", "-DKEEP=1", "-DTORCH_MHC_SKINNY_W=8", "-mno-avx512f"]]
+
+
 def test_native_builds_script_runs_the_model_step_on_each_build_and_restores_the_library():
     """benchmarks/bench_native_builds.py --pass step: each entry runs the mHC model's training
     step with its own build as the library every pass calls, and the library loaded before

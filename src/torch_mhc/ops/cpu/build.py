@@ -41,7 +41,9 @@ from pathlib import Path
 
 from torch_mhc.runtime.files import atomic_write, fsync_dir
 
-__all__ = ["build_decode_calls", "build_library", "cache_dir", "warn_fallback"]
+__all__ = [
+    "build_decode_calls", "build_library", "cache_dir", "library_flags", "warn_fallback",
+]
 
 SOURCE = Path(__file__).with_name("native.c")
 DECODE_CALLS_SOURCE = Path(__file__).with_name("decode_calls.c")
@@ -91,23 +93,36 @@ def _cpuinfo(field: str) -> str:
 
 
 def _cpu_signature() -> str:
-    """What -march=native depends on: the machine and its CPU flags."""
-    return f"{platform.machine()}|{platform.processor()}|{_cpuinfo('flags')}"
+    """What -march=native and tuning_flags depend on: the machine, its CPU family and
+    flags."""
+    return (f"{platform.machine()}|{platform.processor()}|{_cpuinfo('cpu family')}|"
+            f"{_cpuinfo('flags')}")
 
 
 def tuning_flags() -> list[str]:
-    """Defines for this CPU: 16-float vectors in the training forward's x @ phi on Intel
-    CPUs with AVX-512 (native.c's xphi_tile16; measured on a Xeon with two 512-bit FMA ports,
-    where they do twice the 8-float vectors' work per cycle; Zen 4 runs a 512-bit FMA as two
-    halves, so there they would do no more work and the padding would cost a third more).
-    None where $CFLAGS sets TORCH_MHC_SKINNY_W itself (-DTORCH_MHC_SKINNY_W=8: the 8-float
-    loops, for Intel parts with one 512-bit FMA port)."""
+    """Defines for this CPU: 16-float vectors in the training forward's x @ phi where a
+    512-bit FMA does twice the work of a 256-bit one (native.c's xphi_tile16): Intel CPUs
+    with AVX-512 (measured on a Xeon with two 512-bit FMA ports) and AMD's from Zen 5 (CPU
+    family 26) on, whose FMA units are 512 bits wide. Zen 4 (family 25) runs a 512-bit FMA
+    as two halves, so there they would do no more work and the padding would cost a third
+    more. None where $CFLAGS sets TORCH_MHC_SKINNY_W itself (-DTORCH_MHC_SKINNY_W=8: the
+    8-float loops, for Intel parts with one 512-bit FMA port)."""
     if "TORCH_MHC_SKINNY_W" in os.environ.get("CFLAGS", ""):
         return []
-    flags = _cpuinfo("flags").split()
-    if "GenuineIntel" in _cpuinfo("vendor_id") and "avx512f" in flags:
+    if "avx512f" not in _cpuinfo("flags").split():
+        return []
+    vendor = _cpuinfo("vendor_id")
+    family = _cpuinfo("cpu family").rpartition(":")[2].strip()
+    if "GenuineIntel" in vendor or ("AuthenticAMD" in vendor and family.isdigit()
+                                    and int(family) >= 26):
         return ["-DTORCH_MHC_SKINNY_W=16"]
     return []
+
+
+def library_flags(openmp: bool = True) -> list[str]:
+    """The flags the library is built with, before $CFLAGS: ours, OpenMP's (with openmp)
+    and the CPU's tuning defines."""
+    return [*FLAGS, *(OPENMP if openmp else []), *tuning_flags()]
 
 
 def _sha256(path: Path) -> str:
@@ -157,9 +172,10 @@ def build_library(rebuild: bool = False) -> Path | None:
     if command is None:
         warn_fallback("no C compiler: none of $CC, cc, gcc, clang found")
         return None
-    extra = [*tuning_flags(), *shlex.split(os.environ.get("CFLAGS", ""))]
+    cflags = shlex.split(os.environ.get("CFLAGS", ""))
     errors = []
-    for flags in ([*FLAGS, *OPENMP, *extra], [*FLAGS, *extra]):
+    for flags in ([*library_flags(), *cflags],
+                  [*library_flags(openmp=False), *cflags]):
         lib = _library_path(command, flags)
         if not rebuild and lib.exists() and _verified(lib):
             return lib

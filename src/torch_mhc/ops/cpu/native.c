@@ -540,6 +540,19 @@ INLINE float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
 INLINE v8 v8load(const float* p) { v8 v; memcpy(&v, p, sizeof v); return v; }
 INLINE void v8store(float* p, v8 v) { memcpy(p, &v, sizeof v); }
 
+/* acc + s p, fused where the CPU has FMA. x @ phi's 8- and 16-float tiles sum the same
+   logits and must round them alike (decoding reads the narrow table, the training forward
+   the wide one): left to -ffp-contract=fast, GCC's tunings for AMD's Zen (what -march=native
+   picks there) kept a single token's chain of 256-bit multiply-adds unfused and fused the
+   512-bit one, and the two tables' logits came out last bits apart on a Zen 5. */
+INLINE v8 fma8(v8 acc, float s, v8 p) {
+#if defined(__FMA__)
+    return (v8)_mm256_fmadd_ps(_mm256_set1_ps(s), (__m256)p, (__m256)acc);
+#else
+    return acc + s * p;
+#endif
+}
+
 INLINE void xphi_tile(const void* x, const float* phip, int64_t t, int64_t K, const int TT,
                       const int MV, float* z, int bf) {
     v8 acc[MAX_TILE][MAX_MV];
@@ -550,7 +563,7 @@ INLINE void xphi_tile(const void* x, const float* phip, int64_t t, int64_t K, co
         for (int v = 0; v < MV; ++v) p[v] = v8load(phip + (k * MV + v) * WG);
         for (int u = 0; u < TT; ++u) {
             const float s = lds(x, (t + u) * K + k, bf);
-            for (int v = 0; v < MV; ++v) acc[u][v] += s * p[v];
+            for (int v = 0; v < MV; ++v) acc[u][v] = fma8(acc[u][v], s, p[v]);
         }
     }
     for (int u = 0; u < TT; ++u)
@@ -580,7 +593,9 @@ INLINE void xphi_tile16(const void* x, const float* phip, int64_t t, int64_t K, 
         for (int v = 0; v < MV16; ++v) memcpy(&p[v], phip + (k * MV16 + v) * 16, sizeof p[v]);
         for (int u = 0; u < TT; ++u) {
             const float s = lds(x, (t + u) * K + k, bf);
-            for (int v = 0; v < MV16; ++v) acc[u][v] += s * p[v];
+            for (int v = 0; v < MV16; ++v)  /* fused, as fma8 */
+                acc[u][v] = (v16)_mm512_fmadd_ps(_mm512_set1_ps(s), (__m512)p[v],
+                                                 (__m512)acc[u][v]);
         }
     }
     for (int u = 0; u < TT; ++u)
