@@ -73,9 +73,15 @@ def _source_at(rev: str) -> str:
     return proc.stdout
 
 
-def _macro(flag: str) -> str | None:
-    """The macro a -D flag defines (-DNAME=VALUE: NAME), else None."""
-    return flag[2:].split("=", 1)[0] if flag.startswith("-D") else None
+def _macros(flags: list[str]) -> set[str]:
+    """The macros flags define (-DNAME=VALUE and -D NAME=VALUE: NAME)."""
+    named = set()
+    for i, flag in enumerate(flags):
+        if flag == "-D" and i + 1 < len(flags):
+            named.add(flags[i + 1].split("=", 1)[0])
+        elif flag.startswith("-D") and len(flag) > 2:
+            named.add(flag[2:].split("=", 1)[0])
+    return named
 
 
 def _build(source: str, cflags: list[str], out_dir: Path, name: str) -> native.NativeOps:
@@ -86,8 +92,8 @@ def _build(source: str, cflags: list[str], out_dir: Path, name: str) -> native.N
     src.write_text(source)
     lib = out_dir / f"{name}.so"
     print(f"building {name} ...", file=sys.stderr, flush=True)
-    named = {_macro(f) for f in cflags} - {None}
-    ours = [f for f in build.library_flags() if _macro(f) not in named]
+    named = _macros(cflags)
+    ours = [f for f in build.library_flags() if not _macros([f]) & named]
     build._compile(command, [*ours, *cflags], lib, src)
     return native.NativeOps(lib)
 

@@ -1106,10 +1106,20 @@ def test_mhc_maps_with_rows_hundreds_apart_are_finite_and_exact(cpu_path):
         assert_close(got, want, 2e-5)
 
 
+def test_cpuinfo_reads_a_field_by_its_whole_key(monkeypatch):
+    """"model" is the model number's line, not "model name" nor "model id" before it."""
+    monkeypatch.setattr(native_build, "_cpuinfo_lines", lambda: (
+        "vendor_id\t: AuthenticAMD", "model name\t: AMD EPYC", "model id\t: 7",
+        "model\t\t: 2", "vmx flags\t: ept", "flags\t\t: fpu avx512f"))
+    assert native_build._cpuinfo("model") == "model\t\t: 2"
+    assert native_build._cpuinfo("flags") == "flags\t\t: fpu avx512f"
+    assert native_build._cpuinfo("cpu family") == ""
+
+
 def test_tuning_flags_ask_for_wide_vectors_where_512_bit_fmas_are_whole(monkeypatch):
     monkeypatch.delenv("CFLAGS", raising=False)
     lines = {"vendor_id": "vendor_id\t: GenuineIntel", "flags": "flags\t: fpu avx2 avx512f",
-             "cpu family": "cpu family\t: 6"}
+             "cpu family": "cpu family\t: 6", "model": "model\t\t: 143"}
     monkeypatch.setattr(native_build, "_cpuinfo", lambda field: lines[field])
     assert native_build.tuning_flags() == ["-DTORCH_MHC_SKINNY_W=16"]
     lines["flags"] = "flags\t: fpu avx2"
@@ -1118,7 +1128,11 @@ def test_tuning_flags_ask_for_wide_vectors_where_512_bit_fmas_are_whole(monkeypa
     lines.update({"vendor_id": "vendor_id\t: AuthenticAMD", "flags": "flags\t: fpu avx512f",
                   "cpu family": "cpu family\t: 25"})
     assert native_build.tuning_flags() == []
-    lines["cpu family"] = "cpu family\t: 26"
+    lines.update({"cpu family": "cpu family\t: 26", "model": "model\t\t: 2"})  # an EPYC
+    assert native_build.tuning_flags() == ["-DTORCH_MHC_SKINNY_W=16"]
+    lines["model"] = "model\t\t: 36"  # Strix Point (0x24): AVX-512 on 256-bit datapaths
+    assert native_build.tuning_flags() == []
+    lines["model"] = "model\t\t: 68"  # a desktop part (0x44)
     assert native_build.tuning_flags() == ["-DTORCH_MHC_SKINNY_W=16"]
     lines["flags"] = "flags\t: fpu avx2"
     assert native_build.tuning_flags() == []

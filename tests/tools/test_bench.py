@@ -679,7 +679,21 @@ def test_native_builds_script_builds_with_other_flags_in_place_of_the_librarys(m
         flags))
     monkeypatch.setattr(module.native, "NativeOps", lambda path: path)
     module._build("int x;", ["-DTORCH_MHC_SKINNY_W=8", "-mno-avx512f"], tmp_path, "b")
-    assert commands == [["-O3", "-DKEEP=1", "-DTORCH_MHC_SKINNY_W=8", "-mno-avx512f"]]
+    module._build("int x;", ["-D", "KEEP=2"], tmp_path, "c")
+    assert commands == [["-O3", "-DKEEP=1", "-DTORCH_MHC_SKINNY_W=8", "-mno-avx512f"],
+                        ["-O3", "-DTORCH_MHC_SKINNY_W=16", "-D", "KEEP=2"]]
+    # main: this checkout's source once as it is, once with each --with-cflags (after
+    # --cflags), each with its own flags
+    built = []
+
+    def stop_after_two(source, flags, out_dir, name):
+        built.append((source == build.SOURCE.read_text(), flags))
+        if len(built) == 2:
+            raise SystemExit("stop")
+    monkeypatch.setattr(module, "_build", stop_after_two)
+    with pytest.raises(SystemExit, match="stop"):
+        module.main(["--cflags=-O2", "--with-cflags=-DA=1 -DB"])
+    assert built == [(True, ["-O2"]), (True, ["-O2", "-DA=1", "-DB"])]
 
 
 def test_native_builds_script_runs_the_model_step_on_each_build_and_restores_the_library():

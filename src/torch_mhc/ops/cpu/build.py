@@ -27,6 +27,7 @@ calls).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -83,38 +84,55 @@ def _compiler() -> list[str] | None:
 
 
 def _cpuinfo(field: str) -> str:
-    """The first line of /proc/cpuinfo starting with field ("" where there is none)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            if line.startswith(field):
-                return line
+    """The first line of /proc/cpuinfo whose key is field ("" where there is none)."""
+    for line in _cpuinfo_lines():
+        if line.partition(":")[0].strip() == field:
+            return line
     return ""
 
 
+@functools.cache
+def _cpuinfo_lines() -> tuple[str, ...]:
+    """/proc/cpuinfo's lines up to the first blank one (the first CPU's), read once."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        return ()
+    text = cpuinfo.read_text(errors="replace")
+    return tuple(text.split("\n\n", 1)[0].splitlines())
+
+
 def _cpu_signature() -> str:
-    """What -march=native and tuning_flags depend on: the machine, its CPU family and
-    flags."""
+    """What -march=native and tuning_flags depend on: the machine, its CPU family, model
+    and flags."""
     return (f"{platform.machine()}|{platform.processor()}|{_cpuinfo('cpu family')}|"
-            f"{_cpuinfo('flags')}")
+            f"{_cpuinfo('model')}|{_cpuinfo('flags')}")
+
+
+# AMD's Zen 5 laptop parts (family 26: Strix Point's models 0x20-0x2f, Krackan Point's
+# 0x60-0x6f) run AVX-512 on 256-bit datapaths, as Zen 4 does.
+_ZEN5_HALF_WIDTH_MODELS = (range(0x20, 0x30), range(0x60, 0x70))
 
 
 def tuning_flags() -> list[str]:
     """Defines for this CPU: 16-float vectors in the training forward's x @ phi where a
     512-bit FMA does twice the work of a 256-bit one (native.c's xphi_tile16): Intel CPUs
     with AVX-512 (measured on a Xeon with two 512-bit FMA ports) and AMD's from Zen 5 (CPU
-    family 26) on, whose FMA units are 512 bits wide. Zen 4 (family 25) runs a 512-bit FMA
-    as two halves, so there they would do no more work and the padding would cost a third
-    more. None where $CFLAGS sets TORCH_MHC_SKINNY_W itself (-DTORCH_MHC_SKINNY_W=8: the
-    8-float loops, for Intel parts with one 512-bit FMA port)."""
+    family 26) on, whose server and desktop parts have 512-bit FMA units (measured on an
+    EPYC, model 2). Zen 4 (family 25) and Zen 5's laptop parts run a 512-bit FMA as two
+    halves, so there they would do no more work and the padding would cost a third more.
+    None where $CFLAGS sets TORCH_MHC_SKINNY_W itself (-DTORCH_MHC_SKINNY_W=8: the 8-float
+    loops, for Intel parts with one 512-bit FMA port)."""
     if "TORCH_MHC_SKINNY_W" in os.environ.get("CFLAGS", ""):
         return []
     if "avx512f" not in _cpuinfo("flags").split():
         return []
-    vendor = _cpuinfo("vendor_id")
+    if "GenuineIntel" in _cpuinfo("vendor_id"):
+        return ["-DTORCH_MHC_SKINNY_W=16"]
     family = _cpuinfo("cpu family").rpartition(":")[2].strip()
-    if "GenuineIntel" in vendor or ("AuthenticAMD" in vendor and family.isdigit()
-                                    and int(family) >= 26):
+    model = _cpuinfo("model").rpartition(":")[2].strip()
+    if ("AuthenticAMD" in _cpuinfo("vendor_id") and family.isdigit() and int(family) >= 26
+            and not (int(family) == 26 and model.isdigit()
+                     and any(int(model) in r for r in _ZEN5_HALF_WIDTH_MODELS))):
         return ["-DTORCH_MHC_SKINNY_W=16"]
     return []
 

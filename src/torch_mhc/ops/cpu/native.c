@@ -573,18 +573,19 @@ INLINE void xphi_tile(const void* x, const float* phip, int64_t t, int64_t K, co
 /* The forward's x @ phi with 16-float vectors, where the build sets TORCH_MHC_SKINNY_W=16
    (build.py does on Intel CPUs with AVX-512, whose two 512-bit FMA ports do twice the work
    of 256-bit ones, and on Zen 5 with its 512-bit FMA units; Zen 4 runs a 512-bit FMA as two
-   halves) and phip's padded width is a
-   whole number of them (MV even: any table so padded, as the training forward's are,
-   ops/cpu/ops.py's padded_table(wide=True); a [K, Mp] row reads the same as 8- or 16-float
-   vectors). n = 4's 24 logits then take two vectors of a 32-wide row instead of three of 24:
-   the maps forward ran in 2.25 against 2.86 ms (T = 2048, C = 512, one thread, Xeon with
-   AVX-512, 2026-12-02, 21 interleaved rounds). Calls without autograd (decoding) keep the
-   unpadded 24-wide rows: one token's maps read all of phi, and the padding's third more
-   bytes cost more there than the wider vectors save (the native maps call inside a decoding
-   step: 18.0 against 14.8 us at batch 1, 40.7 against 38.3 us at batch 8). On a Zen 5 the
-   connection's forward and backward took 0.964x the 8-float build's time (T = 2048, C = 512,
-   one thread, 2026-12-04, 30 interleaved rounds). */
-#if defined(TORCH_MHC_SKINNY_W) && TORCH_MHC_SKINNY_W == 16 && defined(__AVX512F__)
+   halves), the CPU has FMA (fma8 fuses only there, and the two tiles must round alike) and
+   phip's padded width is a whole number of them (MV even: any table so padded, as the
+   training forward's are, ops/cpu/ops.py's padded_table(wide=True); a [K, Mp] row reads the
+   same as 8- or 16-float vectors). n = 4's 24 logits then take two vectors of a 32-wide row
+   instead of three of 24: the maps forward ran in 2.25 against 2.86 ms (T = 2048, C = 512,
+   one thread, Xeon with AVX-512, 2026-12-02, 21 interleaved rounds). Calls without autograd
+   (decoding) keep the unpadded 24-wide rows: one token's maps read all of phi, and the
+   padding's third more bytes cost more there than the wider vectors save (the native maps
+   call inside a decoding step: 18.0 against 14.8 us at batch 1, 40.7 against 38.3 us at
+   batch 8). On a Zen 5 the connection's forward and backward took 0.964x the 8-float
+   build's time (T = 2048, C = 512, one thread, 2026-12-04, 30 interleaved rounds). */
+#if defined(TORCH_MHC_SKINNY_W) && TORCH_MHC_SKINNY_W == 16 && defined(__AVX512F__) && \
+    defined(__FMA__)
 #define WIDE_XPHI 1
 INLINE void xphi_tile16(const void* x, const float* phip, int64_t t, int64_t K, const int TT,
                         const int MV16, float* z, int bf) {

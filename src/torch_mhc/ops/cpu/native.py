@@ -185,7 +185,8 @@ class NativeOps:
         self._decoding: tuple | None = None
         self.openmp = bool(self._lib.native_openmp())
         # 16 where the forward's x @ phi runs 16-float vectors over a phi padded to 16 columns
-        # (Intel AVX-512 builds), else 8 (native.c's xphi_tile16)
+        # (the AVX-512 builds build.py asks it for: Intel's, AMD's from Zen 5), else 8
+        # (native.c's xphi_tile16)
         self.skinny_width = int(self._lib.native_skinny_width())
         # whether maps_bwd's per-thread dphi partials are transposed blocks [K / 16, Mp, 16]
         # (AVX-512 builds) or [K, Mp]

@@ -192,10 +192,10 @@ class _MhcMaps(torch.autograd.Function):
 def padded_table(phi: torch.Tensor, wide: bool = False) -> torch.Tensor:
     """phi [K, M] (or HC's W [C, M]) as float32 with its columns zero-padded to whole 8-float
     vectors (native.padded_width), or with wide to whole vectors of the library's widest
-    skinny matmul (16 floats on Intel's AVX-512: the training forward's many tokens run
-    faster on the wider vectors, one decoded token on the unpadded bytes; native.c's
-    xphi_tile16). The autograd forward pads wide; calls without autograd (decoding, a
-    no-grad prefill) share one cached narrow copy."""
+    skinny matmul (16 floats where build.py asks for them: Intel's AVX-512, AMD's from Zen 5;
+    the training forward's many tokens run faster on the wider vectors, one decoded token on
+    the unpadded bytes; native.c's xphi_tile16). The autograd forward pads wide; calls
+    without autograd (decoding, a no-grad prefill) share one cached narrow copy."""
     m = phi.shape[1]
     lib = _native.load() if wide else None
     width = lib.skinny_width if lib is not None else 8
