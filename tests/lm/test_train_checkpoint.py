@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import pickle
+import shlex
 import shutil
 import signal
 import subprocess
@@ -249,7 +250,10 @@ def test_second_run_is_refused_and_ctrl_c_checkpoints(tmp_path, tiny_flags):
             first.kill()
     assert first.returncode == 130
     line = one_line(err)
-    assert line.startswith("mhc train: interrupted after step ") and "resume" in line
+    assert line.startswith("mhc train: interrupted after step ")
+    # the command that continues the run, runnable as printed
+    resume = shlex.join(["mhc", "train", "--out-dir", str(out), "--resume"])
+    assert line.endswith(f"which `{resume}` continues")
     step = int(line.split("after step ")[1].split(";")[0])
     assert load_checkpoint(out)["step"] == step >= 3
     records = [json.loads(s) for s in metrics.read_text().splitlines()]

@@ -36,6 +36,9 @@ def test_train_writes_checkpoint_and_metrics(tmp_path, tiny_flags, capsys):
     first = text.splitlines()[0]
     assert first.startswith("training mhc") and first.endswith(
         "; no out_dir (--out-dir): nothing is saved")
+    # --resume alone: which folder's run to continue, in the flags' words too
+    code, _, err = run(["train", *tiny_flags, "--resume"], capsys)
+    assert code == 2 and "set out_dir (--out-dir) too" in err and "(--resume)" in err
 
 
 def test_toml_config_and_precedence(tmp_path, tiny_flags, capsys):

@@ -213,7 +213,8 @@ class TrainConfig:
         if self.out_dir is not None:
             _check_folder(self.out_dir, "out_dir")
         elif self.resume is True:
-            raise ConfigError("resume = true resumes out_dir/ckpt: set out_dir too")
+            raise ConfigError("resume = true (--resume) continues the run in out_dir/ckpt: set "
+                              "out_dir (--out-dir) too, the folder of the run to continue")
 
     def _validate_parallel(self) -> None:
         """The parallel fields, and the layout for the world size torchrun announces."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shlex
 import signal
 import statistics
 import sys
@@ -539,7 +540,10 @@ class Trainer:
         if self.cfg.out_dir is not None and r.steps > 0 and self.saved_step != r.steps:
             self._checkpoint(r.steps)
         if r.checkpoint:
-            saved = f"checkpoint {r.checkpoint}, which `mhc train --resume` continues"
+            resume = (["--resume", str(r.checkpoint)] if self.cfg.out_dir is None
+                      else ["--out-dir", str(self.cfg.out_dir), "--resume"])
+            saved = (f"checkpoint {r.checkpoint}, which `{shlex.join(['mhc', 'train', *resume])}`"
+                     " continues")
         else:
             saved = ("nothing saved (no out_dir, --out-dir)" if self.cfg.out_dir is None
                      else "no checkpoint")
