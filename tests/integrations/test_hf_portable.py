@@ -426,3 +426,25 @@ def test_the_folders_connections_check_the_branch_output_when_asked(kind, tmp_pa
         checked(x)
     unchecked = remote.make_connection(kind, 4, n, 0, {}, nan_branch)
     assert torch.isnan(unchecked(x)).all()
+
+
+def test_every_auto_map_entry_is_a_class_of_the_folders_code_for_its_auto_class():
+    """config.json's auto_map and the library's registration name the same entry classes,
+    and each is modeling_torch_mhc's class for that Auto class (read from its source: the
+    module imports files that only a saved folder holds beside it)."""
+    import ast
+
+    from torch_mhc.integrations.hf import auto
+    from torch_mhc.integrations.hf.portable import TorchMHCConfig
+    from torch_mhc.integrations.hf.remote import configuration_torch_mhc as conf
+
+    source = Path(conf.__file__).with_name("modeling_torch_mhc.py").read_text()
+    remote = {node.name: stmt.value.value for node in ast.parse(source).body
+              if isinstance(node, ast.ClassDef) for stmt in node.body
+              if isinstance(stmt, ast.Assign) and stmt.targets[0].id == "auto_class"}
+    auto.register()
+    for auto_class in conf.TASK_AUTO_CLASSES:
+        module, name = conf.AUTO_MAP[auto_class].split(".")
+        assert module == "modeling_torch_mhc" and remote[name] == auto_class
+        registered = getattr(transformers, auto_class)._model_mapping[TorchMHCConfig]
+        assert registered.__name__ == name and registered.auto_class == auto_class

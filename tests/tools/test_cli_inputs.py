@@ -364,6 +364,9 @@ def test_unknown_flag_points_at_the_subcommand_help(capsys):
     code, _, err = run(["bench", "--quick", "--sizez=3"], capsys)
     assert_one_line_error(code, err, "mhc bench: error: unrecognized arguments: --sizez=3 "
                                      "(--sizez: did you mean --sizes?)")
+    code, _, err = run(["cost", "--layer", "4"], capsys)  # mhc cost's own parser too
+    assert_one_line_error(code, err, "mhc cost: error: unrecognized arguments: --layer 4 "
+                                     "(--layer: did you mean --layers?)")
 
 
 def test_a_flag_is_given_whole(tmp_path, capsys):

@@ -75,13 +75,8 @@ def unrecognized(parser: argparse.ArgumentParser, parsed: argparse.Namespace,
     return f"unrecognized arguments: {' '.join(extras)}{hints}"
 
 
-class RaisingParser(argparse.ArgumentParser):
-    """argparse whose usage errors raise UsageError (the caller prints one line); flags given
-    whole, as OneLineParser's."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
+class RaisingParser(OneLineParser):
+    """OneLineParser whose usage errors raise UsageError (the caller prints the line)."""
 
     def error(self, message: str):
         raise UsageError(message)
@@ -241,9 +236,9 @@ def _known_error(prog: str, e: BaseException) -> int:
 
     if isinstance(e, ConfigError):  # every rank has the same config: one rank says it
         return fail(prog, f"error: {_one_line(e)}", EXIT_BAD_INPUT, quiet=not rank0())
-    if isinstance(e, UnknownImplError | ImplUnavailableError):  # TORCH_MHC_IMPL, or --impl
-        return fail(prog, f"error: {_one_line(e)}", EXIT_BAD_INPUT)
-    if isinstance(e, CheckpointError):
+    # a checkpoint that cannot be read; an op implementation (TORCH_MHC_IMPL, --impl) that
+    # does not exist or cannot run on the device
+    if isinstance(e, CheckpointError | UnknownImplError | ImplUnavailableError):
         return fail(prog, f"error: {_one_line(e)}", EXIT_BAD_INPUT)
     if isinstance(e, TrainingDiverged):
         return fail(prog, _one_line(e), EXIT_STOPPED)

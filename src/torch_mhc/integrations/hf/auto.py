@@ -21,7 +21,10 @@ from transformers import AutoConfig, PreTrainedModel
 
 from torch_mhc.integrations.hf.checkpoint import load_for
 from torch_mhc.integrations.hf.portable import MODEL_TYPE, TorchMHCConfig
-from torch_mhc.integrations.hf.remote.configuration_torch_mhc import TASK_AUTO_CLASSES
+from torch_mhc.integrations.hf.remote.configuration_torch_mhc import (
+    TASK_AUTO_CLASSES,
+    entry_class_name,
+)
 
 __all__ = ["TorchMHCForCausalLM", "register"]
 
@@ -60,8 +63,8 @@ class TorchMHCForCausalLM(PreTrainedModel):
 def _entry(auto_class: str) -> type:
     if auto_class == TorchMHCForCausalLM.auto_class:
         return TorchMHCForCausalLM
-    name = f"TorchMHC{auto_class[len('AutoModel'):]}"
-    return type(name, (TorchMHCForCausalLM,), {"auto_class": auto_class, "__module__": __name__})
+    return type(entry_class_name(auto_class), (TorchMHCForCausalLM,),
+                {"auto_class": auto_class, "__module__": __name__})
 
 
 def register() -> None:

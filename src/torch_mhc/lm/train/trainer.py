@@ -61,7 +61,6 @@ from torch_mhc.runtime.files import SymlinkRefused, refuse_symlink, remove_stale
 __all__ = ["TrainResult", "Trainer", "load_training_corpus", "train"]
 
 _HISTORIES = ("loss_history", "grad_norm_history", "lr_history", "val_history", "gain_history")
-# checkpoints of older versions that a fresh run must not silently replace either
 # every name the run writes, renames or removes in out_dir: none may be a symbolic link
 _RUN_FILES = (*ckpt.CANDIDATES, "ckpt.partial", "ckpt.deleting", "ckpt.old.deleting",
               "ckpt.prev.deleting", "metrics.jsonl", "tb")

@@ -30,15 +30,21 @@ LOADING_OPTIONS = ("dtype", "torch_dtype", "attn_implementation")
 # The Auto classes that load a converted folder: AutoModelForCausalLM the class it was saved
 # from, whatever it is; the others the base model type's class for their task (a causal LM
 # saved, a sequence classifier asked for: the classifier, its head new, as transformers does
-# for a plain folder). Their classes' names in modeling_torch_mhc are "TorchMHC" + the part
-# after "AutoModel".
+# for a plain folder). Their classes in modeling_torch_mhc are named by entry_class_name.
 TASK_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSequenceClassification",
                      "AutoModelForTokenClassification", "AutoModelForQuestionAnswering")
+
+
+def entry_class_name(auto_class: str) -> str:
+    """The name of auto_class's entry class for a converted folder ("AutoModelForCausalLM":
+    "TorchMHCForCausalLM"), in modeling_torch_mhc and in the library's registration."""
+    return "TorchMHC" + auto_class[len("AutoModel"):]
+
+
 # where transformers finds this folder's code (config.json's auto_map)
 AUTO_MAP = {
     "AutoConfig": "configuration_torch_mhc.TorchMHCConfig",
-    **{auto: f"modeling_torch_mhc.TorchMHC{auto[len('AutoModel'):]}"
-       for auto in TASK_AUTO_CLASSES},
+    **{auto: f"modeling_torch_mhc.{entry_class_name(auto)}" for auto in TASK_AUTO_CLASSES},
 }
 
 
