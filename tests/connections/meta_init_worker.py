@@ -109,14 +109,17 @@ def run_sharded(kind: str, world_size: int) -> dict:
 def main(outdir: str) -> None:
     import torch.distributed as dist
 
+    from torch_mhc.lm.parallel.env import destroy_distributed
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
         out = {kind: run_sharded(kind, dist.get_world_size()) for kind in KINDS}
         torch.save(out, Path(outdir) / f"meta_rank{dist.get_rank()}.pt")
-        dist.barrier()  # leave together: no rank tears gloo down under another's traffic
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        dist.destroy_process_group()  # no barrier: the other rank may never reach one
+        raise
+    destroy_distributed()  # leave together, after gloo's threads are done (see its docstring)
 
 
 if __name__ == "__main__":

@@ -374,12 +374,19 @@ def main(scenario: str, outdir: str) -> None:
     else:
         import torch.distributed as dist
 
+        from torch_mhc.lm.parallel.env import destroy_distributed
+
         dist.init_process_group("gloo")
         rank = dist.get_rank()
         try:
             out = run_parallel(scenario, Path(outdir))
-        finally:
-            dist.destroy_process_group()
+        except BaseException:
+            dist.destroy_process_group()  # no barrier: the other rank may never reach one
+            raise
+        # Not a bare destroy_process_group: torchtitan's groups outlive it, and a gloo thread
+        # still freeing the last collective's tensors when the interpreter exits aborts the
+        # process after all its work is done (see destroy_distributed).
+        destroy_distributed()
     torch.save(out, Path(outdir) / f"{scenario}_rank{rank}.pt")
 
 

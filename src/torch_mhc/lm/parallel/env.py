@@ -125,7 +125,7 @@ def destroy_distributed() -> None:
     """Wait for every process, then stop the default process group (safe to call in any case).
 
     Call it at the end of a run. The barrier keeps a fast rank from closing its connections
-    while a slow one still talks to it. The pause works around a race in gloo (torch 2.13,
+    while a slow one still talks to it. The pause works around a race in gloo (torch 2.13, 2.14,
     pytorch/pytorch#190489): a gloo worker thread may still be releasing the tensors of the
     last collective, which needs the GIL; if the interpreter is already shutting down it
     aborts the process ("terminate called without an active exception") after all the work
