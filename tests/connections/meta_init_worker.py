@@ -109,7 +109,7 @@ def run_sharded(kind: str, world_size: int) -> dict:
 def main(outdir: str) -> None:
     import torch.distributed as dist
 
-    from torch_mhc.lm.parallel.env import destroy_distributed
+    from torch_mhc.lm.parallel import destroy_distributed
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

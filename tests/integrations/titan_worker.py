@@ -374,7 +374,7 @@ def main(scenario: str, outdir: str) -> None:
     else:
         import torch.distributed as dist
 
-        from torch_mhc.lm.parallel.env import destroy_distributed
+        from torch_mhc.lm.parallel import destroy_distributed
 
         dist.init_process_group("gloo")
         rank = dist.get_rank()
