@@ -425,6 +425,30 @@ def test_python_dash_m(tmp_path):
     assert line.endswith(", got 'dense'")
 
 
+def test_an_error_line_is_one_write(monkeypatch):
+    """Ranks that each report an error share one terminal: a line written in two pieces (text,
+    then newline) let two ranks' lines run into one. Each line leaves in one write."""
+    from torch_mhc.lm.train import CheckpointError
+    from torch_mhc.tools import boundary
+
+    class Recorder:
+        def __init__(self):
+            self.writes = []
+
+        def write(self, text):
+            self.writes.append(text)
+            return len(text)
+
+        def flush(self):
+            pass
+
+    err = Recorder()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setenv("RANK", "1")
+    assert boundary.report("mhc train", CheckpointError("checkpoint c is corrupt"), None) == 2
+    assert err.writes == ["mhc train: error: checkpoint c is corrupt\n"]
+
+
 def test_an_interrupt_is_said_by_rank_0_only(monkeypatch, capsys):
     """Under torchrun every rank stops alike at Ctrl-C: rank 0 says so, the others exit with
     the same status in silence (their lines ran into one)."""

@@ -279,7 +279,10 @@ def _first_line(e: BaseException) -> str:
 
 def fail(prog: str, message: str, status: int, quiet: bool = False) -> int:
     if not quiet:
-        print(f"{prog}: {message}", file=sys.stderr)
+        # One write of the whole line: under torchrun every rank shares the terminal, and
+        # print's two writes (text, then newline) let two ranks' lines run into one.
+        sys.stderr.write(f"{prog}: {message}\n")
+        sys.stderr.flush()
     return status
 
 
