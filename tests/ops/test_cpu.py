@@ -1107,39 +1107,39 @@ def test_mhc_maps_with_rows_hundreds_apart_are_finite_and_exact(cpu_path):
 
 
 def test_cpuinfo_reads_a_field_by_its_whole_key(monkeypatch):
-    """"model" is the model number's line, not "model name" nor "model id" before it."""
+    """"model" is the model number's line, not "model name" nor "model id" before it; the
+    value comes without its key."""
     monkeypatch.setattr(native_build, "_cpuinfo_lines", lambda: (
         "vendor_id\t: AuthenticAMD", "model name\t: AMD EPYC", "model id\t: 7",
         "model\t\t: 2", "vmx flags\t: ept", "flags\t\t: fpu avx512f"))
-    assert native_build._cpuinfo("model") == "model\t\t: 2"
-    assert native_build._cpuinfo("flags") == "flags\t\t: fpu avx512f"
+    assert native_build._cpuinfo("model") == "2"
+    assert native_build._cpuinfo("flags") == "fpu avx512f"
     assert native_build._cpuinfo("cpu family") == ""
 
 
 def test_tuning_flags_ask_for_wide_vectors_where_512_bit_fmas_are_whole(monkeypatch):
     monkeypatch.delenv("CFLAGS", raising=False)
-    lines = {"vendor_id": "vendor_id\t: GenuineIntel", "flags": "flags\t: fpu avx2 avx512f",
-             "cpu family": "cpu family\t: 6", "model": "model\t\t: 143"}
+    lines = {"vendor_id": "GenuineIntel", "flags": "fpu avx2 avx512f", "cpu family": "6",
+             "model": "143"}
     monkeypatch.setattr(native_build, "_cpuinfo", lambda field: lines[field])
     assert native_build.tuning_flags() == ["-DTORCH_MHC_SKINNY_W=16"]
-    lines["flags"] = "flags\t: fpu avx2"
+    lines["flags"] = "fpu avx2"
     assert native_build.tuning_flags() == []
     # Zen 4 splits a 512-bit FMA in two halves; Zen 5 (family 26) and later do not
-    lines.update({"vendor_id": "vendor_id\t: AuthenticAMD", "flags": "flags\t: fpu avx512f",
-                  "cpu family": "cpu family\t: 25"})
+    lines.update({"vendor_id": "AuthenticAMD", "flags": "fpu avx512f", "cpu family": "25"})
     assert native_build.tuning_flags() == []
-    lines.update({"cpu family": "cpu family\t: 26", "model": "model\t\t: 2"})  # an EPYC
+    lines.update({"cpu family": "26", "model": "2"})  # an EPYC
     assert native_build.tuning_flags() == ["-DTORCH_MHC_SKINNY_W=16"]
-    lines["model"] = "model\t\t: 36"  # Strix Point (0x24): AVX-512 on 256-bit datapaths
+    lines["model"] = "36"  # Strix Point (0x24): AVX-512 on 256-bit datapaths
     assert native_build.tuning_flags() == []
-    lines["model"] = "model\t\t: 68"  # a desktop part (0x44)
+    lines["model"] = "68"  # a desktop part (0x44)
     assert native_build.tuning_flags() == ["-DTORCH_MHC_SKINNY_W=16"]
-    lines["flags"] = "flags\t: fpu avx2"
+    lines["flags"] = "fpu avx2"
     assert native_build.tuning_flags() == []
-    lines.update({"flags": "flags\t: fpu avx512f", "cpu family": ""})  # no such line
+    lines.update({"flags": "fpu avx512f", "cpu family": ""})  # no such line
     assert native_build.tuning_flags() == []
     # CFLAGS choosing the width itself: no define of ours to clash with it
-    lines.update(vendor_id="vendor_id\t: GenuineIntel")
+    lines.update(vendor_id="GenuineIntel")
     monkeypatch.setenv("CFLAGS", "-O2 -DTORCH_MHC_SKINNY_W=8")
     assert native_build.tuning_flags() == []
 

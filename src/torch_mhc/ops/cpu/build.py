@@ -84,10 +84,12 @@ def _compiler() -> list[str] | None:
 
 
 def _cpuinfo(field: str) -> str:
-    """The first line of /proc/cpuinfo whose key is field ("" where there is none)."""
+    """The value of the first line of /proc/cpuinfo whose key is field ("model": "2"; ""
+    where there is none)."""
     for line in _cpuinfo_lines():
-        if line.partition(":")[0].strip() == field:
-            return line
+        key, _, value = line.partition(":")
+        if key.strip() == field:
+            return value.strip()
     return ""
 
 
@@ -126,11 +128,10 @@ def tuning_flags() -> list[str]:
         return []
     if "avx512f" not in _cpuinfo("flags").split():
         return []
-    if "GenuineIntel" in _cpuinfo("vendor_id"):
+    if _cpuinfo("vendor_id") == "GenuineIntel":
         return ["-DTORCH_MHC_SKINNY_W=16"]
-    family = _cpuinfo("cpu family").rpartition(":")[2].strip()
-    model = _cpuinfo("model").rpartition(":")[2].strip()
-    if ("AuthenticAMD" in _cpuinfo("vendor_id") and family.isdigit() and int(family) >= 26
+    family, model = _cpuinfo("cpu family"), _cpuinfo("model")
+    if (_cpuinfo("vendor_id") == "AuthenticAMD" and family.isdigit() and int(family) >= 26
             and not (int(family) == 26 and model.isdigit()
                      and any(int(model) in r for r in _ZEN5_HALF_WIDTH_MODELS))):
         return ["-DTORCH_MHC_SKINNY_W=16"]
