@@ -73,17 +73,6 @@ def _source_at(rev: str) -> str:
     return proc.stdout
 
 
-def _macros(flags: list[str]) -> set[str]:
-    """The macros flags define (-DNAME=VALUE and -D NAME=VALUE: NAME)."""
-    named = set()
-    for i, flag in enumerate(flags):
-        if flag == "-D" and i + 1 < len(flags):
-            named.add(flags[i + 1].split("=", 1)[0])
-        elif flag.startswith("-D") and len(flag) > 2:
-            named.add(flag[2:].split("=", 1)[0])
-    return named
-
-
 def _build(source: str, cflags: list[str], out_dir: Path, name: str) -> native.NativeOps:
     command = build._compiler()
     if command is None:
@@ -92,9 +81,7 @@ def _build(source: str, cflags: list[str], out_dir: Path, name: str) -> native.N
     src.write_text(source)
     lib = out_dir / f"{name}.so"
     print(f"building {name} ...", file=sys.stderr, flush=True)
-    named = _macros(cflags)
-    ours = [f for f in build.library_flags() if not _macros([f]) & named]
-    build._compile(command, [*ours, *cflags], lib, src)
+    build._compile(command, build.library_flags(cflags=cflags), lib, src)
     return native.NativeOps(lib)
 
 

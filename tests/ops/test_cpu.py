@@ -9,6 +9,7 @@ import hashlib
 import math
 import os
 import select
+import shlex
 import signal
 import subprocess
 import sys
@@ -1138,10 +1139,23 @@ def test_tuning_flags_ask_for_wide_vectors_where_512_bit_fmas_are_whole(monkeypa
     assert native_build.tuning_flags() == []
     lines.update({"flags": "fpu avx512f", "cpu family": ""})  # no such line
     assert native_build.tuning_flags() == []
-    # CFLAGS choosing the width itself: no define of ours to clash with it
-    lines.update(vendor_id="GenuineIntel")
-    monkeypatch.setenv("CFLAGS", "-O2 -DTORCH_MHC_SKINNY_W=8")
-    assert native_build.tuning_flags() == []
+
+
+def test_library_flags_let_cflags_defines_take_the_place_of_ours(monkeypatch):
+    """$CFLAGS (or a benchmark's flags) choosing the width itself: its define replaces the
+    CPU's, in either spelling, and nothing else of ours is dropped."""
+    monkeypatch.setattr(native_build, "tuning_flags",
+                        lambda: ["-DTORCH_MHC_SKINNY_W=16", "-DKEEP"])
+    monkeypatch.delenv("CFLAGS", raising=False)
+    ours = [*native_build.FLAGS, *native_build.OPENMP]
+    assert native_build.library_flags() == [*ours, "-DTORCH_MHC_SKINNY_W=16", "-DKEEP"]
+    monkeypatch.setenv("CFLAGS", "-mno-avx512f -DTORCH_MHC_SKINNY_W=8")  # None: $CFLAGS
+    assert native_build.library_flags() == [*ours, "-DKEEP", "-mno-avx512f",
+                                            "-DTORCH_MHC_SKINNY_W=8"]
+    for cflags in (["-O2", "-DTORCH_MHC_SKINNY_W=8"], ["-D", "TORCH_MHC_SKINNY_W=8"]):
+        assert native_build.library_flags(cflags=cflags) == [*ours, "-DKEEP", *cflags]
+    assert native_build.library_flags(openmp=False, cflags=["-DKEEP=2"]) == [
+        *native_build.FLAGS, "-DTORCH_MHC_SKINNY_W=16", "-DKEEP=2"]
 
 
 @pytest.fixture(scope="module")
@@ -1149,10 +1163,9 @@ def narrow_library(tmp_path_factory) -> native.NativeOps:
     """The library built with 8-float skinny vectors whatever the CPU."""
     _need_native()
     out = tmp_path_factory.mktemp("narrow") / "narrow.so"
-    command = native_build._compiler()
-    flags = native_build.library_flags(openmp=False)
-    native_build._compile(command, [f for f in flags if "SKINNY_W" not in f]
-                          + ["-DTORCH_MHC_SKINNY_W=8"], out)
+    cflags = [*shlex.split(os.environ.get("CFLAGS", "")), "-DTORCH_MHC_SKINNY_W=8"]
+    native_build._compile(native_build._compiler(),
+                          native_build.library_flags(openmp=False, cflags=cflags), out)
     return native.NativeOps(out)
 
 

@@ -673,8 +673,9 @@ def test_native_builds_script_builds_with_other_flags_in_place_of_the_librarys(m
     assert "--against REV or --with-cflags" in capsys.readouterr().err
     commands = []
     monkeypatch.setattr(build, "_compiler", lambda: ["cc"])
-    monkeypatch.setattr(build, "library_flags",
-                        lambda openmp=True: ["-O3", "-DTORCH_MHC_SKINNY_W=16", "-DKEEP=1"])
+    monkeypatch.setattr(build, "FLAGS", ["-O3"])
+    monkeypatch.setattr(build, "OPENMP", [])
+    monkeypatch.setattr(build, "tuning_flags", lambda: ["-DTORCH_MHC_SKINNY_W=16", "-DKEEP=1"])
     monkeypatch.setattr(build, "_compile", lambda command, flags, lib, src: commands.append(
         flags))
     monkeypatch.setattr(module.native, "NativeOps", lambda path: path)

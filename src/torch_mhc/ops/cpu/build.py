@@ -38,12 +38,14 @@ import sys
 import sysconfig
 import tempfile
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 from torch_mhc.runtime.files import atomic_write, fsync_dir
 
 __all__ = [
-    "build_decode_calls", "build_library", "cache_dir", "library_flags", "warn_fallback",
+    "build_decode_calls", "build_library", "cache_dir", "defined_macros", "library_flags",
+    "warn_fallback",
 ]
 
 SOURCE = Path(__file__).with_name("native.c")
@@ -122,10 +124,8 @@ def tuning_flags() -> list[str]:
     family 26) on, whose server and desktop parts have 512-bit FMA units (measured on an
     EPYC, model 2). Zen 4 (family 25) and Zen 5's laptop parts run a 512-bit FMA as two
     halves, so there they would do no more work and the padding would cost a third more.
-    None where $CFLAGS sets TORCH_MHC_SKINNY_W itself (-DTORCH_MHC_SKINNY_W=8: the 8-float
-    loops, for Intel parts with one 512-bit FMA port)."""
-    if "TORCH_MHC_SKINNY_W" in os.environ.get("CFLAGS", ""):
-        return []
+    $CFLAGS may set the width itself (library_flags): -DTORCH_MHC_SKINNY_W=8 keeps the
+    8-float loops, for Intel parts with one 512-bit FMA port."""
     if "avx512f" not in _cpuinfo("flags").split():
         return []
     if _cpuinfo("vendor_id") == "GenuineIntel":
@@ -138,10 +138,27 @@ def tuning_flags() -> list[str]:
     return []
 
 
-def library_flags(openmp: bool = True) -> list[str]:
-    """The flags the library is built with, before $CFLAGS: ours, OpenMP's (with openmp)
-    and the CPU's tuning defines."""
-    return [*FLAGS, *(OPENMP if openmp else []), *tuning_flags()]
+def library_flags(openmp: bool = True, cflags: Sequence[str] | None = None) -> list[str]:
+    """The flags the library is built with: ours, OpenMP's (with openmp) and the CPU's
+    tuning defines, then cflags ($CFLAGS where None), whose defines take the place of ours
+    of the same name (-DTORCH_MHC_SKINNY_W=8 on a CPU that tuning_flags gives 16: one
+    define, not two that the compiler would warn of)."""
+    if cflags is None:
+        cflags = shlex.split(os.environ.get("CFLAGS", ""))
+    given = defined_macros(cflags)
+    ours = [*FLAGS, *(OPENMP if openmp else []), *tuning_flags()]
+    return [*(f for f in ours if not defined_macros([f]) & given), *cflags]
+
+
+def defined_macros(flags: Sequence[str]) -> set[str]:
+    """The names of the macros flags define (-DNAME, -DNAME=VALUE, -D NAME=VALUE)."""
+    names = set()
+    for i, flag in enumerate(flags):
+        if flag == "-D" and i + 1 < len(flags):
+            names.add(flags[i + 1].split("=", 1)[0])
+        elif flag.startswith("-D") and len(flag) > 2:
+            names.add(flag[2:].split("=", 1)[0])
+    return names
 
 
 def _sha256(path: Path) -> str:
@@ -191,10 +208,8 @@ def build_library(rebuild: bool = False) -> Path | None:
     if command is None:
         warn_fallback("no C compiler: none of $CC, cc, gcc, clang found")
         return None
-    cflags = shlex.split(os.environ.get("CFLAGS", ""))
     errors = []
-    for flags in ([*library_flags(), *cflags],
-                  [*library_flags(openmp=False), *cflags]):
+    for flags in (library_flags(), library_flags(openmp=False)):
         lib = _library_path(command, flags)
         if not rebuild and lib.exists() and _verified(lib):
             return lib
