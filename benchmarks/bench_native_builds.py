@@ -176,12 +176,19 @@ def main(argv: list[str] | None = None) -> None:
               "streams": 4, "dim": args.dim, "threads": args.threads,
               "repeats": args.repeats, "clock": args.clock}
     print(script_report(config, results, args.json))
-    print(f"\n| build ({args.name}, cflags {args.cflags or 'none'}) | median ms | min-max ms "
-          "| paired ratio to this checkout (95% interval) |\n|---|---:|---:|---|")
+    print("\n" + _table(results, f"{args.name}, cflags {args.cflags or 'none'}"))
+
+
+def _table(results: dict, label: str) -> str:
+    """The builds' times and paired ratios as a markdown table, each interval with its
+    coverage (below 95% under 6 rounds)."""
+    rows = [f"| build ({label}) | median ms | min-max ms | paired ratio to this checkout "
+            "(interval, coverage) |", "|---|---:|---:|---|"]
     for name, r in results.items():
-        iv = r["ratio_interval"]
-        print(f"| {name} | {r['median_ms']:.3f} | {r['min_ms']:.3f}-{r['max_ms']:.3f} | "
-              f"{r['ratio_paired']:.3f} ({iv[0]:.3f}-{iv[1]:.3f}) |")
+        low, high, coverage = r["ratio_interval"]
+        rows.append(f"| {name} | {r['median_ms']:.3f} | {r['min_ms']:.3f}-{r['max_ms']:.3f} | "
+                    f"{r['ratio_paired']:.3f} ({low:.3f}-{high:.3f}, {coverage:.0%}) |")
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

@@ -697,6 +697,20 @@ def test_native_builds_script_builds_with_other_flags_in_place_of_the_librarys(m
     assert built == [(True, ["-O2"]), (True, ["-O2", "-DA=1", "-DB"])]
 
 
+def test_native_builds_table_gives_each_interval_its_coverage():
+    """Five rounds cannot give a 95% interval: the table says what each interval covers."""
+    from torch_mhc.tools.bench.timing import summarize
+
+    module = _bench_script("bench_native_builds")
+    times = {"this checkout": [1.0, 1.1, 1.2, 1.3, 1.4], "b": [2.0, 2.1, 2.3, 2.6, 2.9]}
+    table = module._table(summarize(times, "this checkout"), "maps forward, cflags none")
+    lines = table.splitlines()
+    assert lines[0].startswith("| build (maps forward, cflags none) |")
+    assert lines[2] == "| this checkout | 1.200 | 1.000-1.400 | 1.000 (1.000-1.000, 94%) |"
+    assert lines[3].startswith("| b | 2.300 | 2.000-2.900 | ")
+    assert lines[3].endswith(", 94%) |")
+
+
 def test_native_builds_script_runs_the_model_step_on_each_build_and_restores_the_library():
     """benchmarks/bench_native_builds.py --pass step: each entry runs the mHC model's training
     step with its own build as the library every pass calls, and the library loaded before
